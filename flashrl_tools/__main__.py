@@ -1,0 +1,3 @@
+from flashrl_tools.cli.app import main
+
+main()

@@ -1,0 +1,34 @@
+"""`flashrl quantize`: BF16 checkpoint -> 8-bit compressed-tensors checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from flashrl_tools.cli.common import ModelOption, err, model_path, out
+from flashrl_tools.quantize import parse_fn, quantize
+from flashrl_tools.quantizer import QuantFn
+
+FN_HELP = " | ".join(f.value for f in QuantFn)
+
+
+def command(
+    model: str = ModelOption,
+    output: Path = typer.Option(..., "-o", "--output", help="checkpoint directory to write"),
+    fn: str = typer.Option(..., "--fn", help=FN_HELP),
+    force: bool = typer.Option(False, "--force", help="replace an existing output"),
+) -> None:
+    """Write an 8-bit checkpoint (weights + config.json + tokenizer) that vLLM loads without flags."""
+    fn_ = parse_fn(fn)  # validate before any slow work
+    src = model_path(model)
+    with err.status(f"quantizing {src.name} ({fn_.value})"):
+        result = quantize(src, output, fn_, force=force)
+    table = Table(title=f"flashrl quantize --fn {fn_.value}", show_header=False)
+    table.add_row("output", str(result.out))
+    table.add_row("quantized linear weights", str(len(result.quantized)))
+    table.add_row("tensors kept as-is", str(result.kept))
+    table.add_row("size", f"{result.bytes_in / 2**20:.1f} MiB -> {result.bytes_out / 2**20:.1f} MiB")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    out.print(table)

@@ -1,0 +1,57 @@
+"""Filesystem helpers: hashing and all-or-nothing directory output."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from flashrl_tools.errors import FlashRLError
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    """Refuse to clobber an existing output unless asked to."""
+    if out.exists() and not force:
+        raise FlashRLError(
+            "output already exists", str(out), "pass --force to replace it or choose another -o"
+        )
+    if out.exists() and not out.is_dir():
+        raise FlashRLError("output path exists and is not a directory", str(out),
+                           "remove it or choose another -o")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path) -> Iterator[Path]:
+    """Yield a temp dir beside `out`; on success it replaces `out`, on failure it is removed.
+
+    The temp dir lives in the same parent so the final rename is atomic on one filesystem;
+    a crash never leaves a half-written `out` behind.
+    """
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary output dir
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

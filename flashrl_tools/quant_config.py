@@ -1,0 +1,49 @@
+"""The `quantization_config` block of a checkpoint's config.json, built with compressed-tensors' classes.
+
+vLLM reads this block to pick its compressed-tensors kernels, so the checkpoint loads without flags.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compressed_tensors.config import CompressionFormat
+from compressed_tensors.quantization import (
+    QuantizationConfig,
+    QuantizationScheme,
+    QuantizationStatus,
+    QuantizationStrategy,
+    preset_name_to_scheme,
+)
+
+from flashrl_tools.quantizer import QuantFn
+
+TARGETS = ["Linear"]
+IGNORE = ["lm_head"]
+
+
+def scheme_for(fn: QuantFn) -> QuantizationScheme:
+    """Weights and activations for each format (activations always dynamic: no calibration data)."""
+    if fn is QuantFn.int8:
+        return preset_name_to_scheme("W8A8", TARGETS)  # int8 channel weights, int8 token activations
+    if fn is QuantFn.fp8_channel:
+        return preset_name_to_scheme("FP8_DYNAMIC", TARGETS)  # fp8 channel weights, fp8 token acts
+    if fn is QuantFn.fp8_block:
+        return preset_name_to_scheme("FP8_BLOCK", TARGETS)  # 128x128 weight blocks, 1x128 act groups
+    # fp8_tensor: per-tensor weights and dynamic per-tensor activations, as vLLM's online FP8.
+    scheme = preset_name_to_scheme("FP8_DYNAMIC", TARGETS)
+    weights = scheme.weights.model_copy(update={"strategy": QuantizationStrategy.TENSOR})
+    acts = scheme.input_activations.model_copy(update={"strategy": QuantizationStrategy.TENSOR})
+    return QuantizationScheme(targets=TARGETS, weights=weights, input_activations=acts)
+
+
+def quantization_config(fn: QuantFn, ignore: list[str] | None = None) -> dict[str, Any]:
+    """The dict stored under config.json's `quantization_config`."""
+    fmt = CompressionFormat.int_quantized if fn is QuantFn.int8 else CompressionFormat.float_quantized
+    cfg = QuantizationConfig(
+        config_groups={"group_0": scheme_for(fn)},
+        format=fmt.value,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=list(IGNORE if ignore is None else ignore),
+    )
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,144 @@
+"""The quantization math: the single source of truth used by quantize, profile, verify and runtime.
+
+Pure torch, device-agnostic, one tensor at a time. A weight of a linear layer (shape
+[out_features, in_features]) becomes a `QuantizedWeight` (8-bit tensor + scale) in the layout a
+compressed-tensors checkpoint stores and vLLM loads.
+
+INT8 follows compressed-tensors / llmcompressor round-to-nearest exactly (symmetric, per output
+channel, scale = absmax / 127.5 rounded to the weight's dtype, quotient computed in that dtype),
+so `quantize --fn int8` is bit-identical with llmcompressor's data-free W8A8. FP8 keeps fp32
+scales (as vLLM's own online FP8 does): there is no reference to match bit for bit, and fp32
+scales avoid the extra clipping a bf16-rounded scale causes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class QuantFn(str, Enum):
+    """A quantization format, named as on the command line (`--fn`)."""
+
+    int8 = "int8"
+    fp8_channel = "fp8_channel"
+    fp8_tensor = "fp8_tensor"
+    fp8_block = "fp8_block"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self is not QuantFn.int8
+
+
+INT8_MIN, INT8_MAX = -128, 127
+# compressed-tensors divides the symmetric range (qmax - qmin) / 2 = 255 / 2.
+INT8_HALF_RANGE = 127.5
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+FP8_BLOCK = (128, 128)
+# compressed-tensors replaces a zero scale (an all-zero row) by the dtype's eps.
+_FP8_ZERO_SCALE = torch.finfo(torch.float32).eps
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    weight: torch.Tensor  # int8 or float8_e4m3fn, shape of the BF16 weight
+    weight_scale: torch.Tensor  # [out, 1] (channel), [1] (tensor), [ceil(out/128), ceil(in/128)] (block)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor, known before it is computed (lets writers plan ahead)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def output_specs(fn: QuantFn, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, TensorSpec]:
+    """What `quantize_weight(fn, w)` returns for a weight of this shape/dtype, without computing it."""
+    _check_2d(shape)
+    out, inp = shape
+    if fn is QuantFn.int8:
+        return {"weight": TensorSpec(shape, torch.int8), "weight_scale": TensorSpec((out, 1), dtype)}
+    if fn is QuantFn.fp8_channel:
+        scale_shape: tuple[int, ...] = (out, 1)
+    elif fn is QuantFn.fp8_tensor:
+        scale_shape = (1,)
+    else:
+        scale_shape = (math.ceil(out / FP8_BLOCK[0]), math.ceil(inp / FP8_BLOCK[1]))
+    return {"weight": TensorSpec(shape, FP8_DTYPE), "weight_scale": TensorSpec(scale_shape, torch.float32)}
+
+
+def quantize_weight(fn: QuantFn, w: torch.Tensor) -> QuantizedWeight:
+    """Quantize one linear weight [out, in] with the given format (round to nearest)."""
+    _check_2d(tuple(w.shape))
+    if fn is QuantFn.int8:
+        return QuantizedWeight(*_int8_channel(w))
+    if fn is QuantFn.fp8_channel:
+        scale = w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+    elif fn is QuantFn.fp8_tensor:
+        scale = (w.float().abs().amax() / FP8_MAX).reshape(1)
+    else:
+        return QuantizedWeight(*_fp8_block(w))
+    scale = _nonzero(scale)
+    return QuantizedWeight(_to_fp8(w.float() / scale), scale)
+
+
+def int8_scale(w: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel symmetric INT8 scale [out, 1] in the weight's dtype (compressed-tensors)."""
+    absmax = w.float().abs().amax(dim=1, keepdim=True)
+    scale = (absmax / INT8_HALF_RANGE).to(w.dtype)
+    eps = torch.finfo(scale.dtype).eps
+    return torch.where(scale == 0, torch.full_like(scale, eps), scale)
+
+
+def quantize_int8_with_scale(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """INT8 round-to-nearest with a given scale; the quotient is computed in the scale's dtype.
+
+    Also the step a calibrated profile uses (frozen GPTQ scales instead of absmax ones).
+    """
+    q = torch.round(w.to(scale.dtype) / scale)
+    return torch.clamp(q, INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def _int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = int8_scale(w)
+    return quantize_int8_with_scale(w, scale), scale
+
+
+def _fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = w.shape
+    bo, bi = FP8_BLOCK
+    po, pi = math.ceil(out / bo), math.ceil(inp / bi)
+    padded = torch.zeros(po * bo, pi * bi, dtype=torch.float32, device=w.device)
+    padded[:out, :inp] = w.float()
+    blocks = padded.view(po, bo, pi, bi)
+    scale = _nonzero(blocks.abs().amax(dim=(1, 3)) / FP8_MAX)  # [po, pi]
+    q = _to_fp8(blocks / scale[:, None, :, None]).view(po * bo, pi * bi)[:out, :inp]
+    return q.contiguous(), scale
+
+
+def dequantize(fn: QuantFn, q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The real-valued weight a quantized tensor stands for (what the engine computes with)."""
+    w, s = q.weight.float(), q.weight_scale.float()
+    if fn is QuantFn.fp8_block:
+        out, inp = w.shape
+        bo, bi = FP8_BLOCK
+        s = s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
+    return (w * s).to(dtype)
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.full_like(scale, _FP8_ZERO_SCALE), scale)
+
+
+def _check_2d(shape: tuple[int, ...]) -> None:
+    if len(shape) != 2:
+        raise ValueError(f"expected a 2-D linear weight [out, in], got shape {list(shape)}")
