@@ -55,3 +55,18 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file via a temp file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -142,3 +142,35 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
 def _check_2d(shape: tuple[int, ...]) -> None:
     if len(shape) != 2:
         raise ValueError(f"expected a 2-D linear weight [out, in], got shape {list(shape)}")
+
+
+# --- SmoothQuant-calibrated INT8 (re-quantizing updated weights with a profile) -------------
+# llmcompressor's SmoothQuant multiplies the input columns of the balance layers by a factor m
+# and divides the preceding layer (an RMSNorm's weight, or up_proj's rows for down_proj) by m.
+# Each step runs in fp32 and is stored back in the weight dtype, so we round the same way.
+
+
+def smooth_weight(w: torch.Tensor, col_mul: torch.Tensor | None = None,
+                  row_div: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear weight as SmoothQuant leaves it: columns multiplied, then rows divided."""
+    if col_mul is not None:
+        w = (w.float() * col_mul.float()[None, :]).to(w.dtype)
+    if row_div is not None:
+        w = (w.float() / row_div.float()[:, None]).to(w.dtype)
+    return w
+
+
+def smooth_norm(w: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:
+    """A norm weight divided by the smoothing factor of the layers it feeds."""
+    return w if divisor is None else (w.float() / divisor.float()).to(w.dtype)
+
+
+def requantize_int8(w: torch.Tensor, weight_scale: torch.Tensor, col_mul: torch.Tensor | None = None,
+                    row_div: torch.Tensor | None = None) -> torch.Tensor:
+    """INT8 weights for an updated BF16 weight with a profile's frozen scale and smoothing."""
+    return quantize_int8_with_scale(smooth_weight(w, col_mul, row_div), weight_scale)
+
+
+def int8_quotient(w: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """w / scale before rounding (in the scale's dtype, as quantize_int8_with_scale): for clip checks."""
+    return w.to(weight_scale.dtype) / weight_scale

@@ -40,3 +40,33 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
             key = f"{arch}-{'tied' if tied else 'untied'}"
             models[key] = make_tiny_model(root / key, arch, tied=tied)
     return models
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smoothquant_checkpoint(default_model) -> Path:
+    """SmoothQuant + RTN W8A8 SmolLM2 made by llmcompressor in its own venv (built once, cached
+    under $FLASHRL_HOME keyed by the generating scripts' hash)."""
+    import hashlib
+
+    from flashrl_tools.models.default import flashrl_home
+
+    scripts = [REPO / "scripts" / n for n in ("llmcompressor_smoothquant.py", "make_smoothquant_fixture.sh")]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in scripts)).hexdigest()[:12]
+    out = flashrl_home() / "fixtures" / f"smollm2-sq-w8a8-{key}"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run(["bash", str(scripts[1]), str(default_model), str(out)],
+                             capture_output=True, text=True, timeout=1800)
+        assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_int8(default_model, tmp_path_factory) -> Path:
+    """`quantize --fn int8` of the embedded model."""
+    from flashrl_tools.quantize import quantize
+
+    return quantize(default_model, tmp_path_factory.mktemp("int8") / "smollm2-int8", "int8").out

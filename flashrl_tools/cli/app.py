@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from flashrl_tools.cli import models, quantize
+from flashrl_tools.cli import models, profile, quantize, setup
 from flashrl_tools.cli.common import err, out
 from flashrl_tools.cli.version import version_text
 from flashrl_tools.errors import FlashRLError
@@ -39,6 +39,8 @@ def version() -> None:
 
 
 app.command("quantize")(quantize.command)
+app.command("profile")(profile.command)
+app.command("setup")(setup.command)
 app.add_typer(models.app, name="models")
 
 

@@ -1,0 +1,75 @@
+"""Re-quantize (updated) BF16 weights with a profile into a checkpoint like the profiled one.
+
+This is what the runtime does on every weight sync, done offline: the reference a synced
+engine must match, and a way to check a profile on perturbed weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.fsutil import atomic_output_dir, check_output_dir
+from flashrl_tools.model_structure import read_config
+from flashrl_tools.profile.format import Profile
+from flashrl_tools.quantizer import QuantFn, output_specs, quantize_weight, requantize_int8, smooth_norm
+from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_checkpoint
+
+
+def requantize_tensor(profile: Profile, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Checkpoint-format tensors for one BF16 tensor: (weight, scale) for a quantized linear,
+    the rescaled weight for a smoothed norm, the tensor itself otherwise."""
+    fn = QuantFn(profile.meta.fn)
+    entry = profile.linear(name) if fn is QuantFn.int8 else None
+    if entry is not None:
+        q = requantize_int8(tensor, entry.weight_scale, entry.smooth_in, entry.smooth_out)
+        return [(name, q), (f"{name}_scale", entry.weight_scale)]
+    if fn.is_fp8 and name in set(profile.meta.quantized):
+        q = quantize_weight(fn, tensor)
+        return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
+    divisor = profile.norm_divisor(name)
+    return [(name, smooth_norm(tensor, divisor) if divisor is not None else tensor)]
+
+
+def _planned(profile: Profile, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[PlannedTensor]:
+    """What requantize_tensor returns for this tensor, known from its shape and dtype."""
+    fn = QuantFn(profile.meta.fn)
+    entry = profile.linear(name) if fn is QuantFn.int8 else None
+    if entry is not None:
+        return [PlannedTensor(name, shape, torch.int8),
+                PlannedTensor(f"{name}_scale", tuple(entry.weight_scale.shape), entry.weight_scale.dtype)]
+    if fn.is_fp8 and name in set(profile.meta.quantized):
+        specs = output_specs(fn, shape, dtype)
+        return [PlannedTensor(name, shape, specs["weight"].dtype),
+                PlannedTensor(f"{name}_scale", specs["weight_scale"].shape, specs["weight_scale"].dtype)]
+    return [PlannedTensor(name, shape, dtype)]
+
+
+def requantize_checkpoint(bf16_dir: Path, profile: Profile, out: Path, force: bool = False) -> Path:
+    template = Path(profile.meta.quantized_model.path)
+    if not (template / "config.json").is_file():
+        raise FlashRLError("the profiled 8-bit checkpoint is not available", str(template),
+                           "its config.json supplies the quantization_config")
+    check_output_dir(Path(out), force)
+    reader = CheckpointReader(bf16_dir)
+    plan = [t for name in reader.names() for t in _planned(profile, name, reader.shape(name), reader.dtype(name))]
+
+    def produce() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in reader.iter_tensors():
+            yield from requantize_tensor(profile, name, tensor)
+
+    with atomic_output_dir(Path(out)) as tmp:
+        write_checkpoint(tmp, plan, produce)
+        config = read_config(bf16_dir)
+        config["quantization_config"] = read_config(template)["quantization_config"]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in Path(bf16_dir).iterdir():
+            if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name not in (
+                    "config.json", "model.safetensors.index.json", "flashrl_manifest.json"):
+                shutil.copy2(f, tmp / f.name)
+    return Path(out)

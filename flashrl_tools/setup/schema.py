@@ -1,0 +1,120 @@
+"""The patcher config (YAML), parsed once at the edge into typed objects.
+
+Compatible with flash-llm-rl's file: `configs: [ {fn, model, profile, load_format,
+distributed_executor_backend, module_attribute_to_preserve, quantization, ...} ]`, plus
+`version:`. The same schema is used by `flashrl setup` (writing) and the runtime (reading).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from flashrl_tools.errors import FlashRLError
+
+CONFIG_VERSION = 1
+
+
+class ConfigFn(str, Enum):
+    bf16 = "bf16"  # no quantization; accurate logprobs only
+    fp8 = "fp8"  # vLLM's own online FP8
+    int8 = "int8"  # W8A8: online (no profile) or from a calibrated checkpoint + profile
+    fp8_channel = "fp8_channel"
+    fp8_tensor = "fp8_tensor"
+    fp8_block = "fp8_block"
+
+
+# flash-llm-rl spellings that mean the same thing here.
+FN_ALIASES = {"fp8_vllm": "fp8", "fp8_fast": "fp8", "fp8_vllm_fast": "fp8", "int8_wo_prune": "int8"}
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+
+
+class RolloutConfig(BaseModel):
+    """One entry of `configs:`."""
+
+    model_config = ConfigDict(extra="forbid")
+    fn: ConfigFn
+    model: str | None = None  # the 8-bit checkpoint the profile was made from
+    profile: str | None = None  # profile file (`flashrl profile`)
+    load_format: str = "auto"
+    distributed_executor_backend: str | None = "external_launcher"
+    module_attribute_to_preserve: list[str] = []
+    quantization: str | None = None
+    params_to_ignore: list[str] = []
+    logprobs_mode: LogprobsMode | None = None  # what vLLM returns as sampling logprobs
+    profile_sha256: str | None = None  # checked before the profile is used
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("fn") in FN_ALIASES:
+            data = {**data, "fn": FN_ALIASES[data["fn"]]}
+        if isinstance(data, dict) and data.get("fn") == "int8_prune":
+            raise ValueError("fn 'int8_prune' (flash-llm-rl dead-neuron pruning) is not supported; use 'int8'")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutConfig:
+        if self.profile is not None and self.model is None:
+            raise ValueError("a profile needs `model`: the 8-bit checkpoint it was made from")
+        if self.fn is ConfigFn.bf16 and (self.profile or self.quantization):
+            raise ValueError("fn 'bf16' takes no profile and no quantization")
+        return self
+
+
+class ConfigFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = CONFIG_VERSION
+    configs: list[RolloutConfig]
+
+    @model_validator(mode="after")
+    def _nonempty(self) -> ConfigFile:
+        if not self.configs:
+            raise ValueError("`configs` is empty")
+        if self.version > CONFIG_VERSION:
+            raise ValueError(f"version {self.version} is newer than this flashrl_tools reads ({CONFIG_VERSION})")
+        return self
+
+
+def parse_config(data: Any, source: str) -> ConfigFile:
+    """Validate a loaded YAML document; errors name the key and the allowed ones."""
+    if not isinstance(data, dict):
+        raise FlashRLError("config must be a mapping with a `configs:` list", source)
+    try:
+        return ConfigFile.model_validate(data)
+    except ValidationError as e:
+        raise FlashRLError(_explain(e.errors()[0]), source) from None
+
+
+def load_config(path: Path) -> ConfigFile:
+    path = Path(path)
+    if not path.is_file():
+        raise FlashRLError("config file not found", str(path), "write one with `flashrl setup`")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise FlashRLError(f"config is not valid YAML ({str(e).splitlines()[0]})", str(path)) from None
+    return parse_config(data, str(path))
+
+
+def dump_config(config: ConfigFile) -> str:
+    data = config.model_dump(mode="json", exclude_defaults=False)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _explain(err: dict) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        key = err["loc"][-1]
+        model = RolloutConfig if "configs" in err["loc"] else ConfigFile
+        allowed = ", ".join(model.model_fields)
+        return f"unknown key '{key}' at {loc}; allowed keys: {allowed}"
+    if err["type"] == "enum":
+        allowed = ", ".join([f.value for f in ConfigFn] + list(FN_ALIASES))
+        return f"invalid value {err.get('input')!r} for {loc}; allowed: {allowed}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{msg} (at {loc})" if loc else msg

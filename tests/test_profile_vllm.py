@@ -1,0 +1,83 @@
+"""A profile re-quantizes *updated* weights correctly: perturb SmolLM2's BF16 weights (as an
+optimizer step would), re-quantize them with the SmoothQuant profile, and serve both in vLLM.
+
+The re-quantized engine must stay close to the perturbed BF16 engine (same bounds and method as
+test_vllm_int8: teacher-forced gap on the BF16 engine's greedy tokens), and closer than the
+stale calibrated checkpoint, which still holds the unperturbed weights.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+from flashrl_tools.profile.apply import requantize_checkpoint
+from flashrl_tools.profile.format import load_profile
+from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_checkpoint
+
+pytestmark = pytest.mark.vllm
+MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 + 7?"]
+MAX_TOKENS = 16
+
+
+def perturb(src: Path, dst: Path, rel: float = 0.05, seed: int = 0) -> Path:
+    """Every linear weight multiplied entrywise by (1 + rel * N(0, 1)); norms and embeddings kept."""
+    reader = CheckpointReader(src)
+    g = torch.Generator().manual_seed(seed)
+    plan = [PlannedTensor(n, reader.shape(n), reader.dtype(n)) for n in reader.names()]
+
+    def produce():
+        for n, t in reader.iter_tensors():
+            if n.endswith("proj.weight"):
+                t = (t.float() * (1 + rel * torch.randn(t.shape, generator=g))).to(t.dtype)
+            yield n, t
+
+    dst.mkdir(parents=True)
+    write_checkpoint(dst, plan, produce)
+    for f in src.iterdir():
+        if f.suffix in (".json", ".jinja") and f.name != "flashrl_manifest.json":
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def probe(model: Path, tmp: Path, tag: str, score=None) -> dict:
+    req, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
+    req.write_text(json.dumps({"messages": MESSAGES, "max_tokens": MAX_TOKENS, "score": score}))
+    res = subprocess.run([sys.executable, str(REPO / "examples" / "vllm_probe.py"), str(model), str(req),
+                          str(out)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def gaps(ref: dict, other: dict) -> list[float]:
+    return [abs(a - b) for g, s in zip(ref["greedy"], other["scored"]) for a, b in zip(g["logprobs"], s)]
+
+
+def test_requantized_perturbed_weights_track_the_perturbed_model(default_model, smoothquant_checkpoint,
+                                                                 tmp_path):
+    prof = tmp_path / "p.safetensors"
+    res = run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", prof)
+    assert res.returncode == 0, res.stderr
+    pert = perturb(default_model, tmp_path / "perturbed-bf16")
+    requant = requantize_checkpoint(pert, load_profile(prof), tmp_path / "perturbed-int8")
+    ref = probe(pert, tmp_path, "bf16")
+    tokens = [g["token_ids"] for g in ref["greedy"]]
+    new = probe(requant, tmp_path, "requant", score=tokens)
+    stale = probe(smoothquant_checkpoint, tmp_path, "stale", score=tokens)
+    g_new, g_stale = gaps(ref, new), gaps(ref, stale)
+    mean_new, mean_stale = sum(g_new) / len(g_new), sum(g_stale) / len(g_stale)
+    equal = sum(a == b for x, y in zip(ref["greedy"], new["greedy"])
+                for a, b in zip(x["token_ids"], y["token_ids"]))
+    print(f"\nperturbed BF16 vs re-quantized INT8: {equal}/{3 * MAX_TOKENS} greedy tokens equal, "
+          f"gap mean {mean_new:.3f} max {max(g_new):.3f}; stale INT8: gap mean {mean_stale:.3f} "
+          f"max {max(g_stale):.3f}")
+    assert "Paris" in new["greedy"][0]["text"]
+    assert mean_new <= 0.25 and max(g_new) <= 1.5
+    assert equal > 3 * MAX_TOKENS / 2
+    assert mean_new < mean_stale  # the update reached the 8-bit weights
