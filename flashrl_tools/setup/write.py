@@ -11,13 +11,14 @@ from flashrl_tools.fsutil import atomic_write_text, sha256_file
 from flashrl_tools.setup.schema import ConfigFile, RolloutConfig, dump_config, load_config, parse_config
 
 # What each fn means when nothing else is given (the `bf16` / `fp8` / `int8` shortcuts).
+_LOGPROBS = {"logprobs_mode": "processed_logprobs"}  # TIS needs the distribution actually sampled
 DEFAULTS: dict[str, dict] = {
-    "bf16": {"fn": "bf16"},
-    "fp8": {"fn": "fp8", "quantization": "fp8", "module_attribute_to_preserve": ["workspace"]},
-    "int8": {"fn": "int8"},
-    "fp8_channel": {"fn": "fp8_channel", "module_attribute_to_preserve": ["workspace"]},
-    "fp8_tensor": {"fn": "fp8_tensor", "module_attribute_to_preserve": ["workspace"]},
-    "fp8_block": {"fn": "fp8_block", "module_attribute_to_preserve": ["workspace"]},
+    "bf16": {"fn": "bf16", **_LOGPROBS},
+    "fp8": {"fn": "fp8", "quantization": "fp8", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
+    "int8": {"fn": "int8", **_LOGPROBS},
+    "fp8_channel": {"fn": "fp8_channel", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
+    "fp8_tensor": {"fn": "fp8_tensor", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
+    "fp8_block": {"fn": "fp8_block", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
 }
 
 

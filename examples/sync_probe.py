@@ -1,0 +1,93 @@
+"""One vLLM engine process: generate, push checkpoints into it the way a trainer does, generate again.
+
+Honours FLASHRL_CONFIG (the runtime activates through vLLM's plugin). After start and after each
+push it records greedy tokens and teacher-forced logprobs (prompt_logprobs) of fixed token
+sequences. Pushes go through `model.load_weights([(name, tensor)])`, one tensor per call (verl /
+TRL colocate), inside each worker via `collective_rpc`, so it works with in-process and
+multiprocess engines.
+Usage: python sync_probe.py REQUEST.json RESULT.json
+REQUEST: {"model": dir, "sequences": [[ids]], "max_tokens": n, "push": [dir, ...],
+          "partial_push": dir | null (push 10 tensors, try to generate, then push all),
+          "repeat": [dir_a, dir_b, n] | null (n syncs alternating a/b: RSS and parameter
+          storage addresses after each)}
+"""
+
+import json
+import os
+import resource
+import sys
+import time
+
+# The probe sends a function to the workers; across processes vLLM requires this opt-in.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+
+def push_checkpoint(path, limit=None):
+    """Returns a function for collective_rpc: stream a checkpoint into the worker's model."""
+
+    def push(worker):
+        from flashrl_tools.safetensors_io import CheckpointReader
+
+        model = worker.model_runner.model
+        t0 = time.perf_counter()
+        for i, (name, tensor) in enumerate(CheckpointReader(path).iter_tensors()):
+            if limit is not None and i >= limit:
+                break
+            model.load_weights([(name, tensor)])
+        sync = getattr(model, "flashrl_sync", None)
+        return {"seconds": time.perf_counter() - t0, "completed": sync.completed if sync else None}
+
+    return push
+
+
+def worker_memory(worker):
+    """RSS of the worker process and the storage address of every parameter."""
+    rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+    ptrs = {n: p.data_ptr() for n, p in worker.model_runner.model.named_parameters()}
+    return {"rss_kb": rss, "ptrs": ptrs}
+
+
+def main():
+    req = json.loads(open(sys.argv[1]).read())
+    llm = LLM(model=req["model"], dtype="bfloat16", max_model_len=512, enforce_eager=True,
+              enable_prefix_caching=False, gpu_memory_utilization=0.3, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
+
+    def observe(tag, extra=None):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return {"tag": tag, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]
+                             for s, o in zip(req["sequences"], outs)],
+                "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **(extra or {})}
+
+    stages = [observe("start")]
+    for path in req.get("push", []):
+        info = llm.collective_rpc(push_checkpoint(path))[0]
+        stages.append(observe(f"push:{path}", info))
+    refused = None
+    if req.get("partial_push"):
+        llm.collective_rpc(push_checkpoint(req["partial_push"], limit=10))
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:  # the runtime must refuse, and the engine must survive
+            refused = f"{type(e).__name__}: {e}"
+        llm.collective_rpc(push_checkpoint(req["partial_push"]))
+        stages.append(observe("after-partial-then-full"))
+    memory = None
+    if req.get("repeat"):
+        a, b, n = req["repeat"]
+        memory = []
+        for i in range(n):
+            llm.collective_rpc(push_checkpoint(a if i % 2 == 0 else b))
+            memory.append(llm.collective_rpc(worker_memory)[0])
+        stages.append(observe("after-repeat"))
+    with open(sys.argv[2], "w") as f:
+        json.dump({"stages": stages, "refused": refused, "memory": memory,
+                   "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""FLASHRL_CONFIG -> one validated rollout config, or a clear refusal. No vLLM imports here."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.fsutil import sha256_file
+from flashrl_tools.setup.schema import ConfigFn, RolloutConfig, load_config, parse_config
+from flashrl_tools.setup.write import DEFAULTS
+
+ENV = "FLASHRL_CONFIG"
+SHORTCUTS = ("bf16", "fp8", "int8")
+_HUB_REF = re.compile(r"^[\w.-]+/[\w.-]+/.+\.ya?ml(@[\w./-]+)?$")
+ALLOWED = ("bf16 | fp8 | int8 | a config.yaml written by `flashrl setup` | "
+           "USER/REPO/path/config.yaml[@REVISION] (Hugging Face Hub)")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    entry: RolloutConfig
+    source: str  # what FLASHRL_CONFIG said
+
+    @property
+    def fn(self) -> ConfigFn:
+        return self.entry.fn
+
+
+def from_env() -> RuntimeConfig | None:
+    """The config FLASHRL_CONFIG asks for; None when it is unset or empty (vLLM untouched)."""
+    value = os.environ.get(ENV, "").strip()
+    return resolve(value) if value else None
+
+
+def resolve(value: str) -> RuntimeConfig:
+    if value in SHORTCUTS:
+        entry = parse_config({"configs": [DEFAULTS[value]]}, f"{ENV}={value}").configs[0]
+        return RuntimeConfig(entry, value)
+    path = Path(value).expanduser()
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        config = load_config(path)
+        index = int(os.environ.get("FLASHRL_CONFIG_INDEX", "0"))
+        if not 0 <= index < len(config.configs):
+            raise FlashRLError(f"FLASHRL_CONFIG_INDEX={index} but the config has "
+                               f"{len(config.configs)} entries", str(path))
+        entry = _resolve_paths(config.configs[index], path.parent)
+        check_entry(entry, str(path))
+        return RuntimeConfig(entry, value)
+    if _HUB_REF.match(value) and not path.exists():
+        raise FlashRLError(f"{ENV}={value!r} looks like a Hugging Face Hub reference; resolving Hub "
+                           "configs is not supported yet", None,
+                           "download the config and its profile and point FLASHRL_CONFIG at the local YAML")
+    raise FlashRLError(f"invalid {ENV}={value!r}" + (" (file not found)" if path.suffix in (".yaml", ".yml") else ""),
+                       None, f"allowed: {ALLOWED}")
+
+
+def _resolve_paths(entry: RolloutConfig, base: Path) -> RolloutConfig:
+    """Relative `model` / `profile` paths are relative to the YAML file."""
+    update = {}
+    for key in ("model", "profile"):
+        value = getattr(entry, key)
+        if value is not None and not Path(value).expanduser().is_absolute():
+            update[key] = str((base / value).resolve())
+    return entry.model_copy(update=update)
+
+
+def check_entry(entry: RolloutConfig, source: str) -> None:
+    """Files exist and belong together: the engine must not start on a half-valid config."""
+    if entry.model is not None and not (Path(entry.model) / "config.json").is_file():
+        raise FlashRLError(f"config `model` is not a model directory: {entry.model}", source,
+                           "point `model` at the 8-bit checkpoint the profile was made from")
+    if entry.profile is None:
+        return
+    from flashrl_tools.profile.format import load_profile
+    from flashrl_tools.safetensors_io import checkpoint_files
+
+    profile_path = Path(entry.profile)
+    if not profile_path.is_file():
+        raise FlashRLError(f"profile file not found: {profile_path}", source, "run `flashrl profile`")
+    if entry.profile_sha256 and sha256_file(profile_path) != entry.profile_sha256:
+        raise FlashRLError(f"profile {profile_path} does not match the sha256 recorded in the config", source,
+                           "the file changed since `flashrl setup`: re-run setup or restore the file")
+    meta = load_profile(profile_path).meta
+    if meta.fn != entry.fn.value:
+        raise FlashRLError(f"profile is for fn {meta.fn} but the config says fn {entry.fn.value}", source)
+    files = {f.name: sha256_file(f) for f in checkpoint_files(Path(entry.model))}
+    if files != meta.quantized_model.files:
+        raise FlashRLError(f"profile {profile_path} was made for another checkpoint than {entry.model}",
+                           source, "use the checkpoint it was profiled against, or re-run `flashrl profile`")

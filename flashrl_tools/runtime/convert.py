@@ -1,0 +1,73 @@
+"""Trainer BF16 tensors -> the checkpoint-format tensors the engine was loaded from.
+
+Pure torch (the quantizer and the profile), no vLLM: one incoming (name, tensor) becomes
+(name, int8/fp8 weight) + (name_scale, scale) for a quantized linear, a rescaled norm for a
+SmoothQuant-smoothed norm, or itself. Runs on the tensor's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from flashrl_tools.profile.format import Profile, load_profile
+from flashrl_tools.quantizer import QuantFn, quantize_weight, requantize_int8, smooth_norm
+from flashrl_tools.safetensors_io import CheckpointReader
+from flashrl_tools.setup.schema import ConfigFn
+
+AUX_SUFFIXES = ("_scale", "_zero_point", ".input_scale", "_global_scale")
+
+
+class WeightConverter:
+    def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None):
+        self.fn = fn
+        self.quantized = quantized  # checkpoint names of the linear weights the engine holds in 8 bit
+        self.profile = profile
+        self._device_cache: dict[tuple[str, torch.device], torch.Tensor | None] = {}
+
+    @classmethod
+    def for_checkpoint(cls, fn: ConfigFn, loaded_dir: Path, profile_path: str | None) -> WeightConverter:
+        """Derive what to quantize from the checkpoint the engine actually loaded."""
+        reader = CheckpointReader(loaded_dir)
+        quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(AUX_SUFFIXES)}
+        profile = load_profile(Path(profile_path)) if profile_path else None
+        return cls(fn, quantized, profile)
+
+    @staticmethod
+    def expected_names(loaded_dir: Path) -> set[str]:
+        """BF16 names a full sync must deliver (the checkpoint's, without quantization extras)."""
+        return {n for n in CheckpointReader(loaded_dir).names() if not n.endswith(AUX_SUFFIXES)}
+
+    def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if self.fn in (ConfigFn.bf16, ConfigFn.fp8):  # vLLM itself handles BF16 / online FP8
+            return [(name, tensor)]
+        if name in self.quantized:
+            if self.profile is not None:
+                entry = self.profile.linear(name)
+                if entry is None:
+                    raise KeyError(f"the profile has no entry for quantized weight {name}")
+                scale = self._on(f"{name}:scale", entry.weight_scale, tensor.device)
+                q = requantize_int8(tensor, scale, self._on(f"{name}:in", entry.smooth_in, tensor.device),
+                                    self._on(f"{name}:out", entry.smooth_out, tensor.device))
+                return [(name, q), (f"{name}_scale", scale)]
+            q = quantize_weight(QuantFn(self.fn.value), tensor)
+            return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
+        if self.profile is not None:
+            divisor = self.profile.norm_divisor(name)
+            if divisor is not None:
+                return [(name, smooth_norm(tensor, self._on(f"{name}:div", divisor, tensor.device)))]
+        return [(name, tensor)]
+
+    def convert_all(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            yield from self.convert(name, tensor)
+
+    def _on(self, key: str, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        if t is None:
+            return None
+        cache_key = (key, device)
+        if cache_key not in self._device_cache:
+            self._device_cache[cache_key] = t.to(device)
+        return self._device_cache[cache_key]

