@@ -9,7 +9,11 @@ Usage: python sync_probe.py REQUEST.json RESULT.json
 REQUEST: {"model": dir, "sequences": [[ids]], "max_tokens": n, "push": [dir, ...],
           "partial_push": dir | null (push 10 tensors, try to generate, then push all),
           "repeat": [dir_a, dir_b, n] | null (n syncs alternating a/b: RSS and parameter
-          storage addresses after each)}
+          storage addresses after each),
+          "reload": [dir, ...] (pushed through vLLM's own model_runner.reload_weights),
+          "sample": {"prompt": [ids], "temperature", "top_k", "max_tokens", "seed"} | null
+                    (sampled tokens with the engine's logprobs of them and of its top-k),
+          "engine_kwargs": {...} (extra vllm.LLM arguments)}
 """
 
 import json
@@ -42,6 +46,17 @@ def push_checkpoint(path, limit=None):
     return push
 
 
+def reload_checkpoint(path):
+    def reload(worker):
+        from flashrl_tools.safetensors_io import CheckpointReader
+
+        t0 = time.perf_counter()
+        worker.model_runner.reload_weights(weights_iterator=CheckpointReader(path).iter_tensors())
+        return {"seconds": time.perf_counter() - t0}
+
+    return reload
+
+
 def worker_memory(worker):
     """RSS of the worker process and the storage address of every parameter."""
     rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
@@ -52,26 +67,42 @@ def worker_memory(worker):
 def main():
     req = json.loads(open(sys.argv[1]).read())
     llm = LLM(model=req["model"], dtype="bfloat16", max_model_len=512, enforce_eager=True,
-              enable_prefix_caching=False, gpu_memory_utilization=0.3, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), prompt_logprobs=0)
+              enable_prefix_caching=False, gpu_memory_utilization=0.3, seed=0, **req.get("engine_kwargs", {}))
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
+    n_top = req.get("prompt_logprobs", 0)
 
     def observe(tag, extra=None):
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        p = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), prompt_logprobs=n_top)
+        outs = llm.generate(prompts, p, use_tqdm=False)
         return {"tag": tag, "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]
                              for s, o in zip(req["sequences"], outs)],
+                "top": [[{str(t): v.logprob for t, v in lp.items()} for lp in o.prompt_logprobs[1:]]
+                        for o in outs] if n_top else None,
                 "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **(extra or {})}
 
     stages = [observe("start")]
     for path in req.get("push", []):
         info = llm.collective_rpc(push_checkpoint(path))[0]
         stages.append(observe(f"push:{path}", info))
+    for path in req.get("reload", []):
+        info = llm.collective_rpc(reload_checkpoint(path))[0]
+        stages.append(observe(f"reload:{path}", info))
+    sampled = None
+    if req.get("sample"):
+        sp = req["sample"]
+        k = sp["top_k"]
+        params_s = SamplingParams(temperature=sp["temperature"], top_k=k, max_tokens=sp["max_tokens"],
+                                  seed=sp["seed"], logprobs=sp.get("n_logprobs", k), ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": sp["prompt"]}], params_s, use_tqdm=False)[0].outputs[0]
+        sampled = {"token_ids": list(out.token_ids),
+                   "logprobs": [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)],
+                   "top": [{str(t): v.logprob for t, v in lp.items()} for lp in out.logprobs]}
     refused = None
     if req.get("partial_push"):
         llm.collective_rpc(push_checkpoint(req["partial_push"], limit=10))
         try:
-            llm.generate(prompts, params, use_tqdm=False)
+            llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
         except Exception as e:  # the runtime must refuse, and the engine must survive
             refused = f"{type(e).__name__}: {e}"
         llm.collective_rpc(push_checkpoint(req["partial_push"]))
@@ -85,7 +116,7 @@ def main():
             memory.append(llm.collective_rpc(worker_memory)[0])
         stages.append(observe("after-repeat"))
     with open(sys.argv[2], "w") as f:
-        json.dump({"stages": stages, "refused": refused, "memory": memory,
+        json.dump({"stages": stages, "refused": refused, "memory": memory, "sampled": sampled,
                    "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}, f)
 
 

@@ -26,15 +26,16 @@ MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.", "W
 MAX_TOKENS = 16
 
 
-def perturb(src: Path, dst: Path, rel: float = 0.05, seed: int = 0) -> Path:
-    """Every linear weight multiplied entrywise by (1 + rel * N(0, 1)); norms and embeddings kept."""
+def perturb(src: Path, dst: Path, rel: float = 0.05, seed: int = 0, match: tuple[str, ...] = ("proj.weight",)) -> Path:
+    """Tensors whose name ends with `match` (default: the linear weights) multiplied entrywise
+    by (1 + rel * N(0, 1)); the others copied."""
     reader = CheckpointReader(src)
     g = torch.Generator().manual_seed(seed)
     plan = [PlannedTensor(n, reader.shape(n), reader.dtype(n)) for n in reader.names()]
 
     def produce():
         for n, t in reader.iter_tensors():
-            if n.endswith("proj.weight"):
+            if n.endswith(match):
                 t = (t.float() * (1 + rel * torch.randn(t.shape, generator=g))).to(t.dtype)
             yield n, t
 

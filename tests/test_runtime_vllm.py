@@ -55,16 +55,20 @@ def differs(a: dict, b: dict) -> float:
 def perturbed(default_model, tmp_path_factory) -> Path:
     from test_profile_vllm import perturb
 
-    return perturb(default_model, tmp_path_factory.mktemp("rt") / "perturbed-bf16")
+    # embeddings too: SmolLM2 ties lm_head to them (a tied head must follow the sync)
+    return perturb(default_model, tmp_path_factory.mktemp("rt") / "perturbed-bf16",
+                   match=("proj.weight", "embed_tokens.weight", "norm.weight"))
 
 
 def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(default_model, perturbed, tmp_path):
     """FLASHRL_CONFIG=int8, vLLM's default multiprocess engine."""
     fresh = probe(tmp_path, "fresh", {}, model=str(quantize(perturbed, tmp_path / "pq", "int8").out))
     r = probe(tmp_path, "synced", {"FLASHRL_CONFIG": "int8"}, model=str(default_model),
-              push=[str(perturbed), str(default_model)], partial_push=str(default_model))
+              push=[str(perturbed), str(default_model)], reload=[str(perturbed)],
+              partial_push=str(default_model))
     assert r["multiprocessing"] == "1"
-    start, after_pert, after_orig, after_retry = r["stages"]
+    start, after_pert, after_orig, after_reload, after_retry = r["stages"]
+    assert_same(after_reload, fresh["stages"][0], "vLLM's own reload_weights with BF16 tensors")
     assert differs(start, after_pert) > 0.1  # the sync reached the engine
     d = assert_same(after_pert, fresh["stages"][0], "synced vs fresh engine on quantize(perturbed)")
     assert_same(after_orig, start, "pushing the original weights back")
@@ -111,6 +115,50 @@ def test_memory_and_storage_stable_over_100_syncs(tiny_models, tmp_path):
     print(f"\nRSS after sync 10: {mem[9]['rss_kb'] / 1024:.1f} MiB, after sync 100: "
           f"{mem[-1]['rss_kb'] / 1024:.1f} MiB")
     assert growth_kb < 20 * 1024, f"RSS grew {growth_kb / 1024:.1f} MiB over 90 syncs"
+
+
+def test_rollout_logprobs_are_those_of_the_sampling_distribution(default_model, tmp_path):
+    """With the runtime (logprobs_mode=processed_logprobs) a sampled token's logprob is that of
+    the distribution it was drawn from: softmax(logits / T) over the top-k (ties at the k-th
+    value included), in fp32. Reference by hand from the engine's own logits: the same seeded
+    sampling run again in raw_logits mode (identical decode steps, identical tokens)."""
+    import math
+
+    T, K = 0.7, 5
+    sample = {"prompt": SEQUENCES[0][:9], "temperature": T, "top_k": K, "max_tokens": 16, "seed": 3,
+              "n_logprobs": K + 5}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    got = probe(tmp_path, "processed", {**env, "FLASHRL_CONFIG": "bf16"}, model=str(default_model),
+                sample=sample)["sampled"]
+    raw = probe(tmp_path, "raw", env, model=str(default_model), sample=sample,
+                engine_kwargs={"logprobs_mode": "raw_logits"})["sampled"]
+    assert got["token_ids"] == raw["token_ids"]
+    gaps, unprocessed = [], []
+    for tok, lp, logits in zip(got["token_ids"], got["logprobs"], raw["top"]):
+        values = sorted(logits.values(), reverse=True)
+        kept = [v for v in values if v >= values[K - 1]]  # top-k keeps ties
+        expected = logits[str(tok)] / T - math.log(sum(math.exp(v / T) for v in kept))
+        gaps.append(abs(lp - expected))
+        unprocessed.append(abs(lp - (logits[str(tok)] - math.log(sum(math.exp(v) for v in values)))))
+    print(f"\nprocessed logprobs vs hand-computed from the engine's logits: max gap {max(gaps):.2e}")
+    assert max(gaps) < 1e-4  # fp32 softmax of the same logits
+    assert sum(unprocessed) / len(unprocessed) > 0.05  # and not vLLM's default (raw) logprobs
+
+
+@pytest.mark.parametrize("config", ["int8", "bf16"])
+def test_e2e_loop_engine_follows_the_bf16_learner(config, tmp_path):
+    """examples/e2e_sync_loop.py: after every SGD step + push, the engine's log p(target) is
+    close to the BF16 learner's (HF forward), and rises with it."""
+    out = tmp_path / "e2e.json"
+    res = subprocess.run([sys.executable, str(REPO / "examples" / "e2e_sync_loop.py"), "--steps", "2",
+                          "--json", str(out)], capture_output=True, text=True, timeout=900,
+                         env={**__import__("os").environ, "FLASHRL_CONFIG": config})
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    engine = [r["engine_target_logprob"] for r in rows]
+    learner = [r["learner_target_logprob"] for r in rows]
+    assert engine[2] > engine[1] > engine[0] + 0.5  # the engine learns what the learner learns
+    assert max(abs(a - b) for a, b in zip(engine, learner)) < (0.1 if config == "int8" else 0.03)
 
 
 def test_invalid_config_stops_the_engine(default_model):

@@ -107,7 +107,9 @@ class WeightSync:
         self.active = False
         self.failed: str | None = None
         self.seen: set[str] = set()
+        self.ignored: set[str] = set()
         self.completed = 0
+        self.shared_modules = _modules_sharing_parameters(model)
 
     def load_weights(self, weights, *args, **kwargs):
         """Model.load_weights replacement. Also reached from vLLM's own reload_weights, which has
@@ -117,11 +119,14 @@ class WeightSync:
         A tensor arriving a second time in one sync (a trainer retrying after a partial or failed
         push) starts a new sync: layers already processed cannot take weights again otherwise.
         """
-        if not self.active or self.failed:
-            self._begin()
-        pending = iter(weights)
-        loaded = set()
-        while True:
+        pending = self._expected_only(weights)
+        loaded: set = set()
+        while (first := next(pending, None)) is not None:
+            if not self.active or self.failed or first[0] in self.seen:
+                if self.active and not self.failed:
+                    log.warning("flashrl: %s received twice; starting the weight sync over", first[0])
+                self._begin()
+            pending = itertools.chain([first], pending)
             repeated: list = []
 
             def segment():
@@ -133,19 +138,25 @@ class WeightSync:
                     yield from self.converter.convert(name, tensor)
 
             try:
-                result = self.original_load_weights(segment(), *args, **kwargs)
+                loaded |= set(self.original_load_weights(segment(), *args, **kwargs) or ())
             except Exception as e:
                 self.failed = f"{type(e).__name__}: {e}"
                 raise
-            loaded |= set(result or ())
-            if not repeated:
-                break
-            log.warning("flashrl: %s received twice; starting the weight sync over", repeated[0][0])
-            self._begin()
             pending = itertools.chain(repeated, pending)
-        if self.expected <= self.seen:
-            self._finish()
+            if self.expected <= self.seen:
+                self._finish()
         return loaded
+
+    def _expected_only(self, weights):
+        """Drop names the engine's checkpoint does not have (a tied lm_head, buffers): vLLM would
+        skip them anyway, and they must not open a sync of their own."""
+        for name, tensor in weights:
+            if name in self.expected:
+                yield name, tensor
+            elif name not in self.ignored:
+                self.ignored.add(name)
+                log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
+
 
     def status(self) -> str | None:
         """None when the engine holds one complete set of weights, else why not."""
@@ -180,9 +191,24 @@ class WeightSync:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        # A module whose parameter belongs to another module (a tied lm_head) receives no load
+        # of its own, so the reload puts its old kernel state back: on CPU a packed copy of the
+        # old embedding (lm_head.cpu_linear). Rebuild it from the shared, updated tensor.
+        for module in self.shared_modules:
+            module.quant_method.process_weights_after_loading(module)
         self.active, self.failed = False, None
         self.completed += 1
         log.info("flashrl: weight sync %d complete (%d tensors)", self.completed, len(self.seen))
+
+
+def _modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(module)
+    shared = {id(m): m for ms in owners.values() if len(ms) > 1 for m in ms}
+    return [m for m in shared.values() if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")]
 
 
 def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> WeightSync:
