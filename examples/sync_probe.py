@@ -28,18 +28,28 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 from vllm import LLM, SamplingParams  # noqa: E402
 
 
-def push_checkpoint(path, limit=None):
-    """Returns a function for collective_rpc: stream a checkpoint into the worker's model."""
+def push_checkpoint(path, limit=None, device=None):
+    """Returns a function for collective_rpc: stream a checkpoint into the worker's model.
+    With `device`, all tensors are first placed there (a trainer's GPU copy) and only the
+    load_weights calls are timed."""
 
     def push(worker):
+        import torch
+
         from flashrl_tools.safetensors_io import CheckpointReader
 
         model = worker.model_runner.model
+        items = CheckpointReader(path).iter_tensors()
+        if device is not None:
+            items = [(n, t.to(device)) for n, t in items]
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for i, (name, tensor) in enumerate(CheckpointReader(path).iter_tensors()):
+        for i, (name, tensor) in enumerate(items):
             if limit is not None and i >= limit:
                 break
             model.load_weights([(name, tensor)])
+        if device is not None:
+            torch.cuda.synchronize()
         sync = getattr(model, "flashrl_sync", None)
         return {"seconds": time.perf_counter() - t0, "completed": sync.completed if sync else None}
 
@@ -66,8 +76,10 @@ def worker_memory(worker):
 
 def main():
     req = json.loads(open(sys.argv[1]).read())
-    llm = LLM(model=req["model"], dtype="bfloat16", max_model_len=512, enforce_eager=True,
-              enable_prefix_caching=False, gpu_memory_utilization=0.3, seed=0, **req.get("engine_kwargs", {}))
+    kwargs = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True, enable_prefix_caching=False,
+                  gpu_memory_utilization=0.3, seed=0)
+    kwargs.update(req.get("engine_kwargs", {}))
+    llm = LLM(model=req["model"], **kwargs)
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
     n_top = req.get("prompt_logprobs", 0)
 
@@ -83,7 +95,7 @@ def main():
 
     stages = [observe("start")]
     for path in req.get("push", []):
-        info = llm.collective_rpc(push_checkpoint(path))[0]
+        info = llm.collective_rpc(push_checkpoint(path, device=req.get("push_device")))[0]
         stages.append(observe(f"push:{path}", info))
     for path in req.get("reload", []):
         info = llm.collective_rpc(reload_checkpoint(path))[0]

@@ -106,8 +106,12 @@ def test_memory_and_storage_stable_over_100_syncs(tiny_models, tmp_path):
 
     src = tiny_models["llama-untied"]
     other = perturb(src, tmp_path / "other")
-    r = probe(tmp_path, "repeat", {"FLASHRL_CONFIG": "int8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    log = tmp_path / "flashrl.log"
+    r = probe(tmp_path, "repeat", {"FLASHRL_CONFIG": "int8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                   "FLASHRL_TEST_RELOAD": "1", "FLASHRL_LOGGING_FILE": str(log)},
               model=str(src), sequences=[[5, 6, 7, 8, 9, 10]], repeat=[str(other), str(src), 100])
+    # FLASHRL_TEST_RELOAD: the policy's own weights pushed at start change nothing (logged to the file)
+    assert "FLASHRL_TEST_RELOAD: reloading" in log.read_text() and "unchanged" in log.read_text()
     mem = r["memory"]
     assert len(mem) == 100
     assert all(m["ptrs"] == mem[0]["ptrs"] for m in mem), "a sync reallocated parameter storage"

