@@ -20,6 +20,8 @@ from flashrl_tools.quantizer import QuantFn
 
 TARGETS = ["Linear"]
 IGNORE = ["lm_head"]
+# Tensors a quantized checkpoint adds beside the weights it quantizes (not in the BF16 model).
+QUANT_EXTRA_SUFFIXES = ("_scale", "_zero_point", ".input_scale", "_global_scale")
 
 
 def scheme_for(fn: QuantFn) -> QuantizationScheme:

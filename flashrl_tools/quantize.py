@@ -86,13 +86,18 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
         config = read_config(src)
         config["quantization_config"] = quantization_config(fn, ignore=list(layout.excluded))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for f in sorted(src.iterdir()):
-            if f.is_file() and f.suffix in _AUX_SUFFIXES and f.name not in _NOT_COPIED:
-                shutil.copy2(f, tmp / f.name)
+        copy_side_files(src, tmp)
     bytes_in = sum(f.stat().st_size for f in reader.files)
     bytes_out = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
     return QuantizeResult(dst, fn, targets, len(reader.names()) - len(targets), bytes_in,
                           bytes_out, time.perf_counter() - t0)
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Tokenizer, chat template, generation config...: what an engine needs beside the weights."""
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and f.suffix in _AUX_SUFFIXES and f.name not in _NOT_COPIED:
+            shutil.copy2(f, Path(dst) / f.name)
 
 
 def parse_fn(fn: QuantFn | str) -> QuantFn:

@@ -7,7 +7,6 @@ engine must match, and a way to check a profile on perturbed weights.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_output_dir, check_output_dir
 from flashrl_tools.model_structure import read_config
 from flashrl_tools.profile.format import Profile
+from flashrl_tools.quantize import copy_side_files
 from flashrl_tools.quantizer import QuantFn, output_specs, quantize_weight, requantize_int8, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_checkpoint
 
@@ -68,8 +68,5 @@ def requantize_checkpoint(bf16_dir: Path, profile: Profile, out: Path, force: bo
         config = read_config(bf16_dir)
         config["quantization_config"] = read_config(template)["quantization_config"]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for f in Path(bf16_dir).iterdir():
-            if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name not in (
-                    "config.json", "model.safetensors.index.json", "flashrl_manifest.json"):
-                shutil.copy2(f, tmp / f.name)
+        copy_side_files(Path(bf16_dir), tmp)
     return Path(out)

@@ -20,6 +20,7 @@ from flashrl_tools.model_structure import model_layout, read_config
 from flashrl_tools.profile.format import ModelRef, Profile, ProfileMeta
 from flashrl_tools.profile.groups import layer_groups
 from flashrl_tools.profile.recover import Member, Stats, fit_factors, score
+from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES
 from flashrl_tools.quantize import parse_fn
 from flashrl_tools.quantizer import QuantFn, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
@@ -27,7 +28,6 @@ from flashrl_tools.safetensors_io import CheckpointReader
 # A fit must beat "no smoothing" by this much to be kept (otherwise it only fits noise, e.g.
 # GPTQ rounding decisions on an unsmoothed group).
 _MIN_GAIN = 0.01
-_AUX_SUFFIXES = ("_scale", "_zero_point", ".input_scale", "_global_scale")
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def check_pair(bf16: CheckpointReader, q: CheckpointReader, linears: set[str]) -
             raise FlashRLError(f"tensor {name} is not quantized in the quantized checkpoint "
                                f"(no {name}_scale)", str(q.dir), "pass an 8-bit checkpoint")
     for name in sorted(q.names()):
-        if name not in bf16 and not name.endswith(_AUX_SUFFIXES) and not name.startswith("lm_head."):
+        if name not in bf16 and not name.endswith(QUANT_EXTRA_SUFFIXES) and not name.startswith("lm_head."):
             raise FlashRLError(f"tensor {name} of the quantized checkpoint is not in the BF16 model",
                                str(bf16.dir), "the two checkpoints are different models")
 

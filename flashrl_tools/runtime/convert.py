@@ -13,12 +13,10 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.profile.format import Profile, load_profile
+from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES
 from flashrl_tools.quantizer import QuantFn, quantize_weight, requantize_int8, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.setup.schema import ConfigFn
-
-AUX_SUFFIXES = ("_scale", "_zero_point", ".input_scale", "_global_scale")
-
 
 class WeightConverter:
     def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None):
@@ -31,14 +29,14 @@ class WeightConverter:
     def for_checkpoint(cls, fn: ConfigFn, loaded_dir: Path, profile_path: str | None) -> WeightConverter:
         """Derive what to quantize from the checkpoint the engine actually loaded."""
         reader = CheckpointReader(loaded_dir)
-        quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(AUX_SUFFIXES)}
+        quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
         profile = load_profile(Path(profile_path)) if profile_path else None
         return cls(fn, quantized, profile)
 
     @staticmethod
     def expected_names(loaded_dir: Path) -> set[str]:
         """BF16 names a full sync must deliver (the checkpoint's, without quantization extras)."""
-        return {n for n in CheckpointReader(loaded_dir).names() if not n.endswith(AUX_SUFFIXES)}
+        return {n for n in CheckpointReader(loaded_dir).names() if not n.endswith(QUANT_EXTRA_SUFFIXES)}
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if self.fn in (ConfigFn.bf16, ConfigFn.fp8):  # vLLM itself handles BF16 / online FP8
