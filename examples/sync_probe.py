@@ -11,6 +11,9 @@ REQUEST: {"model": dir, "sequences": [[ids]], "max_tokens": n, "push": [dir, ...
           "repeat": [dir_a, dir_b, n] | null (n syncs alternating a/b: RSS and parameter
           storage addresses after each),
           "reload": [dir, ...] (pushed through vLLM's own model_runner.reload_weights),
+          "transfer": [dir, ...] (pushed through vLLM's weight-transfer API: LLM.start_weight_update /
+                      update_weights / finish_weight_update, with a checkpoint-reading backend
+                      that loads like vLLM's IPC backend; in-process engines only),
           "sample": {"prompt": [ids], "temperature", "top_k", "max_tokens", "seed"} | null
                     (sampled tokens with the engine's logprobs of them and of its top-k),
           "engine_kwargs": {...} (extra vllm.LLM arguments)}
@@ -67,6 +70,55 @@ def reload_checkpoint(path):
     return reload
 
 
+def register_checkpoint_transfer_backend():
+    """A weight-transfer backend for CPU tests: update_info names a checkpoint directory; the
+    worker side is vLLM's IPC backend (ipc_engine.py) with the CUDA-IPC tensors replaced by
+    tensors read from disk: initialize_layerwise_reload at start, model.load_weights(list)
+    per update, finalize_layerwise_reload at finish."""
+    from dataclasses import dataclass
+
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    @dataclass
+    class Init(WeightTransferInitInfo):
+        pass
+
+    @dataclass
+    class Update(WeightTransferUpdateInfo):
+        path: str
+
+    class CheckpointTransferEngine(WeightTransferEngine[Init, Update]):
+        init_info_cls, update_info_cls = Init, Update
+
+        def init_transfer_engine(self, init_info):
+            pass
+
+        def start_weight_update(self):
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def receive_weights(self, update_info):
+            from flashrl_tools.safetensors_io import CheckpointReader
+
+            self.model.load_weights(list(CheckpointReader(update_info.path).iter_tensors()))
+
+        def finish_weight_update(self):
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self):
+            pass
+
+    WeightTransferEngineFactory.register_engine("flashrl_probe_checkpoint", CheckpointTransferEngine)
+
+
 def worker_memory(worker):
     """RSS of the worker process and the storage address of every parameter."""
     rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
@@ -79,6 +131,9 @@ def main():
     kwargs = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True, enable_prefix_caching=False,
                   gpu_memory_utilization=0.3, seed=0)
     kwargs.update(req.get("engine_kwargs", {}))
+    if req.get("transfer"):
+        register_checkpoint_transfer_backend()
+        kwargs["weight_transfer_config"] = {"backend": "flashrl_probe_checkpoint"}
     llm = LLM(model=req["model"], **kwargs)
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
     n_top = req.get("prompt_logprobs", 0)
@@ -100,6 +155,14 @@ def main():
     for path in req.get("reload", []):
         info = llm.collective_rpc(reload_checkpoint(path))[0]
         stages.append(observe(f"reload:{path}", info))
+    if req.get("transfer"):
+        llm.init_weight_transfer_engine({"init_info": {}})
+    for path in req.get("transfer", []):
+        t0 = time.perf_counter()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"path": path}})
+        llm.finish_weight_update()
+        stages.append(observe(f"transfer:{path}", {"seconds": time.perf_counter() - t0}))
     sampled = None
     if req.get("sample"):
         sp = req["sample"]

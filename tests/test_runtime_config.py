@@ -25,6 +25,22 @@ def test_shortcuts_and_unset(monkeypatch):
     assert apply() is None  # unset: nothing installed, vLLM untouched
 
 
+def test_lmhead_fp32_sets_vllms_head_dtype_and_keeps_user_overrides(monkeypatch):
+    from types import SimpleNamespace
+
+    from flashrl_tools.runtime.vllm_compat import _merge_hf_overrides, engine_overrides
+
+    monkeypatch.delenv("FLASHRL_LMHEAD_FP32", raising=False)
+    assert "hf_overrides" not in engine_overrides(resolve("bf16"), "unused")
+    monkeypatch.setenv("FLASHRL_LMHEAD_FP32", "1")
+    rc = resolve("bf16")
+    assert rc.lmhead_fp32 and engine_overrides(rc, "unused")["hf_overrides"] == {"head_dtype": "float32"}
+    extra = {"head_dtype": "float32"}
+    assert _merge_hf_overrides({"rope_theta": 1.0}, extra) == {"rope_theta": 1.0, "head_dtype": "float32"}
+    cfg = _merge_hf_overrides(lambda c: SimpleNamespace(**vars(c), seen=True), extra)(SimpleNamespace(a=1))
+    assert (cfg.a, cfg.seen, cfg.head_dtype) == (1, True, "float32")
+
+
 @pytest.mark.parametrize("value,words", [
     ("int9", ["invalid FLASHRL_CONFIG='int9'", "bf16 | fp8 | int8"]),
     ("/nope/config.yaml", ["file not found"]),

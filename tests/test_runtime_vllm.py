@@ -88,10 +88,12 @@ def test_setup_yaml_with_smoothquant_profile(default_model, smoothquant_checkpoi
     fresh = probe(tmp_path, "fresh", env, model=str(reference))
     calibrated = probe(tmp_path, "calibrated", env, model=str(smoothquant_checkpoint))
     r = probe(tmp_path, "synced", {**env, "FLASHRL_CONFIG": str(cfg)}, model=str(default_model),
-              push=[str(perturbed), str(default_model)])
-    start, after_pert, after_orig = r["stages"]
+              push=[str(perturbed), str(default_model)], transfer=[str(perturbed)])
+    start, after_pert, after_orig, after_transfer = r["stages"]
     assert_same(start, calibrated["stages"][0], "engine starts from the calibrated checkpoint")
     assert_same(after_pert, fresh["stages"][0], "synced vs fresh engine on the re-quantized checkpoint")
+    # vLLM's weight-transfer API (start_weight_update / update_weights / finish_weight_update)
+    assert_same(after_transfer, fresh["stages"][0], "weight-transfer API vs fresh engine")
     # Pushing the original BF16 weights back gives requantize(original): exact for the runtime,
     # and equal to llmcompressor's checkpoint on all but ~1e-6 of the INT8 entries.
     original = requantize_checkpoint(default_model, load_profile(prof), tmp_path / "orig")
@@ -147,6 +149,31 @@ def test_rollout_logprobs_are_those_of_the_sampling_distribution(default_model, 
     print(f"\nprocessed logprobs vs hand-computed from the engine's logits: max gap {max(gaps):.2e}")
     assert max(gaps) < 1e-4  # fp32 softmax of the same logits
     assert sum(unprocessed) / len(unprocessed) > 0.05  # and not vLLM's default (raw) logprobs
+
+
+def test_lmhead_fp32_computes_logits_in_fp32(default_model, tmp_path):
+    """FLASHRL_LMHEAD_FP32=1: the lm_head matmul runs in fp32 (vLLM's head_dtype). Seen in the raw
+    logits the engine returns: a bf16 head yields only bf16-representable values, an fp32 head
+    almost never does. The INT8 engine (online quantization) keeps its fp32 head across a sync."""
+    import torch
+
+    cfg = tmp_path / "raw.yaml"
+    cfg.write_text("configs:\n- fn: int8\n  logprobs_mode: raw_logits\n")
+    sample = {"prompt": SEQUENCES[0][:9], "temperature": 1.0, "top_k": 20, "max_tokens": 6, "seed": 1}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "FLASHRL_CONFIG": str(cfg)}
+
+    def off_bf16_grid(result) -> float:
+        values = torch.tensor([v for top in result["sampled"]["top"] for v in top.values()])
+        return float((values.to(torch.bfloat16).float() != values).float().mean())
+
+    bf16_head = probe(tmp_path, "bf16head", env, model=str(default_model), sample=sample)
+    fp32_head = probe(tmp_path, "fp32head", {**env, "FLASHRL_LMHEAD_FP32": "1"}, model=str(default_model),
+                      sample=sample, push=[str(default_model)])
+    print(f"\nraw logits off the bf16 grid: bf16 head {off_bf16_grid(bf16_head):.2f}, "
+          f"fp32 head {off_bf16_grid(fp32_head):.2f}")
+    assert off_bf16_grid(bf16_head) == 0.0
+    assert off_bf16_grid(fp32_head) > 0.9
+    assert fp32_head["stages"][1]["logprobs"] == fp32_head["stages"][0]["logprobs"]  # the sync keeps it
 
 
 @pytest.mark.parametrize("config", ["int8", "bf16"])

@@ -23,6 +23,7 @@ ALLOWED = ("bf16 | fp8 | int8 | a config.yaml written by `flashrl setup` | "
 class RuntimeConfig:
     entry: RolloutConfig
     source: str  # what FLASHRL_CONFIG said
+    lmhead_fp32: bool = False  # FLASHRL_LMHEAD_FP32: lm_head and logits in fp32
 
     @property
     def fn(self) -> ConfigFn:
@@ -35,7 +36,18 @@ def from_env() -> RuntimeConfig | None:
     return resolve(value) if value else None
 
 
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def resolve(value: str) -> RuntimeConfig:
+    from dataclasses import replace
+
+    rc = _resolve(value)
+    return replace(rc, lmhead_fp32=env_flag("FLASHRL_LMHEAD_FP32"))
+
+
+def _resolve(value: str) -> RuntimeConfig:
     if value in SHORTCUTS:
         entry = parse_config({"configs": [DEFAULTS[value]]}, f"{ENV}={value}").configs[0]
         return RuntimeConfig(entry, value)

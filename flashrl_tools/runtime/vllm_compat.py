@@ -19,13 +19,12 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from flashrl_tools.runtime.config import RuntimeConfig
+from flashrl_tools.runtime.config import RuntimeConfig, env_flag
 from flashrl_tools.runtime.convert import WeightConverter
 from flashrl_tools.setup.schema import ConfigFn
 
@@ -64,7 +63,25 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
             out["model"] = str(ensure_quantized(Path(policy_model), QuantFn(entry.fn.value)))
     if "model" in out:
         out["tokenizer"] = policy_model
+    if rc.lmhead_fp32:  # vLLM's own switch: lm_head matmul and logits in fp32
+        out["hf_overrides"] = {"head_dtype": "float32"}
     return out
+
+
+def _merge_hf_overrides(current, extra: dict):
+    """EngineArgs.hf_overrides may be None, a dict or a callable on the HF config."""
+    if current is None:
+        return dict(extra)
+    if isinstance(current, dict):
+        return {**current, **extra}
+
+    def merged(config):
+        config = current(config)
+        for key, value in extra.items():
+            setattr(config, key, value)
+        return config
+
+    return merged
 
 
 def _hook_engine_args(rc: RuntimeConfig) -> None:
@@ -84,6 +101,8 @@ def _hook_engine_args(rc: RuntimeConfig) -> None:
             overrides = engine_overrides(rc, self.model)
             if "tokenizer" in overrides:
                 overrides["tokenizer"] = policy_tokenizer
+            if "hf_overrides" in overrides:
+                overrides["hf_overrides"] = _merge_hf_overrides(self.hf_overrides, overrides["hf_overrides"])
             for key, value in overrides.items():
                 setattr(self, key, value)
             log.info("flashrl %s: engine overrides %s", rc.fn.value, overrides)
@@ -226,7 +245,7 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> Weig
         return original_forward(*args, **kwargs)
 
     model.forward = forward
-    if os.environ.get("FLASHRL_TEST_RELOAD", "0") not in ("", "0", "false", "False"):
+    if env_flag("FLASHRL_TEST_RELOAD"):
         test_reload(sync, policy_source(loaded_dir, rc))
     return sync
 
