@@ -14,37 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import REPO, run_cli
 from flashrl_tools.profile.apply import requantize_checkpoint
 from flashrl_tools.profile.format import load_profile
-from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_checkpoint
+from flashrl_tools.verify.perturb import perturb
 
 pytestmark = pytest.mark.vllm
 MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 + 7?"]
 MAX_TOKENS = 16
-
-
-def perturb(src: Path, dst: Path, rel: float = 0.05, seed: int = 0, match: tuple[str, ...] = ("proj.weight",)) -> Path:
-    """Tensors whose name ends with `match` (default: the linear weights) multiplied entrywise
-    by (1 + rel * N(0, 1)); the others copied."""
-    reader = CheckpointReader(src)
-    g = torch.Generator().manual_seed(seed)
-    plan = [PlannedTensor(n, reader.shape(n), reader.dtype(n)) for n in reader.names()]
-
-    def produce():
-        for n, t in reader.iter_tensors():
-            if n.endswith(match):
-                t = (t.float() * (1 + rel * torch.randn(t.shape, generator=g))).to(t.dtype)
-            yield n, t
-
-    dst.mkdir(parents=True)
-    write_checkpoint(dst, plan, produce)
-    for f in src.iterdir():
-        if f.suffix in (".json", ".jinja") and f.name != "flashrl_manifest.json":
-            (dst / f.name).write_bytes(f.read_bytes())
-    return dst
 
 
 def probe(model: Path, tmp: Path, tag: str, score=None) -> dict:

@@ -53,7 +53,7 @@ def differs(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def perturbed(default_model, tmp_path_factory) -> Path:
-    from test_profile_vllm import perturb
+    from flashrl_tools.verify.perturb import perturb
 
     # embeddings too: SmolLM2 ties lm_head to them (a tied head must follow the sync)
     return perturb(default_model, tmp_path_factory.mktemp("rt") / "perturbed-bf16",
@@ -104,7 +104,7 @@ def test_setup_yaml_with_smoothquant_profile(default_model, smoothquant_checkpoi
 
 def test_memory_and_storage_stable_over_100_syncs(tiny_models, tmp_path):
     """In place: parameter storage addresses never change; RSS does not grow with syncs."""
-    from test_profile_vllm import perturb
+    from flashrl_tools.verify.perturb import perturb
 
     src = tiny_models["llama-untied"]
     other = perturb(src, tmp_path / "other")

@@ -1,0 +1,43 @@
+"""Run one engine job (runtime/engine_job.py) in a subprocess with a given FLASHRL_CONFIG."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from flashrl_tools.errors import FlashRLError
+
+
+def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
+               fault: str | None = None, engine_kwargs: dict | None = None, timeout: float = 3600) -> list[dict]:
+    """Start an engine on `model` with FLASHRL_CONFIG=`config` (None: unset), run `steps`,
+    return their results. In-process engine (one process per engine job)."""
+    env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}
+    if config is not None:
+        env["FLASHRL_CONFIG"] = config
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with tempfile.TemporaryDirectory(prefix="flashrl-verify-") as tmp:
+        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        req.write_text(json.dumps({"model": str(model), "steps": steps, "fault": fault,
+                                   "engine_kwargs": engine_kwargs or {}}))
+        try:
+            res = subprocess.run([sys.executable, "-m", "flashrl_tools.runtime.engine_job", str(req), str(out)],
+                                 capture_output=True, text=True, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise FlashRLError(f"the {label} engine did not finish within {timeout:.0f} s", str(model)) from None
+        result = json.loads(out.read_text()) if out.is_file() else {}
+    if res.returncode != 0 or "steps" not in result:
+        reason = result.get("error") or _last_error_line(res.stderr) or f"exit code {res.returncode}"
+        raise FlashRLError(f"the {label} engine failed: {reason}",
+                           f"model {model}, FLASHRL_CONFIG={config or '(unset)'}",
+                           "run with FLASHRL_LOGGING_LEVEL=DEBUG for the engine's log")
+    return result["steps"]
+
+
+def _last_error_line(stderr: str) -> str | None:
+    lines = [ln for ln in stderr.splitlines() if "Error" in ln or "error:" in ln]
+    return lines[-1].strip() if lines else None

@@ -1,0 +1,130 @@
+"""`flashrl verify`: the metrics against a hand-computed case, reload checks that pass on correct
+configs and fail, naming the check, on each injected fault, and drift on the embedded model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from flashrl_tools.correction import mismatch_metrics
+from flashrl_tools.verify.drift import engine_report
+from flashrl_tools.verify.score import token_logprobs
+
+
+def test_metrics_on_two_tokens_with_known_logits():
+    """Trainer logits at T=2: [0, ln 9] and [ln 16, 0] -> p = 3/4 and 4/5 for the sampled tokens
+    (1, 0). The rollout engine gave them 1/2 and 2/5. So r = 1.5 and 2."""
+    logits = torch.tensor([[0.0, math.log(9)], [math.log(16), 0.0]])
+    lp_train = token_logprobs(logits, torch.tensor([1, 0]), temperature=2.0)
+    assert torch.allclose(lp_train, torch.tensor([math.log(0.75), math.log(0.8)]), atol=1e-6)
+    lp_rollout = torch.tensor([[math.log(0.5), math.log(0.4)]])
+    m = mismatch_metrics(lp_train[None], lp_rollout, torch.ones(1, 2), tis_cap=2.1)
+    assert m.tokens == 2 and m.sequences == 1
+    assert m.mean_abs_log_ratio == pytest.approx((math.log(1.5) + math.log(2)) / 2, abs=1e-6)
+    assert m.kl_k3 == pytest.approx(((0.5 - math.log(1.5)) + (1 - math.log(2))) / 2, abs=1e-6)
+    assert m.seq_log_ratio_mean == pytest.approx(math.log(3), abs=1e-6)
+    assert m.ppl_ratio == pytest.approx(math.sqrt((0.5 * 0.4) / (0.75 * 0.8)), abs=1e-6)
+    assert m.tis_truncated_frac == 0.0  # no r above C = 2.1
+    assert mismatch_metrics(lp_train[None], lp_rollout, torch.ones(1, 2), tis_cap=1.8).tis_truncated_frac == 0.5
+    assert m.ess_token == pytest.approx(3.5 ** 2 / (2 * (1.5 ** 2 + 2 ** 2)), abs=1e-6)  # 0.98
+
+
+def test_padding_is_masked_and_lengths_reported():
+    # the second sequence has one token; its padding must not count
+    train = [[math.log(0.75), math.log(0.8)], [math.log(0.5)]]
+    rollouts = [{"token_ids": [1, 0], "logprobs": [math.log(0.5), math.log(0.4)]},
+                {"token_ids": [7], "logprobs": [math.log(0.5)]}]
+    r = engine_report(train, rollouts, cap=2.0)
+    assert r["metrics"]["tokens"] == 3 and r["metrics"]["sequences"] == 2
+    assert r["mean_response_length"] == 1.5
+    assert r["metrics"]["seq_log_ratio_min"] == pytest.approx(0.0, abs=1e-9)
+    assert sorted(r["log_ratios"]) == pytest.approx(sorted([math.log(1.5), math.log(2), 0.0]))
+
+
+def test_bad_input_is_one_clear_error(tmp_path):
+    res = run_cli("verify", "reload", "--config", "int9")
+    assert res.returncode == 2 and "invalid FLASHRL_CONFIG='int9'" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = run_cli("verify", "drift", "--config", "int8", "-m", "default", "--prompts", tmp_path / "nope.jsonl")
+    assert res.returncode == 2 and "prompts file not found" in res.stderr and "Traceback" not in res.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    res = run_cli("verify", "drift", "--config", "int8", "-m", "default", "--prompts", bad)
+    assert res.returncode == 2 and "line 2" in res.stderr
+
+
+def checks_of(report: Path) -> dict[str, bool]:
+    return {c["name"]: c["passed"] for c in json.loads(report.read_text())["checks"]}
+
+
+@pytest.fixture(scope="module")
+def reload_work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("verify-reload")
+
+
+@pytest.mark.vllm
+def test_reload_passes_for_int8(default_model, reload_work):
+    res = run_cli("verify", "reload", "--config", "int8", "-m", "default", "--work-dir", reload_work,
+                  "--json", reload_work / "int8.json", timeout=1200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert all(checks_of(reload_work / "int8.json").values())
+    assert "all reload checks passed" in res.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fault,failing", [
+    ("noop", {"sync of updated weights changes the outputs", "sync of updated weights = fresh engine"}),
+    ("wrong_layer", {"sync of the policy's weights = fresh engine", "sync of updated weights = fresh engine"}),
+    ("stale_scales", {"sync of updated weights = fresh engine"}),
+])
+def test_reload_catches_injected_faults(default_model, reload_work, fault, failing):
+    """Reuses the fresh engines' outputs of test_reload_passes_for_int8 (same --work-dir)."""
+    out = reload_work / f"{fault}.json"
+    res = run_cli("verify", "reload", "--config", "int8", "-m", "default", "--work-dir", reload_work,
+                  "--inject-fault", fault, "--json", out, timeout=1200)
+    assert res.returncode == 1, res.stdout + res.stderr
+    failed = {name for name, ok in checks_of(out).items() if not ok}
+    assert failed == failing
+    for name in failing:
+        assert name in " ".join(res.stderr.split())
+
+
+@pytest.mark.vllm
+def test_reload_with_smoothquant_yaml_and_missing_norm_rescale(default_model, smoothquant_checkpoint, tmp_path):
+    prof, cfg = tmp_path / "p.safetensors", tmp_path / "config.yaml"
+    assert run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", prof).returncode == 0
+    assert run_cli("setup", "-m", smoothquant_checkpoint, "-p", prof, "-o", cfg).returncode == 0
+    work = tmp_path / "work"
+    # -m omitted: the BF16 model recorded in the profile
+    res = run_cli("verify", "reload", "--config", cfg, "--work-dir", work, "--json", tmp_path / "ok.json",
+                  timeout=1200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = run_cli("verify", "reload", "--config", cfg, "--work-dir", work, "--inject-fault", "no_norm_rescale",
+                  "--json", tmp_path / "fault.json", timeout=1200)
+    assert res.returncode == 1
+    assert not checks_of(tmp_path / "fault.json")["sync of the policy's weights = fresh engine"]
+
+
+@pytest.mark.vllm
+def test_drift_reports_bf16_and_int8_engines(default_model, tmp_path):
+    """One run with a KL limit no engine meets: it reports, writes JSON and PNG, and fails
+    naming that check (the other limits loosened)."""
+    js, png = tmp_path / "drift.json", tmp_path / "drift.png"
+    res = run_cli("verify", "drift", "--config", "int8", "-m", "default", "-n", "16", "--max-tokens", "24",
+                  "--json", js, "--plot", png, "--max-kl", "1e-6", "--max-mean-abs", "1", "--max-truncated", "1",
+                  "--min-ess", "0", timeout=1200)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "verify drift failed: token KL (k3)" in " ".join(res.stderr.split())
+    report = json.loads(js.read_text())
+    assert [c["name"] for c in report["checks"] if not c["passed"]] == ["token KL (k3)"]
+    bf16, int8 = report["engines"]["bf16"], report["engines"]["quantized"]
+    assert bf16["metrics"]["sequences"] == int8["metrics"]["sequences"] == 16
+    assert len(int8["log_ratios"]) == int8["metrics"]["tokens"] > 16
+    # quantization adds mismatch on top of the BF16 engine's kernel-level one
+    assert int8["metrics"]["kl_k3"] > bf16["metrics"]["kl_k3"] > 0
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
