@@ -39,20 +39,41 @@ def read_config(model_dir: Path) -> dict:
         raise FlashRLError(f"config.json is not valid JSON ({e})", str(path)) from None
 
 
-def model_layout(model_dir: Path) -> ModelLayout:
+def _meta_model(model_dir: Path, allow_quantized: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_dict = read_config(model_dir)
-    if "quantization_config" in cfg_dict:
+    if "quantization_config" in cfg_dict and not allow_quantized:
         raise FlashRLError("model is already quantized (config.json has quantization_config)",
                            str(model_dir), "pass the BF16 checkpoint")
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return config, AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, OSError) as e:
         raise FlashRLError(f"transformers cannot build this model ({e})", str(model_dir),
                            "check config.json's model_type/architectures") from None
+
+
+def has_weights(model_dir: Path) -> bool:
+    """False for a config-only directory (vLLM `load_format="dummy"`: shapes without weights)."""
+    return any(Path(model_dir).glob("*.safetensors"))
+
+
+def unquantized_names(model_dir: Path) -> set[str]:
+    """The tensor names save_pretrained would write for this config (BF16 layout): what a
+    trainer's state dict holds. For config-only model directories."""
+    config, model = _meta_model(model_dir, allow_quantized=True)
+    names = set(model.state_dict())
+    if getattr(config, "tie_word_embeddings", False):
+        names -= {"lm_head.weight"}
+    return names
+
+
+def model_layout(model_dir: Path, allow_quantized: bool = False) -> ModelLayout:
+    config, model = _meta_model(model_dir, allow_quantized)
     head = model.get_output_embeddings()
     linears, excluded = set(), []
     for name, module in model.named_modules():

@@ -93,6 +93,19 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
                           bytes_out, time.perf_counter() - t0)
 
 
+def quantize_config_only(src: Path, dst: Path, fn: QuantFn | str) -> Path:
+    """For a config-only model (vLLM `load_format="dummy"`, benchmarks): the quantized config,
+    no weights."""
+    fn = parse_fn(fn)
+    layout = model_layout(src)
+    with atomic_output_dir(Path(dst)) as tmp:
+        config = read_config(src)
+        config["quantization_config"] = quantization_config(fn, ignore=list(layout.excluded))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_side_files(src, tmp)
+    return Path(dst)
+
+
 def copy_side_files(src: Path, dst: Path) -> None:
     """Tokenizer, chat template, generation config...: what an engine needs beside the weights."""
     for f in sorted(Path(src).iterdir()):

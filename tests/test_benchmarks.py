@@ -18,3 +18,32 @@ def test_profile_memory_benchmark_smoke(tmp_path):
     assert m["peak_rss_bytes"] > 0 and m["profile_wall_s"] > 0
     assert m["exact_fraction"] >= 0.999  # synthetic SmoothQuant factors are recovered
     assert "peak RSS" in res.stdout
+
+
+def _bench(tmp_path, script: str) -> dict:
+    out = tmp_path / f"{script}.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--preset", "smoke",
+                          "--json", str(out)], capture_output=True, text=True, timeout=900,
+                         env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_rollout_throughput_benchmark_smoke(tmp_path):
+    """Embedded model (real weights) and a config-only Qwen2 shape (dummy weights, the GPU
+    benchmark's path) through FLASHRL_CONFIG."""
+    rows = {(r["shape"], r["config"]): r for r in _bench(tmp_path, "rollout_throughput")["rows"]}
+    assert set(rows) == {(s, c) for s in ("default", "tiny") for c in ("bf16", "int8")}
+    for (shape, config), r in rows.items():
+        assert r["output_tokens"] == 4 * 4 and r["output_tok_per_s"] > 0 and r["kv_cache_tokens"] > 0
+        assert r["quantization"] == ("compressed-tensors" if config == "int8" else None)
+        assert r["speedup_vs_bf16"] > 0
+
+
+def test_weight_sync_benchmark_smoke(tmp_path):
+    rows = {(r["shape"], r["mode"]): r for r in _bench(tmp_path, "weight_sync")["rows"]}
+    for shape in ("default", "tiny"):
+        assert rows[(shape, "native-bf16")]["syncs_completed"] is None  # runtime not active
+        assert rows[(shape, "bf16")]["syncs_completed"] == 1
+        int8 = rows[(shape, "int8")]
+        assert int8["syncs_completed"] == 1 and int8["convert_s"] > 0 and int8["sync_s"] > 0

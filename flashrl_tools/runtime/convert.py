@@ -12,11 +12,15 @@ from pathlib import Path
 
 import torch
 
+from flashrl_tools.model_structure import has_weights, model_layout, unquantized_names
 from flashrl_tools.profile.format import Profile, load_profile
 from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES
 from flashrl_tools.quantizer import QuantFn, quantize_weight, requantize_int8, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.setup.schema import ConfigFn
+
+QUANTIZED = {f.value for f in QuantFn}  # fns whose linear weights the engine holds in 8 bit
+
 
 class WeightConverter:
     def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None):
@@ -27,15 +31,21 @@ class WeightConverter:
 
     @classmethod
     def for_checkpoint(cls, fn: ConfigFn, loaded_dir: Path, profile_path: str | None) -> WeightConverter:
-        """Derive what to quantize from the checkpoint the engine actually loaded."""
+        """Derive what to quantize from the checkpoint the engine actually loaded (from the
+        model's structure when it is config-only: dummy weights)."""
+        profile = load_profile(Path(profile_path)) if profile_path else None
+        if not has_weights(loaded_dir):
+            quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights if fn.value in QUANTIZED else set()
+            return cls(fn, set(quantized), profile)
         reader = CheckpointReader(loaded_dir)
         quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
-        profile = load_profile(Path(profile_path)) if profile_path else None
         return cls(fn, quantized, profile)
 
     @staticmethod
     def expected_names(loaded_dir: Path) -> set[str]:
         """BF16 names a full sync must deliver (the checkpoint's, without quantization extras)."""
+        if not has_weights(loaded_dir):
+            return unquantized_names(loaded_dir)
         return {n for n in CheckpointReader(loaded_dir).names() if not n.endswith(QUANT_EXTRA_SUFFIXES)}
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from flashrl_tools import __version__
 from flashrl_tools.models.default import flashrl_home
-from flashrl_tools.quantize import quantize
+from flashrl_tools.model_structure import has_weights
+from flashrl_tools.quantize import quantize, quantize_config_only
 from flashrl_tools.quantizer import QuantFn
 from flashrl_tools.safetensors_io import checkpoint_files
 
@@ -19,7 +20,7 @@ from flashrl_tools.safetensors_io import checkpoint_files
 def fingerprint(model_dir: Path, fn: QuantFn) -> str:
     h = hashlib.sha256(f"{__version__}:{fn.value}".encode())
     h.update((Path(model_dir) / "config.json").read_bytes())
-    for f in checkpoint_files(Path(model_dir)):
+    for f in checkpoint_files(Path(model_dir)) if has_weights(model_dir) else []:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
@@ -32,6 +33,9 @@ def ensure_quantized(model_dir: Path, fn: QuantFn) -> Path:
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").is_file():
-            quantize(model_dir, out, fn, force=True)
+            if has_weights(model_dir):
+                quantize(model_dir, out, fn, force=True)
+            else:  # config only: the engine loads dummy weights
+                quantize_config_only(model_dir, out, fn)
             (out / "flashrl_source.json").write_text(json.dumps({"bf16_model": str(Path(model_dir).resolve())}))
     return out

@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -131,6 +132,8 @@ class WeightSync:
         self.ignored: set[str] = set()
         self.completed = 0
         self.shared_modules = _modules_sharing_parameters(model)
+        self.timing = env_flag("FLASHRL_SYNC_TIMING")
+        self.convert_seconds = 0.0  # time spent converting (quantizing) tensors, all syncs
 
     def load_weights(self, weights, *args, **kwargs):
         """Model.load_weights replacement. Also reached from vLLM's own reload_weights, which has
@@ -156,7 +159,12 @@ class WeightSync:
                         repeated.append((name, tensor))
                         return
                     self.seen.add(name)
-                    yield from self.converter.convert(name, tensor)
+                    t0 = time.perf_counter()
+                    converted = self.converter.convert(name, tensor)
+                    if self.timing:  # FLASHRL_SYNC_TIMING: wait for the device so the time is real
+                        _device_sync(tensor)
+                    self.convert_seconds += time.perf_counter() - t0
+                    yield from converted
 
             try:
                 loaded |= set(self.original_load_weights(segment(), *args, **kwargs) or ())
@@ -220,6 +228,11 @@ class WeightSync:
         self.active, self.failed = False, None
         self.completed += 1
         log.info("flashrl: weight sync %d complete (%d tensors)", self.completed, len(self.seen))
+
+
+def _device_sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 def _modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,0 +1,137 @@
+"""Rollout throughput, BF16 vs FP8 vs INT8, through FLASHRL_CONFIG (our runtime), equal work.
+
+Same process per engine, same random prompts, fixed output length (ignore_eos), sampling at
+T=1 with the sampled token's logprob (as RL rollouts do). Per (shape, config): output tokens/s,
+KV-cache capacity (tokens), engine start time. Qwen2.5 7B/14B/32B shapes use dummy weights
+(config.json + load_format="dummy"); `default` is the embedded model with real weights (CPU).
+
+    python benchmarks/rollout_throughput.py --shapes 7b,14b,32b --json benchmarks/results/rollout_throughput.json
+    python benchmarks/rollout_throughput.py --preset smoke   # CPU, embedded model, a few tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import model_dir  # noqa: E402
+
+PRESETS = {
+    "gpu": dict(shapes="7b,14b,32b", configs="bf16,fp8,int8", prompts=256, prompt_len=256, output_len=512),
+    "cpu": dict(shapes="default", configs="bf16,int8", prompts=32, prompt_len=64, output_len=64),
+    "smoke": dict(shapes="default,tiny", configs="bf16,int8", prompts=4, prompt_len=16, output_len=4),
+}
+
+
+def worker(spec: dict) -> dict:
+    """Runs in a fresh process with FLASHRL_CONFIG set (or not)."""
+    import random
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    gpu = torch.cuda.is_available()
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["output_len"] + 8,
+              gpu_memory_utilization=spec["gpu_memory_utilization"], enforce_eager=not gpu, seed=0,
+              enable_prefix_caching=False)
+    start_s = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
+    rng = random.Random(0)
+    vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
+    prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(spec["prompt_len"])]}
+               for _ in range(spec["prompts"])]
+    params = SamplingParams(temperature=1.0, max_tokens=spec["output_len"], ignore_eos=True, logprobs=0, seed=0,
+                            detokenize=False)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    quant = llm.llm_engine.vllm_config.model_config.quantization
+    return {"engine_start_s": start_s, "generate_s": gen_s, "output_tokens": tokens,
+            "output_tok_per_s": tokens / gen_s, "kv_cache_tokens": kv_tokens, "quantization": quant}
+
+
+def run_one(spec: dict, config: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}
+    env["FLASHRL_CONFIG"] = config
+    with tempfile.TemporaryDirectory() as tmp:
+        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        req.write_text(json.dumps(spec))
+        res = subprocess.run([sys.executable, __file__, "--worker", str(req), str(out)], env=env,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.stderr.write(res.stderr[-4000:])
+            return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        result = worker(json.loads(Path(sys.argv[2]).read_text()))
+        Path(sys.argv[3]).write_text(json.dumps(result))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=PRESETS, default=None)
+    ap.add_argument("--shapes")
+    ap.add_argument("--configs")
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--prompt-len", type=int)
+    ap.add_argument("--output-len", type=int)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    preset = PRESETS[a.preset or ("gpu" if torch.cuda.is_available() else "cpu")]
+    opts = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in preset.items()}
+    util = a.gpu_memory_utilization or (0.9 if torch.cuda.is_available() else 0.3)
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="flashrl-bench-"))
+    rows = []
+    for shape in opts["shapes"].split(","):
+        path, dummy = model_dir(shape, work)
+        for config in opts["configs"].split(","):
+            spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "prompt_len": opts["prompt_len"],
+                    "output_len": opts["output_len"], "gpu_memory_utilization": util}
+            r = {"shape": shape, "config": config, **run_one(spec, config)}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    for r in rows:
+        base = next((b for b in rows if b["shape"] == r["shape"] and b["config"] == "bf16" and "error" not in b), None)
+        if base and "error" not in r:
+            r["speedup_vs_bf16"] = r["output_tok_per_s"] / base["output_tok_per_s"]
+            r["kv_cache_vs_bf16"] = r["kv_cache_tokens"] / base["kv_cache_tokens"] if base["kv_cache_tokens"] else None
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    import vllm
+
+    print(f"\nrollout throughput on {device}, vLLM {vllm.__version__}: {opts['prompts']} prompts x "
+          f"{opts['prompt_len']} tokens in, {opts['output_len']} tokens out (ignore_eos, T=1, logprobs=0)")
+    print(f"{'shape':8} {'config':7} {'tok/s':>10} {'vs bf16':>8} {'KV tokens':>11} {'KV vs bf16':>10} {'start s':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:8} {r['config']:7} error: {r['error']}")
+            continue
+        kv = r.get("kv_cache_vs_bf16")
+        print(f"{r['shape']:8} {r['config']:7} {r['output_tok_per_s']:10.1f} {r.get('speedup_vs_bf16', 0):7.2f}x "
+              f"{r['kv_cache_tokens']:11d} {(f'{kv:.2f}x' if kv else '-'):>10} {r['engine_start_s']:8.1f}")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"device": device, "vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"),
+                                            "settings": opts, "gpu_memory_utilization": util, "rows": rows}, indent=1))
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
