@@ -328,15 +328,22 @@ def _hook_worker_methods(rc: RuntimeConfig) -> None:
 
 def _hook_request_guard(rc: RuntimeConfig) -> None:
     """Refuse new requests in the caller while a sync is incomplete or failed; the engine stays
-    alive to receive the rest of the weights. (The model's forward also refuses, as a last line.)"""
-    try:
-        from vllm.entrypoints.common.offline import OfflineInferenceMixin as owner  # vLLM >= 0.3x
-        attr = "_render_and_add_requests"
-    except ImportError:
-        from vllm.entrypoints.llm import LLM as owner  # older layout
-        attr = "_validate_and_add_requests"
-    original = getattr(owner, attr, None)
-    if original is None or getattr(original, "_flashrl", False):
+    alive to receive the rest of the weights. (The model's forward also refuses, as a last line,
+    but an exception there kills a multiprocess engine core.) The method that adds requests is
+    found on LLM's MRO: its name and defining class move between vLLM versions
+    (0.26: offline_utils, 0.32: entrypoints/common/offline)."""
+    from vllm import LLM
+
+    for attr in ("_render_and_add_requests", "_validate_and_add_requests"):
+        owner = next((k for k in LLM.__mro__ if attr in k.__dict__), None)
+        if owner is not None:
+            break
+    else:
+        log.warning("flashrl: no request entry point found on vllm.LLM; a generate call during an "
+                    "incomplete sync will fail inside the engine instead of being refused")
+        return
+    original = owner.__dict__[attr]
+    if getattr(original, "_flashrl", False):
         return
 
     def guarded(self, *args, **kwargs):
