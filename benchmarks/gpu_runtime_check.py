@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--only-7b", action="store_true")
     ap.add_argument("--configs", default="bf16,fp8,int8", help="7B sync timing: which FLASHRL_CONFIGs")
+    ap.add_argument("--compiled", action="store_true",
+                    help="correctness checks with vLLM's default torch.compile + CUDA graphs (else eager)")
     ap.add_argument("--workdir", type=Path, default=None, help="reuse models built by an earlier run")
     args = ap.parse_args()
     from flashrl_tools.quantize import quantize
@@ -110,13 +112,15 @@ def main() -> None:
     else:
         make_model(tmp / "m", small, 0, True)
         perturb(tmp / "m", tmp / "mp")
-    eng = {"engine_kwargs": {"gpu_memory_utilization": 0.3}}
+    mode = {"enforce_eager": False} if args.compiled else {}
+    results["engines"] = "compiled (torch.compile + CUDA graphs)" if args.compiled else "eager"
+    eng = {"engine_kwargs": {"gpu_memory_utilization": 0.3, **mode}}
     checks = []
     yaml_fp8 = tmp / "fp8_channel.yaml"
     yaml_fp8.write_text("version: 1\nconfigs:\n- fn: fp8_channel\n  logprobs_mode: processed_logprobs\n")
     cases = {
         "int8": ({"FLASHRL_CONFIG": "int8"}, lambda: probe(tmp, "fresh-int8", {}, model=str(quantize(tmp / "mp", tmp / "mp-int8", "int8").out), **eng)),
-        "fp8": ({"FLASHRL_CONFIG": "fp8"}, lambda: probe(tmp, "fresh-fp8", {}, model=str(tmp / "mp"), engine_kwargs={"gpu_memory_utilization": 0.3, "quantization": "fp8"})),
+        "fp8": ({"FLASHRL_CONFIG": "fp8"}, lambda: probe(tmp, "fresh-fp8", {}, model=str(tmp / "mp"), engine_kwargs={"gpu_memory_utilization": 0.3, "quantization": "fp8", **mode})),
         "fp8_channel (yaml)": ({"FLASHRL_CONFIG": str(yaml_fp8)}, lambda: probe(tmp, "fresh-fp8c", {}, model=str(quantize(tmp / "mp", tmp / "mp-fp8c", "fp8_channel").out), **eng)),
     }
     for name, (env, fresh_fn) in ({} if args.only_7b else cases).items():

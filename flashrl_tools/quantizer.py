@@ -105,6 +105,11 @@ def quantize_int8_with_scale(w: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 
 def _int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if w.is_cuda:  # the same math fused in one kernel (bit-identical; tests/test_kernels.py)
+        from flashrl_tools.kernels import int8_triton
+
+        if int8_triton.available(w):
+            return int8_triton.int8_channel(w)
     scale = int8_scale(w)
     return quantize_int8_with_scale(w, scale), scale
 

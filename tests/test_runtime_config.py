@@ -81,4 +81,7 @@ def test_converter_matches_offline_requantization(tiny_models, tmp_path):
             assert torch.equal(a, b)
         if name in profile.meta.quantized:  # online: fresh absmax scales; profile: frozen ones
             assert onl[0][1].dtype == torch.int8 and not torch.equal(onl[1][1], got[1][1])
+            # fp32 master weights (verl, TRL) convert as their BF16 checkpoint does
+            for c in (conv, online):
+                assert all(torch.equal(a, b) for (_, a), (_, b) in zip(c.convert(name, t.float()), c.convert(name, t)))
     assert WeightConverter(ConfigFn.bf16, set(), None).convert("x", torch.ones(2))[0][0] == "x"

@@ -225,3 +225,61 @@ def test_invalid_config_stops_the_engine(default_model):
     assert res.returncode != 0
     assert "flashrl: invalid FLASHRL_CONFIG='int9'" in res.stderr
     assert "Starting to load model" not in res.stderr  # refused before any engine work
+
+
+def test_ray_actor_with_config_from_runtime_env(default_model, perturbed, fresh_perturbed_int8):
+    """A Ray actor that only builds vllm.LLM (FLASHRL_CONFIG arrives through runtime_env) comes up
+    in INT8, takes a weight sync from the driver through the object store, and returns sampling
+    logprobs. The actor has no flashrl code: the plugin activates from the environment."""
+    ray = pytest.importorskip("ray")
+
+    @ray.remote(num_cpus=1)
+    class Rollout:
+        def __init__(self, model):
+            from vllm import LLM
+
+            self.llm = LLM(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True,
+                           enable_prefix_caching=False, gpu_memory_utilization=0.15, seed=0)
+
+        def linear_schemes(self):  # the quantization scheme vLLM runs each q/k/v projection with
+            return self.llm.collective_rpc(
+                lambda w: sorted({type(getattr(m, "scheme", None)).__name__ for n, m in w.model_runner.model.named_modules()
+                                  if n.endswith("qkv_proj")}))[0]
+
+        def load_weights(self, weights):  # a trainer's push: one tensor per call, like verl / TRL
+            def push(worker):
+                for item in weights:
+                    worker.model_runner.model.load_weights([item])
+            self.llm.collective_rpc(push)
+
+        def teacher_forced(self, sequences):
+            from vllm import SamplingParams
+
+            outs = self.llm.generate([{"prompt_token_ids": s} for s in sequences],
+                                     SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+            return [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(sequences, outs)]
+
+        def sample(self, prompt, n):
+            from vllm import SamplingParams
+
+            out = self.llm.generate([{"prompt_token_ids": prompt}],
+                                    SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=1, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0]
+            return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
+
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        env = {"FLASHRL_CONFIG": "int8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        actor = Rollout.options(runtime_env={"env_vars": env}).remote(str(default_model))
+        assert ray.get(actor.linear_schemes.remote()) == ["CompressedTensorsW8A8Int8"]
+        weights = ray.put(list(CheckpointReader(perturbed).iter_tensors()))
+        ray.get(actor.load_weights.remote(weights))
+        got = ray.get(actor.teacher_forced.remote(SEQUENCES))
+        diff = max(abs(x - y) for a, b in zip(got, fresh_perturbed_int8["stages"][0]["logprobs"]) for x, y in zip(a, b))
+        assert diff <= TOL, f"Ray actor after sync vs fresh engine on quantize(perturbed): {diff}"
+        tokens, logprobs = ray.get(actor.sample.remote(SEQUENCES[0], 6))
+        assert len(tokens) == len(logprobs) == 6 and all(lp <= 0 for lp in logprobs)
+    finally:
+        ray.shutdown()

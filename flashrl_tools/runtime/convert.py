@@ -49,6 +49,10 @@ class WeightConverter:
         return {n for n in CheckpointReader(loaded_dir).names() if not n.endswith(QUANT_EXTRA_SUFFIXES)}
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if name in self.quantized and tensor.dtype in (torch.float32, torch.float64):
+            # verl and TRL push fp32 master weights: round to BF16 first, as a BF16 checkpoint of
+            # them would be, so scale and quotient are those of `quantize` of that checkpoint.
+            tensor = tensor.to(torch.bfloat16)
         if self.fn in (ConfigFn.bf16, ConfigFn.fp8):  # vLLM itself handles BF16 / online FP8
             return [(name, tensor)]
         if name in self.quantized:

