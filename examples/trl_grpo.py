@@ -77,11 +77,22 @@ class EngineProbe(TrainerCallback):
         tail = out.prompt_logprobs[len(self.prompt_ids):]
         return float(sum(lp[t].logprob for t, lp in zip(self.answer_ids, tail)))
 
+    def trainer_logp(self) -> float:
+        """The trainer's own (fp32) logprob of the same answer, after this step's update: the
+        engine reports the same quantity one step later, once TRL has pushed these weights."""
+        model = self.trainer_ref[0].model
+        ids = torch.tensor([self.prompt_ids + self.answer_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        n = len(self.prompt_ids)
+        return float(sum(logp[n - 1 + i, t] for i, t in enumerate(self.answer_ids)))
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "reward" not in logs:
             return
         row = {"step": state.global_step, "seconds": round(time.time() - self.t0, 1),
                "flashrl_config": os.environ["FLASHRL_CONFIG"], "engine_probe_logp": self.engine_logp(),
+               "trainer_probe_logp_after_step": self.trainer_logp(),
                **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
