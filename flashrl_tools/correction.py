@@ -116,6 +116,10 @@ def _check(logp_train, logp_rollout, mask, mode, clip_min, clip_max) -> None:
         raise ValueError(f"clip_min {clip_min} is above clip_max {clip_max}")
 
 
+def _bounds(clip_min: float | None, clip_max: float | None) -> tuple[float, float]:
+    return (-math.inf if clip_min is None else clip_min), (math.inf if clip_max is None else clip_max)
+
+
 def importance_log_ratio(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
                          level: str = "token") -> torch.Tensor:
     """log r per token ([B, T]), per sequence (sum, [B, 1]) or geometric (mean, [B, 1])."""
@@ -141,8 +145,7 @@ def importance_weights(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mas
         ratio = torch.exp(importance_log_ratio(logp_train, logp_rollout, mask, level))
         if kind == "truncate":
             return ratio if clip_min is None and clip_max is None else torch.clamp(ratio, clip_min, clip_max)
-        lo = -math.inf if clip_min is None else clip_min
-        hi = math.inf if clip_max is None else clip_max
+        lo, hi = _bounds(clip_min, clip_max)
         return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
@@ -169,10 +172,8 @@ def correction_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mas
         w_sel, raw_sel = w[m], raw[m]
     else:
         w_sel, raw_sel = w[seqs, 0], raw[seqs, 0]
-    lo = -math.inf if clip_min is None else clip_min
-    hi = math.inf if clip_max is None else clip_max
-    mean_w = w_sel.double().mean()
-    ess = float(1.0 / ((w_sel.double() / mean_w) ** 2).mean()) if mean_w > 0 else 0.0
+    lo, hi = _bounds(clip_min, clip_max)
+    ess = normalized_ess(torch.log(w_sel.double())) if (w_sel > 0).any() else 0.0
     delta = (logp_train.double() - logp_rollout.double())
     d = delta[m & ~torch.isnan(delta)]
     mf = m.double()
