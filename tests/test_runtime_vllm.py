@@ -103,15 +103,29 @@ def test_verl_weight_sync_path(default_model, perturbed, fresh_perturbed_int8, t
     assert_same(after_orig, start, "verl sync of the original weights")
 
 
-def test_setup_yaml_with_smoothquant_profile(default_model, smoothquant_checkpoint, perturbed, tmp_path):
-    """FLASHRL_CONFIG=config.yaml from `flashrl setup` (calibrated checkpoint + profile), in-process."""
-    prof, cfg = tmp_path / "p.safetensors", tmp_path / "config.yaml"
+@pytest.fixture(scope="module")
+def sq_config(smoothquant_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+    """`flashrl profile` + `flashrl setup` of the SmoothQuant checkpoint: (profile, config.yaml)."""
+    tmp = tmp_path_factory.mktemp("sq")
+    prof, cfg = tmp / "p.safetensors", tmp / "config.yaml"
     assert run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", prof).returncode == 0
     assert run_cli("setup", "-m", smoothquant_checkpoint, "-p", prof, "-o", cfg).returncode == 0
+    return prof, cfg
+
+
+@pytest.fixture(scope="module")
+def calibrated(smoothquant_checkpoint, tmp_path_factory) -> dict:
+    """A plain engine on the calibrated checkpoint (no FLASHRL_CONFIG)."""
+    return probe(tmp_path_factory.mktemp("cal"), "calibrated", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                 model=str(smoothquant_checkpoint))
+
+
+def test_setup_yaml_with_smoothquant_profile(default_model, sq_config, calibrated, perturbed, tmp_path):
+    """FLASHRL_CONFIG=config.yaml from `flashrl setup` (calibrated checkpoint + profile), in-process."""
+    prof, cfg = sq_config
     reference = requantize_checkpoint(perturbed, load_profile(prof), tmp_path / "ref")
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     fresh = probe(tmp_path, "fresh", env, model=str(reference))
-    calibrated = probe(tmp_path, "calibrated", env, model=str(smoothquant_checkpoint))
     r = probe(tmp_path, "synced", {**env, "FLASHRL_CONFIG": str(cfg)}, model=str(default_model),
               push=[str(perturbed), str(default_model)], transfer=[str(perturbed)])
     start, after_pert, after_orig, after_transfer = r["stages"]
@@ -125,6 +139,25 @@ def test_setup_yaml_with_smoothquant_profile(default_model, smoothquant_checkpoi
     assert_same(after_orig, probe(tmp_path, "orig", env, model=str(original))["stages"][0],
                 "original weights pushed back vs fresh engine on their re-quantization")
     print(f"\ncalibrated checkpoint vs its re-quantized BF16 weights: max |Δ logp| {differs(after_orig, start):.3f}")
+
+
+def test_engine_starts_from_a_published_hub_config(default_model, sq_config, calibrated, tmp_path):
+    """`flashrl publish` to a local Hub (tests/hub_server.py), then a multiprocess engine with
+    FLASHRL_CONFIG=USER/NAME/config.yaml@<commit>: it serves the calibrated checkpoint with the
+    profile from the Hub (downloaded once for both of its processes, front end and engine core)."""
+    from hub_server import HubServer
+
+    with HubServer() as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "FLASHRL_HOME": str(tmp_path / "fh")}
+        res = run_cli("publish", sq_config[1], "--repo", "alice/smollm2-sq", env={**env, "HF_TOKEN": "hf_alice"})
+        assert res.returncode == 0, res.stderr
+        line = res.stdout.strip().splitlines()[-1]
+        assert line.startswith("FLASHRL_CONFIG=alice/smollm2-sq/config.yaml@")
+        r = probe(tmp_path, "hub", {**env, "FLASHRL_CONFIG": line.split("=", 1)[1]}, model=str(default_model))
+        assert_same(r["stages"][0], calibrated["stages"][0], "engine from the Hub config vs the calibrated checkpoint")
+        assert hub.state.count("GET", "/resolve/") == 2, hub.state.requests  # config + profile, downloaded once
+        resolved = (tmp_path / "fh" / "hub").glob("*/config.yaml")
+        assert str(tmp_path / "hf") in next(resolved).read_text()  # the profile came from the Hub cache
 
 
 def test_memory_and_storage_stable_over_100_syncs(tiny_models, tmp_path):

@@ -11,10 +11,6 @@ from rich.table import Table
 from flashrl_tools.cli.common import err, model_path, out
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_write_text
-from flashrl_tools.profile.build import build_profile
-from flashrl_tools.profile.format import save_profile
-from flashrl_tools.profile.legacy import convert_flashrl_profile
-from flashrl_tools.quantize import parse_fn
 
 SHOWN_ROWS = 15
 
@@ -30,6 +26,12 @@ def command(
 ) -> None:
     """Record what re-quantizing updated BF16 weights needs (scales, SmoothQuant factors) and
     report how exactly that reproduces the checkpoint, worst layers first."""
+    # imported here: compressed-tensors (via transformers) costs seconds on every `flashrl` call
+    from flashrl_tools.profile.build import build_profile
+    from flashrl_tools.profile.format import save_profile
+    from flashrl_tools.profile.legacy import convert_flashrl_profile
+    from flashrl_tools.quantize import parse_fn
+
     fn_ = parse_fn(fn)
     for path in (output, report):
         if path is not None and path.exists() and not force:

@@ -8,7 +8,6 @@ import typer
 from rich.table import Table
 
 from flashrl_tools.cli.common import ModelOption, err, model_path, out
-from flashrl_tools.quantize import parse_fn, quantize
 from flashrl_tools.quantizer import QuantFn
 
 FN_HELP = " | ".join(f.value for f in QuantFn)
@@ -21,6 +20,8 @@ def command(
     force: bool = typer.Option(False, "--force", help="replace an existing output"),
 ) -> None:
     """Write an 8-bit checkpoint (weights + config.json + tokenizer) that vLLM loads without flags."""
+    from flashrl_tools.quantize import parse_fn, quantize  # compressed-tensors: seconds to import
+
     fn_ = parse_fn(fn)  # validate before any slow work
     src = model_path(model)
     with err.status(f"quantizing {src.name} ({fn_.value})"):

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import sha256_file
+from flashrl_tools.publish.hubref import parse_config_ref
 from flashrl_tools.setup.schema import ConfigFn, RolloutConfig, load_config, parse_config
 from flashrl_tools.setup.write import DEFAULTS
 
 ENV = "FLASHRL_CONFIG"
 SHORTCUTS = ("bf16", "fp8", "int8")
-_HUB_REF = re.compile(r"^[\w.-]+/[\w.-]+/.+\.ya?ml(@[\w./-]+)?$")
 ALLOWED = ("bf16 | fp8 | int8 | a config.yaml written by `flashrl setup` | "
            "USER/REPO/path/config.yaml[@REVISION] (Hugging Face Hub)")
 
@@ -53,23 +52,28 @@ def _resolve(value: str) -> RuntimeConfig:
         return RuntimeConfig(entry, value)
     path = Path(value).expanduser()
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        config = load_config(path)
-        index = int(os.environ.get("FLASHRL_CONFIG_INDEX", "0"))
-        if not 0 <= index < len(config.configs):
-            raise FlashRLError(f"FLASHRL_CONFIG_INDEX={index} but the config has "
-                               f"{len(config.configs)} entries", str(path))
-        entry = _resolve_paths(config.configs[index], path.parent)
-        check_entry(entry, str(path))
-        return RuntimeConfig(entry, value)
-    if _HUB_REF.match(value) and not path.exists():
-        raise FlashRLError(f"{ENV}={value!r} looks like a Hugging Face Hub reference; resolving Hub "
-                           "configs is not supported yet", None,
-                           "download the config and its profile and point FLASHRL_CONFIG at the local YAML")
+        return RuntimeConfig(_entry_from_yaml(path, str(path)), value)
+    ref = parse_config_ref(value)
+    if ref is not None and not path.exists():
+        from flashrl_tools.runtime.hub_config import resolve_hub_config
+
+        return RuntimeConfig(_entry_from_yaml(resolve_hub_config(ref), value), value)
     raise FlashRLError(f"invalid {ENV}={value!r}" + (" (file not found)" if path.suffix in (".yaml", ".yml") else ""),
                        None, f"allowed: {ALLOWED}")
 
 
-def _resolve_paths(entry: RolloutConfig, base: Path) -> RolloutConfig:
+def _entry_from_yaml(path: Path, source: str) -> RolloutConfig:
+    config = load_config(path)
+    index = int(os.environ.get("FLASHRL_CONFIG_INDEX", "0"))
+    if not 0 <= index < len(config.configs):
+        raise FlashRLError(f"FLASHRL_CONFIG_INDEX={index} but the config has "
+                           f"{len(config.configs)} entries", source)
+    entry = resolve_relative(config.configs[index], path.parent)
+    check_entry(entry, source)
+    return entry
+
+
+def resolve_relative(entry: RolloutConfig, base: Path) -> RolloutConfig:
     """Relative `model` / `profile` paths are relative to the YAML file."""
     update = {}
     for key in ("model", "profile"):
