@@ -61,7 +61,7 @@ def hub_errors(what: str, where: str) -> Iterator[None]:
                                "pass a valid token with --token or HF_TOKEN (`hf auth login`)") from None
         if status == 403:
             raise FlashRLError(f"{what} failed: permission denied (403)", where,
-                               "use a token with write access to this repo/namespace, or another --repo") from None
+                               "use a token with access to this repo (write access to publish), or another repo") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FlashRLError(f"{what} failed: Hub error ({first})", where) from None
     except Exception as e:
