@@ -21,7 +21,6 @@ class Upload:
     sha256: str
     size: int
     data: bytes  # what is uploaded
-    source: Path | None = None  # the local file it was read from (None: generated)
 
 
 @dataclass
@@ -58,7 +57,8 @@ def build_bundle(config_path: Path, repo_id: str, path_in_repo: str = "", model_
         raise FlashRLError(f"invalid --model-repo {model_repo!r}", None, "expected USER/NAME or USER/NAME@REVISION")
     config_path = Path(config_path).expanduser()
     config = load_config(config_path)
-    checkpoints = {str(resolve_relative(e, config_path.parent).model) for e in config.configs if e.model}
+    local_entries = [resolve_relative(e, config_path.parent) for e in config.configs]  # paths as on this machine
+    checkpoints = {e.model for e in local_entries if e.model}
     if model_repo is not None and len(checkpoints) > 1:
         raise FlashRLError(f"--model-repo names one checkpoint but the config's entries use {len(checkpoints)}",
                            str(config_path), "publish one config per checkpoint")
@@ -67,8 +67,7 @@ def build_bundle(config_path: Path, repo_id: str, path_in_repo: str = "", model_
     bundle = Bundle(repo_id, join(config_path.name), config)
     names: dict[str, str] = {}  # profile file name in the repo -> sha256
     entries: list[RolloutConfig] = []
-    for i, entry in enumerate(config.configs):
-        local = resolve_relative(entry, config_path.parent)
+    for i, (entry, local) in enumerate(zip(config.configs, local_entries)):
         check_entry(local, f"{config_path} (entry {i})")
         update: dict = {}
         if local.profile is not None:
@@ -80,7 +79,7 @@ def build_bundle(config_path: Path, repo_id: str, path_in_repo: str = "", model_
                 name = f"{src.stem}-{i}{src.suffix}"
             if name not in names:
                 names[name] = digest
-                bundle.uploads.append(Upload(join(name), digest, len(data), data, source=src))
+                bundle.uploads.append(Upload(join(name), digest, len(data), data))
             update.update(profile=name, profile_sha256=digest)
         if local.model is not None:
             if model_repo is not None:

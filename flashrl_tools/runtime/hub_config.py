@@ -99,11 +99,12 @@ def _localize(entry: RolloutConfig, i: int, ref: HubRef, commit: str | None, nod
         if entry.profile.endswith(".pt"):
             path = _legacy_profile(entry, ref, commit, update.get("model"), node_dir / f"profile-{i}.safetensors",
                                    source)
+            update.update(profile=str(path), profile_sha256=sha256_file(path))  # the converted file's
         else:
             path = _download(ref.repo_id, _in_repo(ref, entry.profile, source), commit or ref.revision,
                              f"profile {entry.profile}")
-            _check_sha(path, entry, source)
-        update.update(profile=str(path), profile_sha256=sha256_file(path))
+            _check_sha(path, entry, source)  # so the recorded sha256 stays right
+            update["profile"] = str(path)
     return entry.model_copy(update=update)
 
 
