@@ -7,6 +7,8 @@ TRL colocate), inside each worker via `collective_rpc`, so it works with in-proc
 multiprocess engines.
 Usage: python sync_probe.py REQUEST.json RESULT.json
 REQUEST: {"model": dir, "sequences": [[ids]], "max_tokens": n, "push": [dir, ...],
+          "push_trainer": [dir, ...] (a transformers model's in-memory state dict, one tensor per
+                          call: fused MoE experts, in-memory module names),
           "partial_push": dir | null (push 10 tensors, try to generate, then push all),
           "repeat": [dir_a, dir_b, n] | null (n syncs alternating a/b: RSS and parameter
           storage addresses after each),
@@ -58,6 +60,31 @@ def push_checkpoint(path, limit=None, device=None):
             torch.cuda.synchronize()
         sync = getattr(model, "flashrl_sync", None)
         return {"seconds": time.perf_counter() - t0, "completed": sync.completed if sync else None}
+
+    return push
+
+
+def push_trainer_state(path, device=None):
+    """Like push_checkpoint, but the tensors a transformers trainer holds in memory
+    (`model.state_dict()` of `from_pretrained`): transformers 5 keeps MoE experts fused
+    (`mlp.experts.gate_up_proj` [E, 2I, H]) and renames some modules (Mixtral's
+    `block_sparse_moe` is `mlp`). One tensor per call, as TRL colocate / verl push."""
+
+    def push(worker):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = worker.model_runner.model
+        trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        items = [(n, t.to(device) if device else t) for n, t in trainer.state_dict().items()]
+        if device is not None:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for name, tensor in items:
+            model.load_weights([(name, tensor)])
+        if device is not None:
+            torch.cuda.synchronize()
+        return {"seconds": time.perf_counter() - t0, "names": len(items)}
 
     return push
 
@@ -239,6 +266,9 @@ def main():
     for path in req.get("push", []):
         info = llm.collective_rpc(push_checkpoint(path, device=req.get("push_device")))[0]
         stages.append(observe(f"push:{path}", info))
+    for path in req.get("push_trainer", []):
+        info = llm.collective_rpc(push_trainer_state(path, device=req.get("push_device")))[0]
+        stages.append(observe(f"push_trainer:{path}", info))
     for path in req.get("reload", []):
         info = llm.collective_rpc(reload_checkpoint(path))[0]
         stages.append(observe(f"reload:{path}", info))

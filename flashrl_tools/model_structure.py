@@ -22,7 +22,12 @@ from flashrl_tools.errors import FlashRLError
 class ModelLayout:
     model_type: str
     linear_weights: frozenset[str]  # checkpoint names of the weights to quantize ("<module>.weight")
-    excluded: tuple[str, ...]  # linear modules deliberately kept in high precision
+    excluded: tuple[str, ...]  # linear(-like) modules deliberately kept in high precision
+    expert_weights: frozenset[str] = frozenset()  # the MoE experts' among linear_weights
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.expert_weights)
 
 
 def read_config(model_dir: Path) -> dict:
@@ -74,13 +79,54 @@ def unquantized_names(model_dir: Path) -> set[str]:
 
 def model_layout(model_dir: Path, allow_quantized: bool = False) -> ModelLayout:
     config, model = _meta_model(model_dir, allow_quantized)
+    return layout_of(model, config.model_type)
+
+
+def meta_model(model_dir: Path):
+    """The transformers model of a (BF16 or 8-bit) checkpoint on the meta device."""
+    return _meta_model(model_dir, allow_quantized=True)[1]
+
+
+def layout_of(model: nn.Module, model_type: str) -> ModelLayout:
+    from flashrl_tools.trainer_names import TrainerNames
+
+    names = TrainerNames(model, frozenset())
     head = model.get_output_embeddings()
-    linears, excluded = set(), []
+    blocks = _moe_blocks(model)
+    linears, experts, excluded = set(), set(), []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        if module is head:
-            excluded.append(name)
-            continue
-        linears.add(f"{name}.weight")
-    return ModelLayout(config.model_type, frozenset(linears), tuple(excluded))
+        parent = name.rpartition(".")[0]
+        weight = module._parameters.get("weight")
+        if module is head or (parent in blocks and _linear_like(module)):  # output head, routers
+            excluded += [n.removesuffix(".weight") for n in names.names_of(f"{name}.weight", tuple(weight.shape))]
+        elif isinstance(module, nn.Linear):
+            linears.update(names.names_of(f"{name}.weight", tuple(weight.shape)))
+        else:
+            for pname, p in _stacked_linears(module):
+                experts.update(names.names_of(f"{name}.{pname}", tuple(p.shape)))
+    return ModelLayout(model_type, frozenset(linears | experts), tuple(excluded), frozenset(experts))
+
+
+def _stacked_linears(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """3D parameters [E, out, in] of a fused experts module (not a convolution's kernel)."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return []
+    return [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() == 3]
+
+
+def _linear_like(module: nn.Module) -> bool:
+    """A leaf module computing x @ W.T with a 2D weight: nn.Linear or a router (`TopKRouter`)."""
+    w = module._parameters.get("weight")
+    return w is not None and w.dim() == 2 and not any(True for _ in module.children()) and \
+        not isinstance(module, nn.Embedding)
+
+
+def _moe_blocks(model: nn.Module) -> set[str]:
+    """Names of sparse MoE blocks: parents of fused experts, or modules with an `experts` child."""
+    blocks = set()
+    for name, module in model.named_modules():
+        if _stacked_linears(module):
+            blocks.add(name.rpartition(".")[0])
+        if "experts" in module._modules:
+            blocks.add(name)
+    return blocks

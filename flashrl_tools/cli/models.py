@@ -26,7 +26,7 @@ def default(gguf: Path = typer.Option(None, "--gguf", help="use this local GGUF 
 @app.command("tiny")
 def tiny(
     output: Path = typer.Option(..., "-o", "--output", help="directory to write"),
-    arch: str = typer.Option("llama", "--arch", help="llama | qwen2 | qwen3"),
+    arch: str = typer.Option("llama", "--arch", help="llama | qwen2 | qwen3 | qwen3_moe | mixtral"),
     tied: bool = typer.Option(False, "--tied/--untied", help="tie lm_head to the embeddings"),
     seed: int = typer.Option(0, "--seed"),
     force: bool = typer.Option(False, "--force", help="replace an existing output"),

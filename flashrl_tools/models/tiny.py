@@ -24,10 +24,20 @@ class TinyArch(str, Enum):
     llama = "llama"
     qwen2 = "qwen2"
     qwen3 = "qwen3"
+    qwen3_moe = "qwen3_moe"  # sparse MoE: router `mlp.gate`, experts gate/up/down_proj
+    mixtral = "mixtral"  # sparse MoE: router `block_sparse_moe.gate`, experts w1/w3/w2
+
+    @property
+    def is_moe(self) -> bool:
+        return self in (TinyArch.qwen3_moe, TinyArch.mixtral)
+
+
+# MoE: 4 experts, 2 active, small expert width; every decoder layer sparse.
+_MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
 
 
 def tiny_config(arch: TinyArch, tied: bool):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -39,6 +49,11 @@ def tiny_config(arch: TinyArch, tied: bool):
         return LlamaConfig(**common)
     if arch is TinyArch.qwen2:
         return Qwen2Config(**common)  # q/k/v projections carry a bias
+    if arch is TinyArch.qwen3_moe:
+        return Qwen3MoeConfig(head_dim=32, num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1,
+                              mlp_only_layers=[], norm_topk_prob=True, **_MOE, **common)
+    if arch is TinyArch.mixtral:
+        return MixtralConfig(num_local_experts=4, **_MOE, **{**common, "intermediate_size": 64})
     return Qwen3Config(head_dim=32, **common)  # q/k norms inside attention
 
 

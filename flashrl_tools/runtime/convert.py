@@ -2,7 +2,9 @@
 
 Pure torch (the quantizer and the profile), no vLLM: one incoming (name, tensor) becomes
 (name, int8/fp8 weight) + (name_scale, scale) for a quantized linear, a rescaled norm for a
-SmoothQuant-smoothed norm, or itself. Runs on the tensor's device.
+SmoothQuant-smoothed norm, or itself. Runs on the tensor's device. Trainer names that the
+checkpoint does not use (transformers 5's fused MoE experts, renamed modules) are first mapped
+to checkpoint names (`to_checkpoint`, trainer_names.py).
 """
 
 from __future__ import annotations
@@ -12,21 +14,29 @@ from pathlib import Path
 
 import torch
 
-from flashrl_tools.model_structure import has_weights, model_layout, unquantized_names
+from flashrl_tools.model_structure import has_weights, meta_model, model_layout, unquantized_names
 from flashrl_tools.profile.format import Profile, load_profile
 from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES
 from flashrl_tools.quantizer import QuantFn, quantize_weight, requantize_int8, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.setup.schema import ConfigFn
+from flashrl_tools.trainer_names import TrainerNames
 
 QUANTIZED = {f.value for f in QuantFn}  # fns whose linear weights the engine holds in 8 bit
 
 
 class WeightConverter:
-    def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None):
+    def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None,
+                 model_dir: Path | None = None, expected: set[str] | None = None,
+                 served: QuantFn | None = None):
         self.fn = fn
+        # the 8-bit format of the tensors the engine loaded; None when it loaded BF16 (bf16, vLLM's
+        # online fp8). FLASHRL_CONFIG=fp8 on a MoE model serves our fp8_tensor checkpoint.
+        self.served = served if served is not None else (QuantFn(fn.value) if fn.value in QUANTIZED else None)
         self.quantized = quantized  # checkpoint names of the linear weights the engine holds in 8 bit
         self.profile = profile
+        self.model_dir, self.expected = model_dir, expected  # for trainer-name translation
+        self._names: TrainerNames | None = None
         self._device_cache: dict[tuple[str, torch.device], torch.Tensor | None] = {}
 
     @classmethod
@@ -34,12 +44,13 @@ class WeightConverter:
         """Derive what to quantize from the checkpoint the engine actually loaded (from the
         model's structure when it is config-only: dummy weights)."""
         profile = load_profile(Path(profile_path)) if profile_path else None
+        served = served_format(loaded_dir)
         if not has_weights(loaded_dir):
-            quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights if fn.value in QUANTIZED else set()
-            return cls(fn, set(quantized), profile)
+            quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights if served else set()
+            return cls(fn, set(quantized), profile, loaded_dir, cls.expected_names(loaded_dir), served)
         reader = CheckpointReader(loaded_dir)
         quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
-        return cls(fn, quantized, profile)
+        return cls(fn, quantized, profile, loaded_dir, cls.expected_names(loaded_dir), served)
 
     @staticmethod
     def expected_names(loaded_dir: Path) -> set[str]:
@@ -48,12 +59,21 @@ class WeightConverter:
             return unquantized_names(loaded_dir)
         return {n for n in CheckpointReader(loaded_dir).names() if not n.endswith(QUANT_EXTRA_SUFFIXES)}
 
+    def to_checkpoint(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A trainer's (name, tensor) as checkpoint-named BF16 tensors: itself when the checkpoint
+        has that name, else transformers' save-time conversion (fused experts split per expert)."""
+        if self.expected is None or name in self.expected:
+            return [(name, tensor)]
+        if self._names is None:
+            self._names = TrainerNames(meta_model(self.model_dir), frozenset(self.expected))
+        return self._names.translate(name, tensor)
+
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if name in self.quantized and tensor.dtype in (torch.float32, torch.float64):
             # verl and TRL push fp32 master weights: round to BF16 first, as a BF16 checkpoint of
             # them would be, so scale and quotient are those of `quantize` of that checkpoint.
             tensor = tensor.to(torch.bfloat16)
-        if self.fn in (ConfigFn.bf16, ConfigFn.fp8):  # vLLM itself handles BF16 / online FP8
+        if self.served is None:  # vLLM itself handles BF16 / online FP8
             return [(name, tensor)]
         if name in self.quantized:
             if self.profile is not None:
@@ -64,7 +84,7 @@ class WeightConverter:
                 q = requantize_int8(tensor, scale, self._on(f"{name}:in", entry.smooth_in, tensor.device),
                                     self._on(f"{name}:out", entry.smooth_out, tensor.device))
                 return [(name, q), (f"{name}_scale", scale)]
-            q = quantize_weight(QuantFn(self.fn.value), tensor)
+            q = quantize_weight(self.served, tensor)
             return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
         if self.profile is not None:
             divisor = self.profile.norm_divisor(name)
@@ -83,3 +103,14 @@ class WeightConverter:
         if cache_key not in self._device_cache:
             self._device_cache[cache_key] = t.to(device)
         return self._device_cache[cache_key]
+
+
+def served_format(loaded_dir: Path) -> QuantFn | None:
+    """Which of our 8-bit formats the engine's checkpoint holds (None: a BF16 checkpoint)."""
+    from flashrl_tools.model_structure import read_config
+
+    if "quantization_config" not in read_config(loaded_dir):
+        return None
+    from flashrl_tools.profile.build import checkpoint_format
+
+    return checkpoint_format(loaded_dir)

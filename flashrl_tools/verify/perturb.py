@@ -9,8 +9,9 @@ import torch
 from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_checkpoint
 
 LINEARS = ("proj.weight",)
-# embeddings and norms too: a tied lm_head and SmoothQuant-rescaled norms must follow a sync
-ALL_TRAINED = ("proj.weight", "embed_tokens.weight", "norm.weight")
+# every trained weight: linears, MoE experts and routers (Mixtral's w1/w2/w3, gate), embeddings and
+# norms (a tied lm_head and SmoothQuant-rescaled norms must follow a sync)
+ALL_TRAINED = (".weight",)
 
 
 def perturb(src: Path, dst: Path, rel: float = 0.05, seed: int = 0, match: tuple[str, ...] = LINEARS) -> Path:
