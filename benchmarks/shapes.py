@@ -1,5 +1,5 @@
-"""Model shapes for the GPU benchmarks: Qwen2.5 configs written as config-only directories
-(vLLM `load_format="dummy"`), and the embedded model for CPU runs."""
+"""Model shapes for the GPU benchmarks: Qwen2.5 and Qwen3-MoE configs written as config-only
+directories (vLLM `load_format="dummy"`), and the embedded model for CPU runs."""
 
 from __future__ import annotations
 
@@ -22,13 +22,32 @@ QWEN25 = {
 }
 
 
+_MOE_COMMON = {**_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+               "vocab_size": 151936, "head_dim": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "norm_topk_prob": True, "attention_bias": False, "rope_theta": 1000000.0,
+               "eos_token_id": 151645, "max_position_embeddings": 40960}
+QWEN3_MOE = {
+    # Qwen3-30B-A3B: 128 experts, 8 active per token, ~3.3B active of ~30.5B parameters
+    "30b-a3b": {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                "num_experts": 128, "num_experts_per_tok": 8},
+    "moe-tiny": {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,  # CPU smoke
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                 "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 2048},
+}
+
+
 def model_dir(shape: str, root: Path) -> tuple[Path, bool]:
-    """(model directory, dummy weights?) for a shape name: 7b | 14b | 32b | tiny | default."""
+    """(model directory, dummy weights?) for a shape name: 7b | 14b | 32b | tiny | 30b-a3b |
+    moe-tiny | default."""
     if shape == "default":
         from flashrl_tools.models import resolve_model
 
         return resolve_model("default"), False
-    d = Path(root) / f"qwen2.5-{shape}-shape"
+    if shape in QWEN3_MOE:
+        d, config = Path(root) / f"qwen3-moe-{shape}-shape", {**_MOE_COMMON, **QWEN3_MOE[shape]}
+    else:
+        d, config = Path(root) / f"qwen2.5-{shape}-shape", {**_COMMON, **QWEN25[shape]}
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps({**_COMMON, **QWEN25[shape]}, indent=1))
+    (d / "config.json").write_text(json.dumps(config, indent=1))
     return d, True

@@ -70,8 +70,10 @@ def has_weights(model_dir: Path) -> bool:
 def unquantized_names(model_dir: Path) -> set[str]:
     """The tensor names save_pretrained would write for this config (BF16 layout): what a
     trainer's state dict holds. For config-only model directories."""
+    from flashrl_tools.trainer_names import revert_all
+
     config, model = _meta_model(model_dir, allow_quantized=True)
-    names = set(model.state_dict())
+    names = set(revert_all(model, dict(model.state_dict())))  # save-time names: experts per expert
     if getattr(config, "tie_word_embeddings", False):
         names -= {"lm_head.weight"}
     return names

@@ -53,3 +53,12 @@ def revert(model: nn.Module, name: str, tensor: torch.Tensor) -> dict[str, torch
     except ImportError:  # transformers 4: in-memory names are the checkpoint names
         return {name: tensor}
     return revert_weight_conversion(model, {name: tensor})
+
+
+def revert_all(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same for a whole (meta) state dict: the names `save_pretrained` would write."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    return revert_weight_conversion(model, state)

@@ -3,6 +3,8 @@
 These are llmcompressor's default SmoothQuant mappings for Llama-style decoders (Llama, Qwen2,
 Qwen3, Mistral...) plus the optional down_proj <- up_proj mapping, matched by module leaf name
 inside each decoder layer. Whether a group was actually smoothed is decided from the data.
+A leaf name found more than once in a layer (MoE experts) forms no group: those weights are
+profiled as plain linears (frozen scales), and the report shows how exactly they reproduce.
 """
 
 from __future__ import annotations
@@ -30,11 +32,16 @@ def layer_groups(linear_weights: set[str], all_names: set[str]) -> dict[str, lis
     """Decoder-layer prefix -> its groups, in fitting order (groups whose smooth layer is a
     linear first: their factors are needed to read that linear's own weights)."""
     by_layer: dict[str, dict[str, str]] = {}
+    repeated: set[tuple[str, str]] = set()  # MoE: every expert has a gate_proj; not one group
     for name in all_names:
         m = _LAYER.match(name)
         if m and name.endswith(".weight"):
             leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
-            by_layer.setdefault(m.group(1), {})[leaf] = name
+            if leaf in by_layer.setdefault(m.group(1), {}):
+                repeated.add((m.group(1), leaf))
+            by_layer[m.group(1)][leaf] = name
+    for prefix, leaf in repeated:
+        del by_layer[prefix][leaf]
     out: dict[str, list[Group]] = {}
     for prefix, leaves in sorted(by_layer.items()):
         groups = []
