@@ -48,17 +48,13 @@ class TrainerNames:
 
 def revert(model: nn.Module, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """transformers' save-time conversion of one in-memory tensor (identity for most names)."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4: in-memory names are the checkpoint names
-        return {name: tensor}
-    return revert_weight_conversion(model, {name: tensor})
+    return revert_all(model, {name: tensor})
 
 
 def revert_all(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same for a whole (meta) state dict: the names `save_pretrained` would write."""
+    """transformers' save-time conversion of a state dict: the names `save_pretrained` writes."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
+    except ImportError:  # transformers 4: in-memory names are the checkpoint names
         return state
     return revert_weight_conversion(model, state)

@@ -27,10 +27,6 @@ class TinyArch(str, Enum):
     qwen3_moe = "qwen3_moe"  # sparse MoE: router `mlp.gate`, experts gate/up/down_proj
     mixtral = "mixtral"  # sparse MoE: router `block_sparse_moe.gate`, experts w1/w3/w2
 
-    @property
-    def is_moe(self) -> bool:
-        return self in (TinyArch.qwen3_moe, TinyArch.mixtral)
-
 
 # MoE: 4 experts, 2 active, small expert width; every decoder layer sparse.
 _MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)

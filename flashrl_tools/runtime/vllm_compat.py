@@ -293,7 +293,7 @@ def _modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]
 def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> WeightSync:
     loaded_dir = Path(model_config.model)
     converter = WeightConverter.for_checkpoint(rc.fn, loaded_dir, rc.entry.profile)
-    sync = WeightSync(model, model_config, converter, WeightConverter.expected_names(loaded_dir))
+    sync = WeightSync(model, model_config, converter, converter.expected)
     model.load_weights = sync.load_weights
     model.flashrl_sync = sync
     original_forward = model.forward
