@@ -87,6 +87,26 @@ def quantize_weight(fn: QuantFn, w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(_to_fp8(w.float() / scale), scale)
 
 
+def quantize_weights(fn: QuantFn, w: torch.Tensor) -> list[QuantizedWeight]:
+    """Quantize N linear weights of one shape stacked as [N, out, in] in a few kernels (MoE experts:
+    thousands of small tensors per sync). Bit-identical with `quantize_weight` on each slice: every
+    format's statistics stay within one slice (rows; the slice for per-tensor; 128x128 blocks,
+    which never straddle two slices when out is a multiple of 128)."""
+    if w.dim() != 3:
+        raise ValueError(f"expected stacked linear weights [N, out, in], got shape {list(w.shape)}")
+    n, out, inp = w.shape
+    if fn is QuantFn.fp8_tensor:
+        scale = _nonzero(w.float().abs().amax(dim=(1, 2)) / FP8_MAX)  # [N]
+        q = _to_fp8(w.float() / scale[:, None, None])
+        return [QuantizedWeight(q[i], scale[i].reshape(1)) for i in range(n)]
+    if fn is QuantFn.fp8_block and out % FP8_BLOCK[0]:
+        return [quantize_weight(fn, w[i]) for i in range(n)]
+    flat = quantize_weight(fn, w.reshape(n * out, inp))
+    qs = flat.weight.view(n, out, inp)
+    scales = flat.weight_scale.view(n, -1, flat.weight_scale.shape[-1])
+    return [QuantizedWeight(qs[i], scales[i]) for i in range(n)]
+
+
 def int8_scale(w: torch.Tensor) -> torch.Tensor:
     """Per-output-channel symmetric INT8 scale [out, 1] in the weight's dtype (compressed-tensors)."""
     absmax = w.float().abs().amax(dim=1, keepdim=True)

@@ -48,3 +48,14 @@ def test_weight_sync_benchmark_smoke(tmp_path):
         assert rows[(shape, "bf16")]["syncs_completed"] == 1
         int8 = rows[(shape, "int8")]
         assert int8["syncs_completed"] == 1 and int8["convert_s"] > 0 and int8["sync_s"] > 0
+
+
+def test_moe_convert_benchmark_smoke(tmp_path):
+    """Stacked expert conversion runs and is checked bit-identical by the script itself."""
+    out = tmp_path / "moe.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe_convert.py"), "--shape", "moe-tiny",
+                          "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["fn"] for r in rows] == ["int8", "fp8_tensor", "fp8_channel", "fp8_block"]
+    assert all(r["bit_identical"] for r in rows)

@@ -139,14 +139,19 @@ def test_trainer_state_dict_lands_on_checkpoint_names(moe_models, tmp_path, arch
     got = dict(pair for n, t in trainer.items() for pair in conv.to_checkpoint(n, t))
     assert sorted(got) == sorted(ckpt.names())
     assert all(torch.equal(got[n], ckpt.get(n)) for n in got)
-    q = quantize(src, tmp_path / "q", "int8").out
-    conv = WeightConverter.for_checkpoint(ConfigFn.int8, q, None)
-    converted = dict(p for n, t in trainer.items() for c in conv.to_checkpoint(n, t) for p in conv.convert(*c))
-    qr = CheckpointReader(q)
-    assert sorted(converted) == sorted(qr.names())
-    assert all(torch.equal(converted[n].view(torch.uint8) if converted[n].dtype == torch.int8 else converted[n],
-                           qr.get(n).view(torch.uint8) if qr.dtype(n) == torch.int8 else qr.get(n))
-               for n in converted)
+    for fn in QuantFn:  # the runtime's path: each trainer tensor's group converted at once
+        q = quantize(src, tmp_path / fn.value, fn.value).out
+        qr = CheckpointReader(q)
+        for stacked in (False, True):  # experts stacked per fused tensor (the CUDA path) or one by one
+            conv = WeightConverter.for_checkpoint(ConfigFn(fn.value), q, None)
+            conv.batch_devices = frozenset({"cpu"}) if stacked else frozenset()
+            converted = dict(p for n, t in trainer.items() for p in conv.convert_group(conv.to_checkpoint(n, t)))
+            assert sorted(converted) == sorted(qr.names()), fn
+            assert all(torch.equal(_bits(converted[n]), _bits(qr.get(n))) for n in converted), (fn, stacked)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def test_cpu_engine_refuses_8bit_moe_at_start(moe_models):

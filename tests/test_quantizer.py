@@ -20,6 +20,7 @@ from flashrl_tools.quantizer import (
     dequantize,
     output_specs,
     quantize_weight,
+    quantize_weights,
 )
 from flashrl_tools.safetensors_io import CheckpointReader
 
@@ -105,3 +106,18 @@ def test_fp8_formats_scale_shapes():
 def test_rejects_non_2d():
     with pytest.raises(ValueError, match="2-D"):
         quantize_weight(QuantFn.int8, torch.zeros(4))
+
+
+@pytest.mark.parametrize("fn", list(QuantFn))
+@pytest.mark.parametrize("shape", [(5, 256, 300), (3, 129, 257), (2, 1, 7)])
+def test_stacked_weights_quantize_like_one_at_a_time(fn, shape):
+    """What the runtime does with a fused MoE tensor (stack of expert weights) is bit-identical
+    with quantizing each expert weight alone, zero slices included."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    w[0, 0, 0] = 0.5
+    w[-1] = 0
+    for i, q in enumerate(quantize_weights(fn, w)):
+        ref = quantize_weight(fn, w[i])
+        assert torch.equal(q.weight.view(torch.uint8), ref.weight.view(torch.uint8)), (fn, i)
+        assert q.weight_scale.shape == ref.weight_scale.shape and torch.equal(q.weight_scale, ref.weight_scale)

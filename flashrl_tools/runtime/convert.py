@@ -17,15 +17,21 @@ import torch
 from flashrl_tools.model_structure import has_weights, meta_model, model_layout, unquantized_names
 from flashrl_tools.profile.format import Profile, load_profile
 from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES
-from flashrl_tools.quantizer import QuantFn, quantize_weight, requantize_int8, smooth_norm
+from flashrl_tools.quantizer import QuantFn, quantize_weight, quantize_weights, requantize_int8, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.setup.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
 
-QUANTIZED = {f.value for f in QuantFn}  # fns whose linear weights the engine holds in 8 bit
+QUANTIZED = {f.value for f in QuantFn}
+_CHUNK_ELEMENTS = 1 << 26  # stacked source elements quantized at once (128 MiB of BF16)  # fns whose linear weights the engine holds in 8 bit
 
 
 class WeightConverter:
+    # Devices where `convert_group` stacks experts: on CUDA a small expert weight costs kernel
+    # launches more than bytes; on CPU stacking only adds a copy (measured slower with 2 cores,
+    # benchmarks/results/moe_convert_cpu.json), so experts are converted one by one there.
+    batch_devices: frozenset[str] = frozenset({"cuda"})
+
     def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None,
                  model_dir: Path | None = None, expected: set[str] | None = None,
                  served: QuantFn | None = None):
@@ -91,6 +97,33 @@ class WeightConverter:
             if divisor is not None:
                 return [(name, smooth_norm(tensor, self._on(f"{name}:div", divisor, tensor.device)))]
         return [(name, tensor)]
+
+    def convert_group(self, group: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`convert` of the checkpoint tensors one trainer tensor became (a fused MoE tensor split
+        per expert): quantized together in chunks of stacked slices when they are all 8-bit
+        weights of one shape (bit-identical with one `convert` each; thousands of experts per
+        sync otherwise pay thousands of small kernels)."""
+        if not self._batchable(group):
+            return [pair for name, tensor in group for pair in self.convert(name, tensor)]
+        out: list[tuple[str, torch.Tensor]] = []
+        rows, cols = group[0][1].shape
+        step = max(1, _CHUNK_ELEMENTS // (rows * cols))
+        for start in range(0, len(group), step):
+            chunk = group[start:start + step]
+            stacked = torch.stack([t for _, t in chunk])
+            if stacked.dtype in (torch.float32, torch.float64):
+                stacked = stacked.to(torch.bfloat16)  # as `convert` does for fp32 master weights
+            for (name, _), q in zip(chunk, quantize_weights(self.served, stacked)):
+                out += [(name, q.weight), (f"{name}_scale", q.weight_scale)]
+        return out
+
+    def _batchable(self, group: list[tuple[str, torch.Tensor]]) -> bool:
+        if len(group) < 2 or self.served is None or self.profile is not None:
+            return False
+        first = group[0][1]
+        return first.dim() == 2 and first.device.type in self.batch_devices and all(
+            name in self.quantized and t.shape == first.shape and t.dtype == first.dtype
+            and t.device == first.device for name, t in group)
 
     def convert_all(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:

@@ -185,26 +185,26 @@ class WeightSync:
         A tensor arriving a second time in one sync (a trainer retrying after a partial or failed
         push) starts a new sync: layers already processed cannot take weights again otherwise.
         """
-        pending = self._expected_only(weights)
+        pending = self._expected_only(weights)  # groups: the checkpoint tensors of one trainer tensor
         loaded: set = set()
         while (first := next(pending, None)) is not None:
-            if not self.active or self.failed or first[0] in self.seen:
+            if not self.active or self.failed or self._seen_any(first):
                 if self.active and not self.failed:
-                    log.warning("flashrl: %s received twice; starting the weight sync over", first[0])
+                    log.warning("flashrl: %s received twice; starting the weight sync over", first[0][0])
                 self._begin()
             pending = itertools.chain([first], pending)
             repeated: list = []
 
             def segment():
-                for name, tensor in pending:
-                    if name in self.seen:
-                        repeated.append((name, tensor))
+                for group in pending:
+                    if self._seen_any(group):
+                        repeated.append(group)
                         return
-                    self.seen.add(name)
+                    self.seen.update(name for name, _ in group)
                     t0 = time.perf_counter()
-                    converted = self.converter.convert(name, tensor)
+                    converted = self.converter.convert_group(group)
                     if self.timing:  # FLASHRL_SYNC_TIMING: wait for the device so the time is real
-                        _device_sync(tensor)
+                        _device_sync(group[0][1])
                     self.convert_seconds += time.perf_counter() - t0
                     yield from converted
 
@@ -218,19 +218,24 @@ class WeightSync:
                 self._finish()
         return loaded
 
+    def _seen_any(self, group: list[tuple[str, torch.Tensor]]) -> bool:
+        return any(name in self.seen for name, _ in group)
+
     def _expected_only(self, weights):
-        """Checkpoint-named tensors of what the trainer pushes (fused MoE experts split per expert,
-        renamed modules mapped back); names the engine's checkpoint does not have (a tied
-        lm_head, buffers) are dropped: vLLM would skip them anyway, and they must not open a sync
-        of their own."""
+        """Checkpoint-named tensors of what the trainer pushes, one list per trainer tensor (fused
+        MoE experts split per expert, renamed modules mapped back); names the engine's checkpoint
+        does not have (a tied lm_head, buffers) are dropped: vLLM would skip them anyway, and they
+        must not open a sync of their own."""
         for trainer_name, trainer_tensor in weights:
+            group = []
             for name, tensor in self.converter.to_checkpoint(trainer_name, trainer_tensor):
                 if name in self.expected:
-                    yield name, tensor
+                    group.append((name, tensor))
                 elif name not in self.ignored:
                     self.ignored.add(name)
                     log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
-
+            if group:
+                yield group
 
     def status(self) -> str | None:
         """None when the engine holds one complete set of weights, else why not."""
