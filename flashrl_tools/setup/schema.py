@@ -31,6 +31,9 @@ class ConfigFn(str, Enum):
 # flash-llm-rl spellings that mean the same thing here.
 FN_ALIASES = {"fp8_vllm": "fp8", "fp8_fast": "fp8", "fp8_vllm_fast": "fp8", "int8_wo_prune": "int8"}
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+# vLLM's KV-cache dtypes we serve; "auto" (or no key) is vLLM's default (the model dtype). FP8 KV
+# scales are recalibrated after every weight sync (runtime/kv_calibration.py).
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 class RolloutConfig(BaseModel):
@@ -47,6 +50,11 @@ class RolloutConfig(BaseModel):
     params_to_ignore: list[str] = []
     logprobs_mode: LogprobsMode | None = None  # what vLLM returns as sampling logprobs
     profile_sha256: str | None = None  # checked before the profile is used
+    kv_cache_dtype: KVCacheDtype | None = None  # FLASHRL_KV_CACHE_DTYPE overrides it
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype not in (None, "auto")
 
     @model_validator(mode="before")
     @classmethod

@@ -13,12 +13,16 @@ from flashrl_tools.errors import FlashRLError
 
 
 def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
-               fault: str | None = None, engine_kwargs: dict | None = None, timeout: float = 3600) -> list[dict]:
-    """Start an engine on `model` with FLASHRL_CONFIG=`config` (None: unset), run `steps`,
+               fault: str | None = None, engine_kwargs: dict | None = None, timeout: float = 3600,
+               kv_cache_dtype: str | None = None) -> list[dict]:
+    """Start an engine on `model` with FLASHRL_CONFIG=`config` (None: unset) and
+    FLASHRL_KV_CACHE_DTYPE=`kv_cache_dtype` (None: as the caller's environment), run `steps`,
     return their results. In-process engine (one process per engine job)."""
     env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}
     if config is not None:
         env["FLASHRL_CONFIG"] = config
+    if kv_cache_dtype is not None:
+        env["FLASHRL_KV_CACHE_DTYPE"] = kv_cache_dtype
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with tempfile.TemporaryDirectory(prefix="flashrl-verify-") as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"

@@ -80,8 +80,11 @@ def reference_outputs(rc: RuntimeConfig, bf16: Path, perturbed: Path, sequences,
     for tag, src in (("original", bf16), ("perturbed", perturbed)):
         progress(f"fresh engine on the offline quantization of the {tag} weights")
         model, config = reference_model(rc, src, work / f"reference-{tag}")
+        kv = rc.entry.kv_cache_dtype if rc.entry.fp8_kv_cache else None
+        if kv and config is None:  # the runtime calibrates FP8 KV scales: it must run there too
+            config = "bf16"  # (serves `model` as it is; the reference receives no sync)
         refs[tag] = run_engine(model, [{"op": "observe", "sequences": sequences, "max_tokens": MAX_TOKENS}],
-                               config, f"reference ({tag})")[0]
+                               config, f"reference ({tag})", kv_cache_dtype=kv)[0]
     return refs
 
 
@@ -89,7 +92,8 @@ def synced_outputs(rc: RuntimeConfig, bf16: Path, perturbed: Path, sequences, fa
     obs = {"op": "observe", "sequences": sequences, "max_tokens": MAX_TOKENS}
     steps = [obs, {"op": "push", "path": str(bf16)}, obs, {"op": "push", "path": str(perturbed)}, obs,
              {"op": "push", "path": str(bf16)}, obs]
-    results = run_engine(bf16, steps, rc.source, "synced", fault=fault)
+    kv = rc.entry.kv_cache_dtype if rc.entry.fp8_kv_cache else None
+    results = run_engine(bf16, steps, rc.source, "synced", fault=fault, kv_cache_dtype=kv)
     return [results[i] for i in (0, 2, 4, 6)]
 
 
@@ -100,12 +104,28 @@ def evaluate(synced: list[dict], refs: dict, tol: float) -> list[Check]:
         changed_check("sync of updated weights changes the outputs", after_policy, after_update, tol),
         same_check("sync of updated weights = fresh engine", after_update, refs["perturbed"], tol),
         same_check("restore: policy pushed back = first sync", after_restore, after_policy, tol),
-    ]
+    ] + ([
+        kv_scales_check("FP8 KV scales after the policy's sync = fresh engine's", after_policy, refs["original"]),
+        kv_scales_check("FP8 KV scales recalibrated for updated weights = fresh engine's", after_update,
+                        refs["perturbed"]),
+        kv_scales_check("FP8 KV scales after restore = first sync's", after_restore, after_policy),
+    ] if "kv_scales" in after_update else [])
+
+
+def kv_scales_check(name: str, a: dict, b: dict) -> Check:
+    """Recalibration is deterministic: equal weights must give bit-equal q/k/v scales."""
+    sa, sb = a.get("kv_scales", {}), b.get("kv_scales", {})
+    if set(sa) != set(sb):
+        return Check(name, False, f"different attention layers ({len(sa)} vs {len(sb)})")
+    diff = [f"{layer}.{kind}" for layer in sa for kind in sa[layer] if sa[layer][kind] != sb[layer].get(kind)]
+    detail = f"{len(sa)} layers x q/k/v equal" if not diff else f"{len(diff)} scales differ (first: {diff[0]})"
+    return Check(name, not diff, detail)
 
 
 def _reference_key(rc: RuntimeConfig, bf16: Path) -> dict:
     files = sorted(Path(bf16).glob("*.safetensors"))
-    return {"config": rc.source, "model": str(Path(bf16).resolve()), "profile": rc.entry.profile,
+    return {"config": rc.source, "kv_cache_dtype": rc.entry.kv_cache_dtype, "model": str(Path(bf16).resolve()),
+            "profile": rc.entry.profile,
             "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
 
 

