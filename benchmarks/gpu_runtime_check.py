@@ -4,6 +4,9 @@
    vLLM's near-uniform dummy weights) and a perturbed copy. For FLASHRL_CONFIG=int8, fp8 (vLLM
    online FP8) and a fp8_channel YAML: push the perturbed BF16 weights one tensor at a time and
    compare with a fresh engine serving the same 8-bit weights; push the original back.
+   With --kv-cache-dtype fp8 (issue 15) every engine has an FP8 KV cache: bf16 joins the configs,
+   fresh engines run the runtime too (its calibration sets their scales), the q/k/v scales of
+   synced and fresh engines are compared, and --reload adds a sync through vLLM's reload_weights.
 2. Sync wall time: a Qwen2.5-7B-shaped random checkpoint, one full sync of BF16 tensors already
    on the GPU (the trainer's copy), for bf16 / fp8 / int8.
 Prints a table and writes JSON (--json). Usage: python benchmarks/gpu_runtime_check.py --json OUT
@@ -96,7 +99,13 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true",
                     help="correctness checks with vLLM's default torch.compile + CUDA graphs (else eager)")
     ap.add_argument("--workdir", type=Path, default=None, help="reuse models built by an earlier run")
+    ap.add_argument("--kv-cache-dtype", default=None, help="fp8: every engine with an FP8 KV cache (issue 15)")
+    ap.add_argument("--reload", action="store_true", help="also sync through vLLM's reload_weights")
+    ap.add_argument("--correctness-configs", default=None,
+                    help="subset of bf16,int8,fp8,fp8_channel for the correctness checks (default: all)")
     args = ap.parse_args()
+    if args.kv_cache_dtype:
+        os.environ["FLASHRL_KV_CACHE_DTYPE"] = args.kv_cache_dtype
     from flashrl_tools.quantize import quantize
 
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -118,18 +127,38 @@ def main() -> None:
     checks = []
     yaml_fp8 = tmp / "fp8_channel.yaml"
     yaml_fp8.write_text("version: 1\nconfigs:\n- fn: fp8_channel\n  logprobs_mode: processed_logprobs\n")
+    # fresh engines need the runtime where it calibrates FP8 KV scales (it serves them unchanged)
+    ref = {"FLASHRL_CONFIG": "bf16"} if args.kv_cache_dtype else {}
     cases = {
-        "int8": ({"FLASHRL_CONFIG": "int8"}, lambda: probe(tmp, "fresh-int8", {}, model=str(quantize(tmp / "mp", tmp / "mp-int8", "int8").out), **eng)),
-        "fp8": ({"FLASHRL_CONFIG": "fp8"}, lambda: probe(tmp, "fresh-fp8", {}, model=str(tmp / "mp"), engine_kwargs={"gpu_memory_utilization": 0.3, "quantization": "fp8", **mode})),
-        "fp8_channel (yaml)": ({"FLASHRL_CONFIG": str(yaml_fp8)}, lambda: probe(tmp, "fresh-fp8c", {}, model=str(quantize(tmp / "mp", tmp / "mp-fp8c", "fp8_channel").out), **eng)),
+        "bf16": ({"FLASHRL_CONFIG": "bf16"}, lambda: probe(tmp, "fresh-bf16", ref, model=str(tmp / "mp"), **eng)),
+        "int8": ({"FLASHRL_CONFIG": "int8"}, lambda: probe(tmp, "fresh-int8", ref, model=str(quantize(tmp / "mp", tmp / "mp-int8", "int8").out), **eng)),
+        "fp8": ({"FLASHRL_CONFIG": "fp8"}, lambda: probe(tmp, "fresh-fp8", ref, model=str(tmp / "mp"), engine_kwargs={"gpu_memory_utilization": 0.3, "quantization": "fp8", **mode})),
+        "fp8_channel (yaml)": ({"FLASHRL_CONFIG": str(yaml_fp8)}, lambda: probe(tmp, "fresh-fp8c", ref, model=str(quantize(tmp / "mp", tmp / "mp-fp8c", "fp8_channel").out), **eng)),
     }
+    wanted = (args.correctness_configs or ",".join(cases)).split(",")
+    if not args.kv_cache_dtype and not args.correctness_configs:
+        wanted.remove("bf16")  # (the original check set)
     for name, (env, fresh_fn) in ({} if args.only_7b else cases).items():
+        if name.split()[0] not in wanted:
+            continue
         fresh = fresh_fn()["stages"][0]
-        r = probe(tmp, f"sync-{name.split()[0]}", env, model=str(tmp / "m"), push=[str(tmp / "mp"), str(tmp / "m")], **eng)
-        start, after, back = r["stages"]
-        checks.append({"config": name, "tokens_equal": after["tokens"] == fresh["tokens"],
-                       "max_dlogp_vs_fresh": max_diff(after, fresh), "changed_by_sync": max_diff(start, after),
-                       "restored_max_dlogp": max_diff(back, start), "sync_s": after["seconds"]})
+        paths = {"push": [str(tmp / "mp"), str(tmp / "m")]}
+        if args.reload:
+            paths["reload"] = [str(tmp / "mp"), str(tmp / "m")]
+        r = probe(tmp, f"sync-{name.split()[0]}", env, model=str(tmp / "m"), **paths, **eng)
+        start, after, back = r["stages"][:3]
+        row = {"config": name, "tokens_equal": after["tokens"] == fresh["tokens"],
+               "max_dlogp_vs_fresh": max_diff(after, fresh), "changed_by_sync": max_diff(start, after),
+               "restored_max_dlogp": max_diff(back, start), "sync_s": after["seconds"]}
+        if args.reload:
+            r_after, r_back = r["stages"][3:5]
+            row.update(reload_max_dlogp_vs_fresh=max_diff(r_after, fresh), reload_restored_max_dlogp=max_diff(r_back, start))
+        if args.kv_cache_dtype:
+            row["kv_scales_equal_fresh"] = after.get("kv_scales") == fresh.get("kv_scales") and bool(fresh.get("kv_scales"))
+            row["kv_scales_changed_by_sync"] = after.get("kv_scales") != start.get("kv_scales")
+            if args.reload:
+                row["reload_kv_scales_equal_fresh"] = r_after.get("kv_scales") == fresh.get("kv_scales")
+        checks.append(row)
         print(checks[-1], flush=True)
     results["correctness"] = checks
     if not args.skip_7b:

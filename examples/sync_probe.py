@@ -252,6 +252,9 @@ def main():
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
     n_top = req.get("prompt_logprobs", 0)
 
+    fp8_kv = os.environ.get("FLASHRL_KV_CACHE_DTYPE", "auto") not in ("", "auto") and bool(
+        os.environ.get("FLASHRL_CONFIG"))  # the runtime's recalibrated FP8 KV scales are recorded too
+
     def observe(tag, extra=None):
         p = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), prompt_logprobs=n_top)
         outs = llm.generate(prompts, p, use_tqdm=False)
@@ -260,7 +263,8 @@ def main():
                              for s, o in zip(req["sequences"], outs)],
                 "top": [[{str(t): v.logprob for t, v in lp.items()} for lp in o.prompt_logprobs[1:]]
                         for o in outs] if n_top else None,
-                "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **(extra or {})}
+                "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                **({"kv_scales": llm.collective_rpc("flashrl_kv_scales")[0]} if fp8_kv else {}), **(extra or {})}
 
     stages = [observe("start")]
     for path in req.get("push", []):

@@ -116,13 +116,17 @@ def drift(
     engines = report["engines"]
     table = Table(title=f"verify drift vs the BF16 trainer: {bf16.name}, n={n}, T={temperature:g}, top_p={top_p:g}")
     table.add_column("metric")
+    cols = ["bf16"] + (["weights_only"] if "weights_only" in engines else []) + ["quantized"]
     table.add_column("BF16 engine", justify="right")
-    table.add_column(f"{config} engine", justify="right")
+    if "weights_only" in engines:  # FP8 KV cache: its share of the drift
+        table.add_column(f"{config} engine, BF16 KV cache", justify="right")
+    table.add_column(f"{config} engine" + (f" + {report['kv_cache_dtype']} KV cache" if report.get("kv_cache_dtype")
+                                           else ""), justify="right")
     for label, key in rows:
-        table.add_row(label, _fmt(engines["bf16"]["metrics"][key]), _fmt(engines["quantized"]["metrics"][key]))
-    table.add_row("mean response length", _fmt(engines["bf16"]["mean_response_length"]),
-                  _fmt(engines["quantized"]["mean_response_length"]))
-    table.add_row("length diff vs BF16 engine", "0", _fmt(engines["quantized"]["response_length_diff_vs_bf16"]))
+        table.add_row(label, *(_fmt(engines[c]["metrics"][key]) for c in cols))
+    table.add_row("mean response length", *(_fmt(engines[c]["mean_response_length"]) for c in cols))
+    table.add_row("length diff vs BF16 engine", "0",
+                  *(_fmt(engines[c]["response_length_diff_vs_bf16"]) for c in cols[1:]))
     out.print(table)
     for c in report["checks"]:
         mark = "[green]pass[/]" if c["passed"] else "[bold red]FAIL[/]"

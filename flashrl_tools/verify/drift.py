@@ -72,15 +72,23 @@ def run_drift(rc: RuntimeConfig, bf16: Path, settings: Settings, prompts_file: P
     prompts = [prompt_ids[i % len(prompt_ids)] for i in range(settings.n)]
     step = {"op": "sample", "prompts": prompts, "temperature": settings.temperature, "top_p": settings.top_p,
             "max_tokens": settings.max_tokens, "seed": settings.seed}
-    engines = {"bf16": "bf16", "quantized": rc.source}
+    # (FLASHRL_CONFIG, FLASHRL_KV_CACHE_DTYPE) per engine; with an FP8 KV cache a third engine
+    # serves the same 8-bit weights with vLLM's default KV cache: the KV cache's share of the drift
+    kv = rc.entry.kv_cache_dtype if rc.entry.fp8_kv_cache else None
+    engines = {"bf16": ("bf16", "auto" if kv else None)}
+    if kv:
+        engines["weights_only"] = (rc.source, "auto")
+    engines["quantized"] = (rc.source, kv)
     rollouts = {}
-    for key, config in engines.items():
-        progress(f"sampling {settings.n} rollouts with FLASHRL_CONFIG={config}")
-        rollouts[key] = run_engine(bf16, [step], config, f"{key} rollout")[0]["rollouts"]
+    for key, (config, kv_dtype) in engines.items():
+        progress(f"sampling {settings.n} rollouts with FLASHRL_CONFIG={config}"
+                 + (f", FLASHRL_KV_CACHE_DTYPE={kv_dtype}" if kv_dtype else ""))
+        rollouts[key] = run_engine(bf16, [step], config, f"{key} rollout", kv_cache_dtype=kv_dtype)[0]["rollouts"]
     progress("scoring the rollouts with the BF16 policy (HF transformers)")
     responses = [r["token_ids"] for key in engines for r in rollouts[key]]
     scores = score_rollouts(bf16, prompts * len(engines), responses, settings.temperature)
-    report = {"config": rc.source, "model": str(bf16), "settings": asdict(settings), "engines": {}}
+    report = {"config": rc.source, "kv_cache_dtype": kv, "model": str(bf16), "settings": asdict(settings),
+              "engines": {}}
     for i, key in enumerate(engines):
         report["engines"][key] = engine_report(scores[i * settings.n:(i + 1) * settings.n], rollouts[key], settings.cap)
     base = report["engines"]["bf16"]["mean_response_length"]
