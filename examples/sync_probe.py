@@ -252,8 +252,9 @@ def main():
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
     n_top = req.get("prompt_logprobs", 0)
 
-    fp8_kv = os.environ.get("FLASHRL_KV_CACHE_DTYPE", "auto") not in ("", "auto") and bool(
-        os.environ.get("FLASHRL_CONFIG"))  # the runtime's recalibrated FP8 KV scales are recorded too
+    from flashrl_tools.runtime.engine_job import fp8_kv_cache_from_env
+
+    fp8_kv = fp8_kv_cache_from_env()  # the runtime's recalibrated FP8 KV scales are recorded too
 
     def observe(tag, extra=None):
         p = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), prompt_logprobs=n_top)

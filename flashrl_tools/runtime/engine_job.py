@@ -49,12 +49,13 @@ def observe(llm, step: dict) -> dict:
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]
                            for s, o in zip(step["sequences"], outs)]}
-    if _fp8_kv_cache():  # the scales these logprobs were computed with (rank 0's)
+    if fp8_kv_cache_from_env():  # the scales these logprobs were computed with (rank 0's)
         result["kv_scales"] = llm.collective_rpc("flashrl_kv_scales")[0]
     return result
 
 
-def _fp8_kv_cache() -> bool:
+def fp8_kv_cache_from_env() -> bool:
+    """Whether the runtime of this process serves an FP8 KV cache (and calibrates its scales)."""
     from flashrl_tools.runtime.config import from_env
 
     rc = from_env()

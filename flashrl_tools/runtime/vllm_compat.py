@@ -107,12 +107,13 @@ def _refuse_8bit_moe_on_cpu(rc: RuntimeConfig, model: str) -> None:
 
 
 def _refuse_fp8_kv_on_cpu(rc: RuntimeConfig) -> None:
+    """vLLM-CPU's attention has an FP8 KV cache only with AVX-512 or AMX: say so at start."""
     from flashrl_tools.errors import FlashRLError
 
-    why = fp8_kv_unsupported_on_cpu() if rc.entry.fp8_kv_cache else None
-    if why:
-        raise FlashRLError(f"kv_cache_dtype {rc.entry.kv_cache_dtype} (FLASHRL_CONFIG={rc.source}): {why}", None,
-                           "unset FLASHRL_KV_CACHE_DTYPE / kv_cache_dtype, or run on a GPU")
+    if rc.entry.fp8_kv_cache and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        raise FlashRLError(f"kv_cache_dtype {rc.entry.kv_cache_dtype} (FLASHRL_CONFIG={rc.source}): vLLM on CPU "
+                           "has an FP8 KV cache only on x86 CPUs with AVX-512 or AMX, and this one has neither",
+                           None, "unset FLASHRL_KV_CACHE_DTYPE / kv_cache_dtype, or run on a GPU")
 
 
 def _merge_hf_overrides(current, extra: dict):
@@ -590,13 +591,6 @@ def _calibrator(worker) -> KVCalibrator:
     if kv is None:
         raise RuntimeError("flashrl: this engine has no FP8 KV cache to calibrate")
     return kv
-
-
-def fp8_kv_unsupported_on_cpu() -> str | None:
-    """Why vLLM-CPU cannot run an FP8 KV cache here (its attention needs AVX-512 or AMX), or None."""
-    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
-        return None
-    return "vLLM on CPU has an FP8 KV cache only on x86 CPUs with AVX-512 or AMX, and this one has neither"
 
 
 # -- 3. vLLM-CPU oneDNN INT8 kernel -------------------------------------------------------
