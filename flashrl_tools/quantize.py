@@ -19,6 +19,7 @@ import torch
 from flashrl_tools import __version__
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_output_dir, check_output_dir
+from flashrl_tools.mixed import KeepSpec, kept_modules, kept_weights
 from flashrl_tools.model_structure import model_layout, read_config
 from flashrl_tools.quant_config import quantization_config
 from flashrl_tools.quantizer import QuantFn, output_specs, quantize_weight
@@ -34,6 +35,7 @@ class QuantizeResult:
     out: Path
     fn: QuantFn
     quantized: list[str]  # checkpoint names of quantized weights
+    kept_bf16: list[str]  # linear weights kept in BF16 (mixed precision), in the config's `ignore`
     kept: int  # tensors copied unchanged (embeddings, norms, biases, lm_head)
     bytes_in: int
     bytes_out: int
@@ -41,7 +43,7 @@ class QuantizeResult:
 
 
 def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
-             max_shard_bytes: int = 4 << 30) -> QuantizeResult:
+             max_shard_bytes: int = 4 << 30, keep: KeepSpec = KeepSpec()) -> QuantizeResult:
     t0 = time.perf_counter()
     fn = parse_fn(fn)
     src, dst = Path(src).resolve(), Path(dst).resolve()
@@ -51,7 +53,8 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
     check_output_dir(dst, force)
     layout = model_layout(src)
     reader = CheckpointReader(src)
-    targets = [n for n in reader.names() if n in layout.linear_weights]
+    kept = kept_weights(layout.linear_weights, keep, str(src))
+    targets = [n for n in reader.names() if n in layout.linear_weights and n not in kept]
     if not targets:
         raise FlashRLError(f"no linear-layer weights of this {layout.model_type} model found in "
                            "the checkpoint", str(src), "is this a transformers causal LM checkpoint?")
@@ -84,23 +87,24 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
         write_checkpoint(tmp, plan, produce, max_shard_bytes=max_shard_bytes,
                          metadata={"format": "pt", "flashrl_tools": __version__, "fn": fn.value})
         config = read_config(src)
-        config["quantization_config"] = quantization_config(fn, ignore=list(layout.excluded))
+        config["quantization_config"] = quantization_config(fn, ignore=list(layout.excluded) + kept_modules(kept))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_side_files(src, tmp)
     bytes_in = sum(f.stat().st_size for f in reader.files)
     bytes_out = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
-    return QuantizeResult(dst, fn, targets, len(reader.names()) - len(targets), bytes_in,
+    return QuantizeResult(dst, fn, targets, sorted(kept), len(reader.names()) - len(targets), bytes_in,
                           bytes_out, time.perf_counter() - t0)
 
 
-def quantize_config_only(src: Path, dst: Path, fn: QuantFn | str) -> Path:
+def quantize_config_only(src: Path, dst: Path, fn: QuantFn | str, keep: KeepSpec = KeepSpec()) -> Path:
     """For a config-only model (vLLM `load_format="dummy"`, benchmarks): the quantized config,
     no weights."""
     fn = parse_fn(fn)
     layout = model_layout(src)
+    kept = kept_weights(layout.linear_weights, keep, str(src))
     with atomic_output_dir(Path(dst)) as tmp:
         config = read_config(src)
-        config["quantization_config"] = quantization_config(fn, ignore=list(layout.excluded))
+        config["quantization_config"] = quantization_config(fn, ignore=list(layout.excluded) + kept_modules(kept))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_side_files(src, tmp)
     return Path(dst)

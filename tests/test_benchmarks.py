@@ -59,3 +59,31 @@ def test_moe_convert_benchmark_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["fn"] for r in rows] == ["int8", "fp8_tensor", "fp8_channel", "fp8_block"]
     assert all(r["bit_identical"] for r in rows)
+
+
+def test_rl_step_benchmark_smoke(tmp_path):
+    """rollout -> full sync through the runtime -> rollout, per config; the drawn lengths are produced
+    (per-request max_tokens) and every sample carries its sampling logprobs."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rl_step import output_lengths
+
+    data = _bench(tmp_path, "rl_step")
+    lengths = output_lengths(2 * 3, 48)
+    assert len(set(lengths)) > 1 and max(lengths) <= 48
+    assert data["output_lengths"]["total"] == sum(lengths)
+    rows = {r["config"]: r for r in data["rows"]}
+    assert set(rows) == {"bf16", "int8"}
+    for config, r in rows.items():
+        assert r["syncs_completed"] == 1 and r["sync_s"] > 0
+        for step in ("rollout_1", "rollout_2"):
+            assert r[step]["output_tokens"] == sum(lengths) and r[step]["samples_with_logprobs"] == 6
+        assert r["step_s"] == r["rollout_2"]["rollout_s"] + r["sync_s"]
+        assert r["quantization"] == ("compressed-tensors" if config == "int8" else None)
+    assert rows["bf16"]["step_vs_bf16"] == 1.0 and rows["int8"]["sync_vs_bf16"] > 0
+
+
+def test_rl_step_rejects_unknown_config_suffix():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rl_step import run_one
+
+    assert "NAME+kv" in run_one({}, "int8+fp4")["error"]

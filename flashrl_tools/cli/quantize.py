@@ -18,17 +18,24 @@ def command(
     output: Path = typer.Option(..., "-o", "--output", help="checkpoint directory to write"),
     fn: str = typer.Option(..., "--fn", help=FN_HELP),
     force: bool = typer.Option(False, "--force", help="replace an existing output"),
+    keep_bf16: list[str] = typer.Option([], "--keep-bf16", help="glob of module names kept in BF16 (repeatable)"),
+    first_layers_bf16: int = typer.Option(0, "--first-layers-bf16", min=0, help="keep the first N layers in BF16"),
+    last_layers_bf16: int = typer.Option(0, "--last-layers-bf16", min=0, help="keep the last N layers in BF16"),
 ) -> None:
     """Write an 8-bit checkpoint (weights + config.json + tokenizer) that vLLM loads without flags."""
+    from flashrl_tools.mixed import KeepSpec
     from flashrl_tools.quantize import parse_fn, quantize  # compressed-tensors: seconds to import
 
     fn_ = parse_fn(fn)  # validate before any slow work
     src = model_path(model)
     with err.status(f"quantizing {src.name} ({fn_.value})"):
-        result = quantize(src, output, fn_, force=force)
+        result = quantize(src, output, fn_, force=force,
+                          keep=KeepSpec(tuple(keep_bf16), first_layers_bf16, last_layers_bf16))
     table = Table(title=f"flashrl quantize --fn {fn_.value}", show_header=False)
     table.add_row("output", str(result.out))
     table.add_row("quantized linear weights", str(len(result.quantized)))
+    if result.kept_bf16:
+        table.add_row("linear weights kept in BF16", str(len(result.kept_bf16)))
     table.add_row("tensors kept as-is", str(result.kept))
     table.add_row("size", f"{result.bytes_in / 2**20:.1f} MiB -> {result.bytes_out / 2**20:.1f} MiB")
     table.add_row("time", f"{result.seconds:.1f} s")

@@ -14,17 +14,22 @@ import torch
 
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_output_dir, check_output_dir
+from flashrl_tools.mixed import KeepSpec, kept_modules, kept_weights
 from flashrl_tools.model_structure import read_config
 from flashrl_tools.profile.format import Profile
 from flashrl_tools.quantize import copy_side_files
-from flashrl_tools.quantizer import QuantFn, output_specs, quantize_weight, requantize_int8, smooth_norm
+from flashrl_tools.quantizer import QuantFn, output_specs, quantize_weight, requantize_int8, smooth_norm, smooth_weight
 from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_checkpoint
 
 
-def requantize_tensor(profile: Profile, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def requantize_tensor(profile: Profile, name: str, tensor: torch.Tensor,
+                      kept: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:
     """Checkpoint-format tensors for one BF16 tensor: (weight, scale) for a quantized linear,
-    the rescaled weight for a smoothed norm, the tensor itself otherwise."""
+    the rescaled weight for a smoothed norm, the tensor itself otherwise. A linear in `kept`
+    (mixed precision) stays BF16, smoothed as the profile says (its norm is divided)."""
     fn = QuantFn(profile.meta.fn)
+    if name in kept:
+        return [(name, kept_bf16(profile, name, tensor))]
     entry = profile.linear(name) if fn is QuantFn.int8 else None
     if entry is not None:
         q = requantize_int8(tensor, entry.weight_scale, entry.smooth_in, entry.smooth_out)
@@ -36,9 +41,21 @@ def requantize_tensor(profile: Profile, name: str, tensor: torch.Tensor) -> list
     return [(name, smooth_norm(tensor, divisor) if divisor is not None else tensor)]
 
 
-def _planned(profile: Profile, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[PlannedTensor]:
+def kept_bf16(profile: Profile, name: str, tensor: torch.Tensor, on=lambda key, t: t) -> torch.Tensor:
+    """A linear kept in BF16 under a SmoothQuant profile: its columns multiplied (the norm or
+    linear feeding it is divided) and rows divided (the linear after it multiplies), unrounded."""
+    entry = profile.linear(name)
+    if entry is None or (entry.smooth_in is None and entry.smooth_out is None):
+        return tensor
+    return smooth_weight(tensor, on(f"{name}:in", entry.smooth_in), on(f"{name}:out", entry.smooth_out))
+
+
+def _planned(profile: Profile, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             kept: frozenset[str] = frozenset()) -> list[PlannedTensor]:
     """What requantize_tensor returns for this tensor, known from its shape and dtype."""
     fn = QuantFn(profile.meta.fn)
+    if name in kept:
+        return [PlannedTensor(name, shape, dtype)]
     entry = profile.linear(name) if fn is QuantFn.int8 else None
     if entry is not None:
         return [PlannedTensor(name, shape, torch.int8),
@@ -50,23 +67,29 @@ def _planned(profile: Profile, name: str, shape: tuple[int, ...], dtype: torch.d
     return [PlannedTensor(name, shape, dtype)]
 
 
-def requantize_checkpoint(bf16_dir: Path, profile: Profile, out: Path, force: bool = False) -> Path:
+def requantize_checkpoint(bf16_dir: Path, profile: Profile, out: Path, force: bool = False,
+                          keep: KeepSpec = KeepSpec()) -> Path:
     template = Path(profile.meta.quantized_model.path)
     if not (template / "config.json").is_file():
         raise FlashRLError("the profiled 8-bit checkpoint is not available", str(template),
                            "its config.json supplies the quantization_config")
     check_output_dir(Path(out), force)
     reader = CheckpointReader(bf16_dir)
-    plan = [t for name in reader.names() for t in _planned(profile, name, reader.shape(name), reader.dtype(name))]
+    kept = frozenset(kept_weights(profile.meta.quantized, keep, str(bf16_dir)))
+    plan = [t for name in reader.names()
+            for t in _planned(profile, name, reader.shape(name), reader.dtype(name), kept)]
 
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in reader.iter_tensors():
-            yield from requantize_tensor(profile, name, tensor)
+            yield from requantize_tensor(profile, name, tensor, kept)
 
     with atomic_output_dir(Path(out)) as tmp:
         write_checkpoint(tmp, plan, produce)
         config = read_config(bf16_dir)
         config["quantization_config"] = read_config(template)["quantization_config"]
+        if kept:
+            ignore = config["quantization_config"].setdefault("ignore", [])
+            ignore += [m for m in kept_modules(kept) if m not in ignore]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_side_files(Path(bf16_dir), tmp)
     return Path(out)

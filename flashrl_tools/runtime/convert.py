@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from flashrl_tools.model_structure import has_weights, meta_model, model_layout, unquantized_names
+from flashrl_tools.model_structure import has_weights, meta_model, model_layout, read_config, unquantized_names
+from flashrl_tools.profile.apply import kept_bf16
 from flashrl_tools.profile.format import Profile, load_profile
 from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES
 from flashrl_tools.quantizer import QuantFn, quantize_weight, quantize_weights, requantize_int8, smooth_norm
@@ -51,8 +52,9 @@ class WeightConverter:
         model's structure when it is config-only: dummy weights)."""
         profile = load_profile(Path(profile_path)) if profile_path else None
         served = served_format(loaded_dir)
-        if not has_weights(loaded_dir):
-            quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights if served else set()
+        if not has_weights(loaded_dir):  # config only: the linears its quantization_config does not ignore
+            ignored = {f"{m}.weight" for m in read_config(loaded_dir).get("quantization_config", {}).get("ignore", [])}
+            quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights - ignored if served else set()
             return cls(fn, set(quantized), profile, loaded_dir, cls.expected_names(loaded_dir), served)
         reader = CheckpointReader(loaded_dir)
         quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
@@ -93,6 +95,10 @@ class WeightConverter:
             q = quantize_weight(self.served, tensor)
             return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
         if self.profile is not None:
+            if self.profile.linear(name) is not None:  # a linear kept in BF16 (mixed precision)
+                if tensor.dtype in (torch.float32, torch.float64):
+                    tensor = tensor.to(torch.bfloat16)  # as the checkpoint the engine started from
+                return [(name, kept_bf16(self.profile, name, tensor, lambda k, t: self._on(k, t, tensor.device)))]
             divisor = self.profile.norm_divisor(name)
             if divisor is not None:
                 return [(name, smooth_norm(tensor, self._on(f"{name}:div", divisor, tensor.device)))]

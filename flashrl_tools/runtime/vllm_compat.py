@@ -63,7 +63,19 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     if entry.fn is ConfigFn.fp8 and not _is_moe(policy_model):
         out["quantization"] = entry.quantization or "fp8"
     elif entry.fn is not ConfigFn.bf16:
-        if entry.model is not None:  # a calibrated checkpoint (+ profile)
+        from flashrl_tools.mixed import KeepSpec
+
+        keep = KeepSpec.of(entry)
+        if entry.model is not None and keep:  # calibrated profile, some layers kept in BF16
+            from flashrl_tools.errors import FlashRLError
+            from flashrl_tools.runtime.online_cache import ensure_profile_applied
+
+            if entry.profile is None:
+                raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: keep_bf16 / first_layers_bf16 / last_layers_bf16 "
+                                   "with a `model` need its `profile` (to rebuild it with BF16 layers)", entry.model,
+                                   "run `flashrl profile` on the checkpoint, or drop `model` to quantize online")
+            out["model"] = str(ensure_profile_applied(Path(policy_model), Path(entry.profile), keep))
+        elif entry.model is not None:  # a calibrated checkpoint (+ profile)
             out["model"] = entry.model
         else:  # online: quantize the policy once per node
             from flashrl_tools.runtime.online_cache import ensure_quantized
@@ -73,7 +85,7 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
             # checkpoint (the same format: per-tensor weights, dynamic per-tensor activations)
             # goes through the exact compressed-tensors reload instead.
             fmt = QuantFn.fp8_tensor if entry.fn is ConfigFn.fp8 else QuantFn(entry.fn.value)
-            out["model"] = str(ensure_quantized(Path(policy_model), fmt))
+            out["model"] = str(ensure_quantized(Path(policy_model), fmt, keep))
     if "model" in out:
         out["tokenizer"] = policy_model
     if entry.fp8_kv_cache:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError, model_validator
 
 from flashrl_tools.errors import FlashRLError
 
@@ -51,6 +51,10 @@ class RolloutConfig(BaseModel):
     logprobs_mode: LogprobsMode | None = None  # what vLLM returns as sampling logprobs
     profile_sha256: str | None = None  # checked before the profile is used
     kv_cache_dtype: KVCacheDtype | None = None  # FLASHRL_KV_CACHE_DTYPE overrides it
+    # mixed precision (flashrl_tools/mixed.py): linear layers kept in BF16 (fused partners too)
+    keep_bf16: list[str] = []  # glob patterns of module names
+    first_layers_bf16: NonNegativeInt = 0
+    last_layers_bf16: NonNegativeInt = 0
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -61,6 +65,8 @@ class RolloutConfig(BaseModel):
     def _aliases(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("fn") in FN_ALIASES:
             data = {**data, "fn": FN_ALIASES[data["fn"]]}
+        if isinstance(data, dict) and isinstance(data.get("keep_bf16"), str):  # one pattern
+            data = {**data, "keep_bf16": [data["keep_bf16"]]}
         if isinstance(data, dict) and data.get("fn") == "int8_prune":
             raise ValueError("fn 'int8_prune' (flash-llm-rl dead-neuron pruning) is not supported; use 'int8'")
         return data
@@ -71,6 +77,15 @@ class RolloutConfig(BaseModel):
             raise ValueError("a profile needs `model`: the 8-bit checkpoint it was made from")
         if self.fn is ConfigFn.bf16 and (self.profile or self.quantization):
             raise ValueError("fn 'bf16' takes no profile and no quantization")
+        if self.fn is ConfigFn.bf16 and (self.keep_bf16 or self.first_layers_bf16 or self.last_layers_bf16):
+            raise ValueError("fn 'bf16' keeps every layer in BF16 already: keep_bf16 / first_layers_bf16 / "
+                             "last_layers_bf16 need an 8-bit fn")
+        if self.fn is ConfigFn.fp8 and (self.keep_bf16 or self.first_layers_bf16 or self.last_layers_bf16):
+            raise ValueError("fn 'fp8' is vLLM's online FP8, which quantizes every linear layer: for mixed "
+                             "precision use fn 'fp8_tensor' (the same format, from our checkpoint), 'fp8_channel' "
+                             "or 'fp8_block'")
+        if any(not p.strip() for p in self.keep_bf16):
+            raise ValueError("keep_bf16 has an empty pattern")
         return self
 
 

@@ -32,8 +32,9 @@ def parse_assignments(items: list[str]) -> dict:
                                "e.g. distributed_executor_backend=external_launcher")
         try:
             fields[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise FlashRLError(f"cannot parse the value of {key!r}: {value!r}") from None
+        except yaml.YAMLError:  # globs such as `*.o_proj` are not YAML (`*` starts an alias)
+            v = value.strip()
+            fields[key.strip()] = [x.strip() for x in v[1:-1].split(",") if x.strip()] if v[:1] + v[-1:] == "[]" else v
     return fields
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from flashrl_tools.fsutil import atomic_write_text
 
+from flashrl_tools.mixed import KeepSpec
 from flashrl_tools.runtime.config import RuntimeConfig
 from flashrl_tools.setup.schema import ConfigFn
 from flashrl_tools.verify.engines import run_engine
@@ -64,10 +65,11 @@ def reference_model(rc: RuntimeConfig, bf16: Path, out: Path) -> tuple[Path, str
         from flashrl_tools.profile.apply import requantize_checkpoint
         from flashrl_tools.profile.format import load_profile
 
-        return requantize_checkpoint(bf16, load_profile(Path(rc.entry.profile)), out, force=True), None
+        return requantize_checkpoint(bf16, load_profile(Path(rc.entry.profile)), out, force=True,
+                                     keep=KeepSpec.of(rc.entry)), None
     from flashrl_tools.quantize import quantize
 
-    return quantize(bf16, out, rc.fn.value, force=True).out, None
+    return quantize(bf16, out, rc.fn.value, force=True, keep=KeepSpec.of(rc.entry)).out, None
 
 
 def sequences_for(bf16: Path, count: int = 4) -> list[list[int]]:
@@ -125,7 +127,7 @@ def kv_scales_check(name: str, a: dict, b: dict) -> Check:
 def _reference_key(rc: RuntimeConfig, bf16: Path) -> dict:
     files = sorted(Path(bf16).glob("*.safetensors"))
     return {"config": rc.source, "kv_cache_dtype": rc.entry.kv_cache_dtype, "model": str(Path(bf16).resolve()),
-            "profile": rc.entry.profile,
+            "profile": rc.entry.profile, "entry": rc.entry.model_dump(mode="json"),
             "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
 
 

@@ -1,0 +1,213 @@
+"""One GRPO-shaped RL step per precision: rollout (with sampling logprobs) + full weight sync + next rollout.
+
+What a verl/TRL user buys is a shorter step. Per config (each in a fresh process with its
+FLASHRL_CONFIG, `+kv` adds FLASHRL_KV_CACHE_DTYPE=fp8): P prompts x n samples (default 64 x 8),
+prompts of `--prompt-len` random tokens, each sample's output length drawn from a seeded
+long-tailed (log-normal) distribution capped at `--max-len` and forced with per-request
+`max_tokens` + `ignore_eos` (dummy weights never stop by themselves), T=1 with the sampled
+token's logprob (what TIS needs), prefix caching on (the n samples share their prompt, as in
+verl). Then a full sync of the trainer's BF16 tensors through `model.load_weights` one tensor per
+call (the path TRL colocate and verl take, through our runtime; tensors are made on the engine's
+device and the time to make them is subtracted, as in weight_sync.py), then the next rollout on
+new prompts (for an FP8 KV cache it includes the scale recalibration). Same lengths for every
+config. Reports rollout s (each), sync s, step s = rollout after the sync + sync, output tok/s,
+KV capacity (tokens; how many full-length sequences fit), peak device memory, ratios vs the
+`bf16` row of the same run; prints a table, writes JSON.
+
+    python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step_7b.json
+    python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import model_dir  # noqa: E402
+from weight_sync import sync_in_worker  # noqa: E402
+
+PRESETS = {
+    "gpu": dict(shapes="7b,14b,32b", configs="bf16,fp8,int8,int8+kv", prompts=64, samples=8, prompt_len=1024,
+                max_len=8192),
+    "cpu": dict(shapes="default", configs="bf16,int8,int8+kv", prompts=4, samples=4, prompt_len=64, max_len=128),
+    "smoke": dict(shapes="tiny", configs="bf16,int8", prompts=2, samples=3, prompt_len=16, max_len=48),
+}
+
+
+def output_lengths(count: int, cap: int, seed: int = 0) -> list[int]:
+    """Long-tailed response lengths as RL rollouts have them: log-normal with median cap/4 and
+    sigma 0.75 (mean ~cap/3; ~3 % hit the cap), at least min(16, cap)."""
+    rng = random.Random(seed)
+    mu = math.log(cap / 4)
+    return [max(min(16, cap), min(cap, int(rng.lognormvariate(mu, 0.75)))) for _ in range(count)]
+
+
+def _device_memory(worker) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"peak_allocated_bytes": None, "device_used_bytes": None}
+    free, total = torch.cuda.mem_get_info()
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(), "device_used_bytes": total - free}
+
+
+def worker(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    gpu = torch.cuda.is_available()
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["max_len"] + 8,
+              gpu_memory_utilization=spec["gpu_memory_utilization"], enforce_eager=not gpu, seed=0,
+              enable_prefix_caching=True)
+    start_s = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
+    vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
+    lengths = output_lengths(spec["prompts"] * spec["samples"], spec["max_len"])
+
+    def rollout(step: int) -> dict:
+        rng = random.Random(1000 + step)  # new prompts every step, the same for every config
+        prompts = [[rng.randrange(10, vocab) for _ in range(spec["prompt_len"])] for _ in range(spec["prompts"])]
+        reqs, params = [], []
+        for i, length in enumerate(lengths):
+            reqs.append({"prompt_token_ids": prompts[i // spec["samples"]]})
+            params.append(SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, logprobs=0,
+                                         seed=step * 100003 + i, detokenize=False))
+        t0 = time.perf_counter()
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        with_logprobs = sum(1 for o in outs if o.outputs[0].logprobs and len(o.outputs[0].logprobs) == len(
+            o.outputs[0].token_ids))
+        return {"rollout_s": seconds, "output_tokens": tokens, "samples_with_logprobs": with_logprobs,
+                "output_tok_per_s": tokens / seconds}
+
+    llm.generate([{"prompt_token_ids": [11] * 8}], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)  # warm-up outside the timed steps
+    first = rollout(0)
+    sync = llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=1))[0][0]
+    second = rollout(1)
+    memory = llm.collective_rpc(_device_memory)[0]
+    return {"engine_start_s": start_s, "kv_cache_tokens": kv_tokens,
+            "full_length_seqs_in_kv": kv_tokens // (spec["prompt_len"] + spec["max_len"]),
+            "quantization": llm.llm_engine.vllm_config.model_config.quantization,
+            "kv_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,
+            "rollout_1": first, "rollout_2": second, "sync_s": sync["sync_s"], "convert_s": sync["convert_s"],
+            "syncs_completed": sync["syncs_completed"], "sync_peak_extra_bytes": sync["peak_extra_bytes"],
+            "step_s": second["rollout_s"] + sync["sync_s"], "output_tokens": second["output_tokens"],
+            "output_tok_per_s": second["output_tok_per_s"], **memory}
+
+
+def run_one(spec: dict, config: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    name, _, kv = config.partition("+")
+    if kv not in ("", "kv"):
+        return {"error": f"unknown config suffix '+{kv}' in '{config}' (use NAME or NAME+kv for an FP8 KV cache)"}
+    env["FLASHRL_CONFIG"] = name
+    if kv:
+        env["FLASHRL_KV_CACHE_DTYPE"] = "fp8"
+    env["FLASHRL_SYNC_TIMING"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        req.write_text(json.dumps(spec))
+        res = subprocess.run([sys.executable, __file__, "--worker", str(req), str(out)], env=env,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.stderr.write(res.stderr[-4000:])
+            return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
+        return json.loads(out.read_text())
+
+
+def add_ratios(rows: list[dict]) -> None:
+    for r in rows:
+        base = next((b for b in rows if b["shape"] == r["shape"] and b["config"] == "bf16" and "error" not in b), None)
+        if base is None or "error" in r:
+            continue
+        r["rollout_vs_bf16"] = r["rollout_2"]["rollout_s"] / base["rollout_2"]["rollout_s"]
+        r["sync_vs_bf16"] = r["sync_s"] / base["sync_s"]
+        r["step_vs_bf16"] = r["step_s"] / base["step_s"]
+        r["kv_vs_bf16"] = r["kv_cache_tokens"] / base["kv_cache_tokens"] if base["kv_cache_tokens"] else None
+
+
+def print_table(rows: list[dict], header: str) -> None:
+    print(f"\n{header}")
+    print(f"{'shape':8} {'config':9} {'rollout s':>9} {'sync s':>8} {'step s':>8} {'step/bf16':>9} {'sync/bf16':>9} "
+          f"{'tok/s':>9} {'KV tokens':>10} {'KV/bf16':>7} {'peak GiB':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:8} {r['config']:9} error: {r['error']}")
+            continue
+        peak = f"{r['device_used_bytes'] / 2**30:.1f}" if r.get("device_used_bytes") else "-"
+        kv = f"{r['kv_vs_bf16']:.2f}x" if r.get("kv_vs_bf16") else "-"
+        print(f"{r['shape']:8} {r['config']:9} {r['rollout_2']['rollout_s']:9.2f} {r['sync_s']:8.3f} "
+              f"{r['step_s']:8.2f} {r.get('step_vs_bf16', 0):8.2f}x {r.get('sync_vs_bf16', 0):8.2f}x "
+              f"{r['output_tok_per_s']:9.1f} {r['kv_cache_tokens']:10d} {kv:>7} {peak:>8}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        Path(sys.argv[3]).write_text(json.dumps(worker(json.loads(Path(sys.argv[2]).read_text()))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=PRESETS, default=None)
+    ap.add_argument("--shapes", help="7b,14b,32b,30b-a3b (dummy weights), tiny, default (embedded model)")
+    ap.add_argument("--configs", help="bf16,fp8,int8,<yaml>; NAME+kv adds an FP8 KV cache")
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--samples", type=int, help="samples per prompt (GRPO group size)")
+    ap.add_argument("--prompt-len", type=int)
+    ap.add_argument("--max-len", type=int, help="cap of the output length distribution")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    preset = PRESETS[a.preset or ("gpu" if torch.cuda.is_available() else "cpu")]
+    opts = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in preset.items()}
+    util = a.gpu_memory_utilization or (0.85 if torch.cuda.is_available() else 0.3)
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="flashrl-bench-"))
+    lengths = output_lengths(opts["prompts"] * opts["samples"], opts["max_len"])
+    rows = []
+    for shape in opts["shapes"].split(","):
+        path, dummy = model_dir(shape, work)
+        for config in opts["configs"].split(","):
+            spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "samples": opts["samples"],
+                    "prompt_len": opts["prompt_len"], "max_len": opts["max_len"], "gpu_memory_utilization": util}
+            r = {"shape": shape, "config": config, **run_one(spec, config)}
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)
+    add_ratios(rows)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    import vllm
+
+    print_table(rows, f"RL step on {device}, vLLM {vllm.__version__}: {opts['prompts']} prompts x {opts['samples']} "
+                      f"samples, {opts['prompt_len']} tokens in, out {min(lengths)}..{max(lengths)} "
+                      f"(mean {sum(lengths) / len(lengths):.0f}, cap {opts['max_len']}), T=1 + logprobs; "
+                      f"step = rollout after the sync + full sync")
+    if a.json:
+        from flashrl_tools.fsutil import atomic_write_text
+
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(a.json), json.dumps({
+            "device": device, "vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"), "settings": opts,
+            "gpu_memory_utilization": util, "output_lengths": {"count": len(lengths), "mean": sum(lengths) / len(lengths),
+                                                               "max": max(lengths), "total": sum(lengths)},
+            "rows": rows}, indent=1))
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Mixed precision: which linear weights stay in BF16 (`keep_bf16`, `first_layers_bf16`,
+`last_layers_bf16`). One function decides it for quantize, profile, setup, verify, tune and the
+runtime.
+
+vLLM fuses q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`; Mixtral w1/w3) into one layer that
+must have one scheme, so keeping one member keeps its fused partners (a "unit"). A MoE layer's
+experts are one fused module too; keeping experts in BF16 is refused (not supported by this
+toolkit's vLLM path), attention layers of MoE models can be kept.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flashrl_tools.errors import FlashRLError
+
+# leaf names vLLM fuses into one layer, and the fused layer's name
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "w13", "w3": "w13"}
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+@dataclass(frozen=True)
+class KeepSpec:
+    patterns: tuple[str, ...] = ()  # fnmatch globs on module names ("model.layers.0.mlp.down_proj", "*.o_proj")
+    first_layers: int = 0
+    last_layers: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns or self.first_layers or self.last_layers)
+
+    @classmethod
+    def of(cls, entry) -> KeepSpec:
+        """From a config entry (RolloutConfig) or None."""
+        if entry is None:
+            return cls()
+        return cls(tuple(entry.keep_bf16), entry.first_layers_bf16, entry.last_layers_bf16)
+
+    def fingerprint(self) -> str:
+        return "" if not self else f"keep={list(self.patterns)}:first={self.first_layers}:last={self.last_layers}"
+
+    def cli_args(self) -> list[str]:
+        args = [a for p in self.patterns for a in ("--keep-bf16", p)]
+        if self.first_layers:
+            args += ["--first-layers-bf16", str(self.first_layers)]
+        if self.last_layers:
+            args += ["--last-layers-bf16", str(self.last_layers)]
+        return args
+
+
+def parse_keep_args(args: list[str]) -> KeepSpec:
+    """The inverse of `KeepSpec.cli_args` (for child processes)."""
+    patterns, first, last = [], 0, 0
+    for flag, value in zip(args[::2], args[1::2]):
+        if flag == "--keep-bf16":
+            patterns.append(value)
+        elif flag == "--first-layers-bf16":
+            first = int(value)
+        elif flag == "--last-layers-bf16":
+            last = int(value)
+    return KeepSpec(tuple(patterns), first, last)
+
+
+def layer_index(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def unit_of(weight_name: str) -> str:
+    """The vLLM layer a linear weight belongs to: `model.layers.3.self_attn.qkv_proj` for its
+    q/k/v, `model.layers.3.mlp.experts` for any expert weight."""
+    module = weight_name.removesuffix(".weight")
+    if _EXPERT.search(f"{module}."):
+        return module[: _EXPERT.search(f"{module}.").start()] + ".experts"
+    parent, _, leaf = module.rpartition(".")
+    return f"{parent}.{FUSED[leaf]}" if leaf in FUSED else module
+
+
+def units(linear_weights: Iterable[str]) -> dict[str, list[str]]:
+    """unit -> its weight names, units in model order (layer index, then name)."""
+    out: dict[str, list[str]] = {}
+    for name in sorted(linear_weights, key=lambda n: (layer_index(n) if layer_index(n) is not None else -1, n)):
+        out.setdefault(unit_of(name), []).append(name)
+    return out
+
+
+def kept_weights(linear_weights: Iterable[str], spec: KeepSpec, source: str | None = None) -> set[str]:
+    """The linear weights (checkpoint names) the spec keeps in BF16, fused partners included."""
+    names = set(linear_weights)
+    if not spec:
+        return set()
+    indices = [i for i in map(layer_index, names) if i is not None]
+    count = max(indices) + 1 if indices else 0
+    if spec.first_layers + spec.last_layers > count:
+        raise FlashRLError(f"first_layers_bf16 + last_layers_bf16 = {spec.first_layers + spec.last_layers} "
+                           f"but the model has {count} layers", source, "lower them")
+    picked = set()
+    for name in names:
+        idx = layer_index(name)
+        module = name.removesuffix(".weight")
+        if idx is not None and (idx < spec.first_layers or idx >= count - spec.last_layers):
+            picked.add(name)
+        elif any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(unit_of(name), p) for p in spec.patterns):
+            picked.add(name)
+    for pattern in spec.patterns:
+        if not any(fnmatch.fnmatchcase(n.removesuffix(".weight"), pattern) or fnmatch.fnmatchcase(unit_of(n), pattern)
+                   for n in names):
+            raise FlashRLError(f"keep_bf16 pattern {pattern!r} matches no linear layer of the model", source,
+                               "patterns match module names such as 'model.layers.0.self_attn.q_proj' or "
+                               "'*.mlp.down_proj' (see `flashrl tune`'s report for the names)")
+    experts = sorted(n for n in picked if unit_of(n).endswith(".experts"))
+    if experts:
+        raise FlashRLError(f"keeping MoE experts in BF16 is not supported ({experts[0]}, {len(experts)} expert "
+                           "weights)", source, "keep attention layers instead (keep_bf16: ['*.self_attn.*'])")
+    grouped = units(names)
+    return {n for name in picked for n in grouped[unit_of(name)]}
+
+
+def kept_modules(kept: Iterable[str]) -> list[str]:
+    """Module names for a compressed-tensors `ignore` list, sorted in model order."""
+    return [n.removesuffix(".weight") for n in sorted(kept, key=lambda n: (layer_index(n) or 0, n))]
