@@ -199,3 +199,26 @@ def requantize_int8(w: torch.Tensor, weight_scale: torch.Tensor, col_mul: torch.
 def int8_quotient(w: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """w / scale before rounding (in the scale's dtype, as quantize_int8_with_scale): for clip checks."""
     return w.to(weight_scale.dtype) / weight_scale
+
+
+def fake_quant_activation(fn: QuantFn, x: torch.Tensor) -> torch.Tensor:
+    """x quantized and dequantized as the engine's dynamic activation quantization does it before
+    an 8-bit matmul: int8 per token (absmax / 127), fp8 per token (fp8_channel), per tensor
+    (fp8_tensor) or per token and 128-column group (fp8_block). For sensitivity estimates
+    (`flashrl tune`), computed in fp32."""
+    xf = x.float()
+    if fn is QuantFn.int8:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-12)
+        return (torch.round(xf / scale).clamp(INT8_MIN, INT8_MAX) * scale).to(x.dtype)
+    if fn is QuantFn.fp8_block:
+        cols = xf.shape[-1]
+        group = FP8_BLOCK[1]
+        pad = (-cols) % group
+        g = torch.nn.functional.pad(xf, (0, pad)).unflatten(-1, (-1, group))
+        scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+        return (_to_fp8(g / scale).float() * scale).flatten(-2)[..., :cols].to(x.dtype)
+    if fn is QuantFn.fp8_tensor:
+        scale = (xf.abs().amax() / FP8_MAX).clamp_min(1e-12)
+    else:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    return (_to_fp8(xf / scale).float() * scale).to(x.dtype)

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from flashrl_tools.cli import models, profile, publish, quantize, setup, verify
+from flashrl_tools.cli import models, profile, publish, quantize, setup, tune, verify
 from flashrl_tools.cli.common import err, out
 from flashrl_tools.cli.version import version_text
 from flashrl_tools.errors import FlashRLError
@@ -42,6 +42,7 @@ app.command("quantize")(quantize.command)
 app.command("profile")(profile.command)
 app.command("setup")(setup.command)
 app.command("publish")(publish.command)
+app.command("tune")(tune.command)
 app.add_typer(models.app, name="models")
 app.add_typer(verify.app, name="verify")
 

@@ -1,0 +1,1 @@
+"""`flashrl tune`: mixed precision within a KL budget (see run.py)."""

@@ -1,0 +1,128 @@
+"""The BF16 policy in transformers with any set of units (mixed.units) fake-quantized, and the
+token KL of that model from the BF16 one on fixed sequences: the ranking signal of `flashrl tune`.
+
+A quantized linear computes with the dequantized 8-bit weight and a dynamically fake-quantized
+input, as the engine's W8A8 / FP8 kernels do (quantizer.py has the math). Under a SmoothQuant
+profile the weight lives in smoothed column space: its input is divided by the smoothing factor
+(what the divided norm does in the engine), rows divided by smooth_out are multiplied back.
+Computed in fp32: the ranking is of quantization error, not of BF16 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashrl_tools.mixed import units
+from flashrl_tools.profile.format import Profile
+from flashrl_tools.quantizer import QuantFn, dequantize, fake_quant_activation, quantize_weight, requantize_int8
+
+
+@dataclass
+class _Linear:
+    module: torch.nn.Linear
+    original: torch.Tensor  # fp32 weight
+    quantized: torch.Tensor  # fp32 dequantized weight (column-smoothed under a profile)
+    col_div: torch.Tensor | None  # the input is divided by this before the 8-bit matmul
+
+
+class FakeQuantModel:
+    def __init__(self, model_dir: Path, fn: QuantFn, linear_weights: set[str], profile: Profile | None = None):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.fn = fn
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}
+        self.units = units(linear_weights)
+        self.linears: dict[str, _Linear] = {}
+        for weights in self.units.values():
+            for name in weights:
+                module = self.model.get_submodule(name.removesuffix(".weight"))
+                quantized, col_div = _fake_weight(fn, name, bf16[name], profile)
+                self.linears[name] = _Linear(module, module.weight.detach().clone(), quantized, col_div)
+        self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        self.unit_bytes = {u: sum(self.linears[n].original.numel() * 2 for n in ws) for u, ws in self.units.items()}
+
+    def set_quantized(self, quantized_units: set[str]) -> None:
+        """Quantize exactly these units (the others compute with the original weights)."""
+        for unit, weights in self.units.items():
+            on = unit in quantized_units
+            for name in weights:
+                lin = self.linears[name]
+                lin.module.weight.data = lin.quantized if on else lin.original
+                if on and name not in self._hooks:
+                    self._hooks[name] = lin.module.register_forward_pre_hook(self._input_hook(lin))
+                elif not on and name in self._hooks:
+                    self._hooks.pop(name).remove()
+
+    def _input_hook(self, lin: _Linear):
+        def hook(module, args):
+            x = args[0]
+            if lin.col_div is not None:
+                x = x / lin.col_div
+            return (fake_quant_activation(self.fn, x),) + tuple(args[1:])
+        return hook
+
+    @torch.no_grad()
+    def response_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+        """log-softmax at every response position [positions, vocab] (fp32)."""
+        logits = self.model(input_ids=batch.ids, attention_mask=batch.mask).logits
+        return torch.log_softmax(logits[batch.rows, batch.cols].float(), dim=-1)
+
+
+def _fake_weight(fn: QuantFn, name: str, w: torch.Tensor, profile: Profile | None):
+    entry = profile.linear(name) if profile is not None else None
+    if entry is None:
+        return dequantize(fn, quantize_weight(fn, w)), None
+    q = requantize_int8(w, entry.weight_scale, entry.smooth_in, entry.smooth_out)
+    deq = q.float() * entry.weight_scale.float()
+    if entry.smooth_out is not None:
+        deq = deq * entry.smooth_out.float()[:, None]
+    return deq, (entry.smooth_in.float() if entry.smooth_in is not None else None)
+
+
+@dataclass
+class SequenceBatch:
+    ids: torch.Tensor  # [B, L] right-padded
+    mask: torch.Tensor
+    rows: torch.Tensor  # response positions (row, col) whose logits predict a response token
+    cols: torch.Tensor
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], responses: list[list[int]]) -> SequenceBatch:
+        width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        rows, cols = [], []
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            seq = torch.tensor(p + r)
+            ids[i, :len(seq)], mask[i, :len(seq)] = seq, 1
+            rows += [i] * len(r)
+            cols += range(len(p) - 1, len(p) + len(r) - 1)
+        return cls(ids, mask, torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
+
+
+def token_kl(logq: torch.Tensor, logp: torch.Tensor) -> float:
+    """Mean over positions of KL(q || p): q the rollout (quantized) policy, p the trainer's."""
+    return float((logq.exp() * (logq - logp)).sum(-1).mean())
+
+
+@torch.no_grad()
+def sample_responses(model, prompts: list[list[int]], max_tokens: int, seed: int) -> list[list[int]]:
+    """The BF16 policy's own T=1 samples (transformers generate), one per prompt, EOS included."""
+    torch.manual_seed(seed)
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_p=1.0,
+                             top_k=0, max_new_tokens=max_tokens, pad_token_id=model.config.eos_token_id)
+        resp = gen[0, len(p):].tolist()
+        eos = model.config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        cut = next((i + 1 for i, t in enumerate(resp) if t in eos), len(resp))
+        out.append(resp[:cut])
+    return out
