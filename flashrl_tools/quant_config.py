@@ -49,3 +49,10 @@ def quantization_config(fn: QuantFn, ignore: list[str] | None = None) -> dict[st
         ignore=list(IGNORE if ignore is None else ignore),
     )
     return cfg.model_dump(mode="json")
+
+
+def ignored_by(module: str, ignore: list[str]) -> bool:
+    """Whether a compressed-tensors `ignore` list (exact module names or `re:` patterns) covers a module."""
+    import re
+
+    return any(re.fullmatch(e[3:], module) if e.startswith("re:") else e == module for e in ignore)

@@ -113,3 +113,13 @@ def test_runtime_serves_an_online_checkpoint_with_the_kept_layers(tiny_models, t
     cfg.write_text(cfg.read_text().replace("'*.o_proj'", "'*.nope'"))
     with pytest.raises(FlashRLError, match="matches no linear layer"):
         engine_overrides(resolve(str(cfg)), str(src))
+
+
+def test_profile_of_a_mixed_checkpoint_leaves_the_kept_layers_out(tiny_models, tmp_path):
+    from flashrl_tools.profile.build import build_profile
+
+    src = tiny_models["qwen3-untied"]
+    res = quantize(src, tmp_path / "q", "int8", keep=KeepSpec(first_layers=1))
+    profile = build_profile(src, res.out, "int8").profile
+    assert sorted(profile.meta.quantized) == sorted(res.quantized) and len(res.quantized) == 7
+    assert all(profile.linear(n) is None for n in res.kept_bf16)

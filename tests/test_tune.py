@@ -55,6 +55,48 @@ def test_activation_fake_quant_matches_the_formats():
     assert g.abs().amax() == pytest.approx(FP8_MAX)
 
 
+def test_fake_quant_model_replays_unquantized_layers_exactly(tiny_models):
+    """The ranking's shortcut (layers below the first quantized unit replayed from a cached BF16
+    pass) gives the same logprobs as the full forward; quantizing a unit changes them; a
+    """
+    from flashrl_tools.model_structure import model_layout
+    from flashrl_tools.tune.fakequant import FakeQuantModel, SequenceBatch, token_kl
+
+    src = tiny_models["qwen2-untied"]
+    fq = FakeQuantModel(src, QuantFn.int8, set(model_layout(src).linear_weights))
+    assert len(fq.units) == 8
+    batch = SequenceBatch.of([[5, 6, 7, 8]] * 3, [[9, 10, 11], [12, 13], [14]])
+    assert batch.rows.tolist() == [0, 0, 0, 1, 1, 2] and batch.cols.tolist() == [3, 4, 5, 3, 4, 3]
+    fq.cache_layer_outputs(batch)
+    base = fq.response_logprobs(batch)
+    unit = "model.layers.1.mlp.gate_up_proj"
+    fq.set_quantized({unit})
+    full, replayed = fq.response_logprobs(batch), fq.response_logprobs(batch, replay_layers=1)
+    assert torch.equal(full, replayed) and token_kl(full, base) > 0
+    fq.set_quantized(set())
+    assert torch.equal(fq.response_logprobs(batch), base)
+
+
+def test_fake_weight_under_a_smoothquant_profile_is_in_smoothed_space():
+    """Weight columns multiplied by smooth_in (the input is divided by it), rows divided by
+    smooth_out multiplied back: dequantized / smooth_in ~ the original weight."""
+    from flashrl_tools.profile.format import Profile, ProfileMeta
+    from flashrl_tools.quantizer import int8_scale, smooth_weight
+    from flashrl_tools.tune.fakequant import _fake_weight
+
+    torch.manual_seed(0)
+    w = (torch.randn(8, 16) * 0.05).to(torch.bfloat16)
+    c, r = torch.rand(16) + 0.5, torch.rand(8) + 0.5
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors = {f"{name}_scale": int8_scale(smooth_weight(w, c, r)), "model.layers.0.mlp.down_proj.smooth_in": c,
+               "model.layers.0.mlp.down_proj.smooth_out": r}
+    meta = ProfileMeta(fn="int8", flashrl_tools="0", bf16_model=None, quantized=[name],
+                       quantized_model={"path": "x", "model_type": "llama", "files": {}})
+    deq, col_div = _fake_weight(QuantFn.int8, name, w, Profile(meta, tensors))
+    assert torch.equal(col_div, c)
+    assert torch.allclose(deq / c[None, :], w.float(), atol=0.05 * 2 / 127 * 3)
+
+
 def test_bad_budget_is_one_clear_error(tmp_path):
     res = run_cli("tune", "-m", "default", "-o", tmp_path / "c.yaml", "--max-kl", "-1")
     assert res.returncode == 2 and "--max-kl must be > 0" in res.stderr
@@ -63,3 +105,25 @@ def test_bad_budget_is_one_clear_error(tmp_path):
     res = run_cli("tune", "-m", "default", "-o", tmp_path / "c.yaml", "--max-kl", "0.1", "--max-kl-ratio", "2")
     assert res.returncode == 2 and "not both" in res.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.vllm
+def test_tune_end_to_end_on_a_tiny_model(tiny_models, tmp_path):
+    """Ranking of the 8 units of a 2-layer model, the curve, a budget met by the verified pick
+    (engine drift on the odd prompts), config + report + PNG; the written config is a mixed one
+    that the runtime's schema accepts."""
+    from flashrl_tools.setup.schema import load_config
+
+    cfg, report = tmp_path / "c.yaml", tmp_path / "r.json"
+    res = run_cli("tune", "-m", tiny_models["llama-untied"], "--fn", "int8", "-o", cfg, "--report", report,
+                  "--n-tune", "4", "-n", "8", "--max-tokens", "8", "--max-kl", "5", timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert len(r["units"]) == 8 and sorted(u["rank"] for u in r["units"]) == list(range(1, 9))
+    assert [p["kept"] for p in r["curve"]] == [0, 1, 2, 3, 4, 6, 8]
+    assert r["curve"][-1]["kl"] == 0.0 and r["curve"][0]["fraction_8bit"] == 1.0
+    assert r["budget"]["max_kl"] == 5 and r["met"] and r["verifications"][-1]["passed"]
+    assert report.with_suffix(".png").stat().st_size > 0
+    entry = load_config(cfg).configs[0]
+    assert entry.fn.value == "int8" and entry.keep_bf16 == r["pick"]["kept_units"]
+    assert "picked:" in res.stdout

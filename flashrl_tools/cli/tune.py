@@ -23,7 +23,7 @@ def command(
                                 "from `flashrl setup`) instead of round-to-nearest"),
     report: Path = typer.Option(None, "--report", help="report JSON (PNG beside it); default: OUTPUT.report.json"),
     prompts: Path = typer.Option(None, "--prompts", help="prompts (JSONL/text): even lines tune, odd lines verify"),
-    n_tune: int = typer.Option(32, "--n-tune", min=1, help="sequences for the layer sensitivities"),
+    n_tune: int = typer.Option(16, "--n-tune", min=1, help="sequences for the layer sensitivities"),
     n_verify: int = typer.Option(64, "-n", "--n-verify", min=1, help="rollouts per engine in each verification"),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
     seed: int = typer.Option(0, "--seed"),

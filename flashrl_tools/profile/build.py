@@ -20,7 +20,7 @@ from flashrl_tools.model_structure import model_layout, read_config
 from flashrl_tools.profile.format import ModelRef, Profile, ProfileMeta
 from flashrl_tools.profile.groups import layer_groups
 from flashrl_tools.profile.recover import Member, Stats, fit_factors, score
-from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES
+from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES, ignored_by
 from flashrl_tools.quantize import parse_fn
 from flashrl_tools.quantizer import QuantFn, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
@@ -136,7 +136,9 @@ def build_profile(bf16_dir: Path, quantized_dir: Path, fn: QuantFn | str,
                            str(quantized_dir), "profile two checkpoints of the same model")
     layout = model_layout(bf16_dir)
     bf16, q = CheckpointReader(bf16_dir), CheckpointReader(quantized_dir)
-    linears = {n for n in layout.linear_weights if n in bf16}
+    # linears the 8-bit checkpoint keeps in high precision (its `ignore`: mixed precision) stay BF16
+    ignore = read_config(quantized_dir).get("quantization_config", {}).get("ignore", [])
+    linears = {n for n in layout.linear_weights if n in bf16 and not ignored_by(n.removesuffix(".weight"), ignore)}
     check_pair(bf16, q, linears)
     quantized = sorted(n for n in linears if f"{n}_scale" in q)
     meta = dict(fn=fn.value, flashrl_tools=__version__,

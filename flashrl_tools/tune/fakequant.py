@@ -68,10 +68,37 @@ class FakeQuantModel:
         return hook
 
     @torch.no_grad()
-    def response_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        """log-softmax at every response position [positions, vocab] (fp32)."""
-        logits = self.model(input_ids=batch.ids, attention_mask=batch.mask).logits
-        return torch.log_softmax(logits[batch.rows, batch.cols].float(), dim=-1)
+    def cache_layer_outputs(self, batch: SequenceBatch) -> None:
+        """Record every decoder layer's output with nothing quantized: a later evaluation whose
+        first quantized unit sits in layer L replays layers < L from here (identical inputs)."""
+        self.set_quantized(set())
+        outputs: list[torch.Tensor] = []
+        layers = self.model.model.layers
+        hooks = [layer.register_forward_hook(lambda m, a, out: outputs.append(out)) for layer in layers]
+        try:
+            self.model.model(input_ids=batch.ids, attention_mask=batch.mask)
+        finally:
+            for h in hooks:
+                h.remove()
+        self._cached = (batch, outputs)
+
+    @torch.no_grad()
+    def response_logprobs(self, batch: SequenceBatch, replay_layers: int = 0) -> torch.Tensor:
+        """log-softmax at every response position [positions, vocab] (fp32). The first
+        `replay_layers` decoder layers return their cached unquantized outputs (they must hold
+        no quantized unit)."""
+        layers = self.model.model.layers
+        cached = getattr(self, "_cached", None)
+        replay = replay_layers if cached is not None and cached[0] is batch else 0
+        for i in range(replay):
+            layers[i].forward = (lambda out: lambda *a, **k: out)(cached[1][i])
+        try:
+            hidden = self.model.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
+        finally:
+            for i in range(replay):
+                del layers[i].forward
+        logits = self.model.lm_head(hidden[batch.rows, batch.cols])  # response positions only
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _fake_weight(fn: QuantFn, name: str, w: torch.Tensor, profile: Profile | None):

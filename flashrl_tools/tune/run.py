@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_write_text
-from flashrl_tools.mixed import kept_modules
+from flashrl_tools.mixed import kept_modules, layer_index
 from flashrl_tools.quantizer import QuantFn
 from flashrl_tools.setup.schema import RolloutConfig
 from flashrl_tools.tune import search
@@ -35,7 +36,7 @@ DEFAULT_RATIO = 3.0  # the issue's goal: token KL <= 3x the BF16 engine's own fl
 class TuneSettings:
     max_kl: float | None = None
     max_kl_ratio: float | None = None  # DEFAULT_RATIO when neither is given
-    n_tune: int = 32  # sequences the fake-quant KL is measured on
+    n_tune: int = 16  # sequences the fake-quant KL is measured on
     n_verify: int = 64  # rollouts per engine in `verify drift`
     max_tokens: int = 64
     seed: int = 0
@@ -77,18 +78,20 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
         raise FlashRLError("tune needs at least 2 prompts (half tune, half verify)", str(prompts_file or "built-in"))
     tune_prompts, verify_prompts = prompts[0::2], prompts[1::2]
 
+    seconds, t0 = {}, time.perf_counter()
     progress("loading the BF16 policy (transformers, fp32) and fake-quantizing every linear layer")
     fq = FakeQuantModel(bf16, fn, linear, profile)
     ids = tokenize(tune_prompts, bf16)
     chosen = [ids[i % len(ids)] for i in range(settings.n_tune)]
     progress(f"sampling {settings.n_tune} responses from the BF16 policy")
     batch = SequenceBatch.of(chosen, sample_responses(fq.model, chosen, settings.max_tokens, settings.seed))
-    fq.set_quantized(set())
+    fq.cache_layer_outputs(batch)
     logp = fq.response_logprobs(batch)
 
     def measure(quantized: set[str]) -> float:
         fq.set_quantized(quantized)
-        return token_kl(fq.response_logprobs(batch), logp)
+        first = min((layer_index(u) for u in quantized if layer_index(u) is not None), default=0)
+        return token_kl(fq.response_logprobs(batch, replay_layers=first), logp)
 
     names = list(fq.units)
     progress(f"sensitivity of {len(names)} layers (each 8-bit alone)")
@@ -96,6 +99,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
     order = search.ranking(sens)
     progress("KL vs fraction of weights in 8 bit")
     points = search.curve(order, fq.unit_bytes, measure, search.grid(len(order)), bar)
+    seconds["rank_and_curve"], t0 = time.perf_counter() - t0, time.perf_counter()
 
     with tempfile.TemporaryDirectory(prefix="flashrl-tune-") as tmp:
         work = Path(tmp)
@@ -107,6 +111,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
         progress("verify drift of the all-8-bit config (tuning prompts): the BF16 floor and the KL scale")
         full = _drift(entry, [], bf16, work / "full.yaml", tune_file, settings, settings.seed)
         floor, full_kl = full["floor"], full["kl"]
+        seconds["all_8bit_drift"], t0 = time.perf_counter() - t0, time.perf_counter()
         budget = settings.max_kl if settings.max_kl is not None else ratio * floor
         fake0 = next(p.kl for p in points if p.kept == 0)
         alpha = (full_kl - floor) / fake0 if fake0 > 0 and full_kl > floor else 1.0
@@ -127,6 +132,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
                 if v["kl"] <= budget:
                     picked = (k, keep, fraction)
                     break
+        seconds["pick_and_verify"] = time.perf_counter() - t0
 
     report = {
         "model": str(bf16), "fn": fn.value, "base_config": str(config) if config else fn.value,
@@ -139,6 +145,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
         "candidate": candidate.to_dict() if candidate else None,
         "verifications": verifications,
         "met": picked is not None,
+        "seconds": seconds,
     }
     if picked is not None:
         k, keep, fraction = picked
