@@ -98,12 +98,19 @@ def test_fake_weight_under_a_smoothquant_profile_is_in_smoothed_space():
 
 
 def test_bad_budget_is_one_clear_error(tmp_path):
+    """One process as a user runs it (exit 2, one line); the other refusals in-process (the same
+    FlashRLError that `flashrl` prints). Nothing is written."""
+    from typer.testing import CliRunner
+
+    from flashrl_tools.cli.app import app
+    from flashrl_tools.errors import FlashRLError
+
     res = run_cli("tune", "-m", "default", "-o", tmp_path / "c.yaml", "--max-kl", "-1")
     assert res.returncode == 2 and "--max-kl must be > 0" in res.stderr
-    res = run_cli("tune", "-m", "default", "-o", tmp_path / "c.txt")
-    assert res.returncode == 2 and ".yaml" in res.stderr
-    res = run_cli("tune", "-m", "default", "-o", tmp_path / "c.yaml", "--max-kl", "0.1", "--max-kl-ratio", "2")
-    assert res.returncode == 2 and "not both" in res.stderr
+    for args, message in ((["-o", str(tmp_path / "c.txt")], ".yaml"),
+                          (["-o", str(tmp_path / "c.yaml"), "--max-kl", "0.1", "--max-kl-ratio", "2"], "not both")):
+        result = CliRunner().invoke(app, ["tune", "-m", "default", *args])
+        assert isinstance(result.exception, FlashRLError) and message in result.exception.message
     assert not list(tmp_path.iterdir())
 
 

@@ -195,7 +195,9 @@ def plot_curve(report: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("fraction of linear-weight bytes in 8 bit")
     ax.set_ylabel("token KL (rollout || trainer)")
-    ax.set_title(f"flashrl tune --fn {report['fn']}: {Path(report['model']).name}")
+    base = report["base_config"]
+    start = report["fn"] if base == report["fn"] else f"{report['fn']} from {Path(base).name}"
+    ax.set_title(f"flashrl tune ({start}): {Path(report['model']).name}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
