@@ -25,13 +25,12 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import preset_options, run_worker  # noqa: E402
 from shapes import model_dir  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
 
@@ -119,15 +118,7 @@ def run_one(spec: dict, config: str) -> dict:
     if kv:
         env["FLASHRL_KV_CACHE_DTYPE"] = "fp8"
     env["FLASHRL_SYNC_TIMING"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
-        req.write_text(json.dumps(spec))
-        res = subprocess.run([sys.executable, __file__, "--worker", str(req), str(out)], env=env,
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            sys.stderr.write(res.stderr[-4000:])
-            return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
-        return json.loads(out.read_text())
+    return run_worker(__file__, spec, env)
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -174,10 +165,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    preset = PRESETS[a.preset or ("gpu" if torch.cuda.is_available() else "cpu")]
-    opts = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in preset.items()}
-    util = a.gpu_memory_utilization or (0.85 if torch.cuda.is_available() else 0.3)
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="flashrl-bench-"))
+    opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
     lengths = output_lengths(opts["prompts"] * opts["samples"], opts["max_len"])
     rows = []
     for shape in opts["shapes"].split(","):

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import preset_options, run_worker  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {
@@ -66,15 +65,7 @@ def worker(spec: dict) -> dict:
 def run_one(spec: dict, config: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}
     env["FLASHRL_CONFIG"] = config
-    with tempfile.TemporaryDirectory() as tmp:
-        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
-        req.write_text(json.dumps(spec))
-        res = subprocess.run([sys.executable, __file__, "--worker", str(req), str(out)], env=env,
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            sys.stderr.write(res.stderr[-4000:])
-            return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
-        return json.loads(out.read_text())
+    return run_worker(__file__, spec, env)
 
 
 def main() -> None:
@@ -95,10 +86,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    preset = PRESETS[a.preset or ("gpu" if torch.cuda.is_available() else "cpu")]
-    opts = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in preset.items()}
-    util = a.gpu_memory_utilization or (0.9 if torch.cuda.is_available() else 0.3)
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="flashrl-bench-"))
+    opts, util, work = preset_options(a, PRESETS, gpu_util=0.9)
     rows = []
     for shape in opts["shapes"].split(","):
         path, dummy = model_dir(shape, work)

@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import preset_options, run_worker  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {"gpu": dict(shapes="7b,14b,32b", modes="native-bf16,bf16,fp8,int8", repeats=3),
@@ -106,15 +105,7 @@ def run_one(spec: dict, mode: str) -> dict:
     if mode != "native-bf16":
         env["FLASHRL_CONFIG"] = mode
     env["FLASHRL_SYNC_TIMING"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
-        req.write_text(json.dumps({**spec, "native": mode == "native-bf16"}))
-        res = subprocess.run([sys.executable, __file__, "--worker", str(req), str(out)], env=env,
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            sys.stderr.write(res.stderr[-4000:])
-            return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
-        return json.loads(out.read_text())
+    return run_worker(__file__, {**spec, "native": mode == "native-bf16"}, env)
 
 
 def main() -> None:
@@ -132,10 +123,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    preset = PRESETS[a.preset or ("gpu" if torch.cuda.is_available() else "cpu")]
-    opts = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in preset.items()}
-    util = a.gpu_memory_utilization or (0.6 if torch.cuda.is_available() else 0.3)
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="flashrl-bench-"))
+    opts, util, work = preset_options(a, PRESETS, gpu_util=0.6)
     rows = []
     for shape in opts["shapes"].split(","):
         path, dummy = model_dir(shape, work)

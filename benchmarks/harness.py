@@ -1,0 +1,33 @@
+"""What the engine benchmarks share: options from a preset, and one worker process per config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def preset_options(args, presets: dict, gpu_util: float) -> tuple[dict, float, Path]:
+    """(options: the preset's values overridden by the flags given, gpu_memory_utilization, work dir)."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    preset = presets[args.preset or ("gpu" if gpu else "cpu")]
+    opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in preset.items()}
+    util = args.gpu_memory_utilization or (gpu_util if gpu else 0.3)
+    return opts, util, Path(args.workdir or tempfile.mkdtemp(prefix="flashrl-bench-"))
+
+
+def run_worker(script: str, spec: dict, env: dict) -> dict:
+    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": last stderr line}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        req.write_text(json.dumps(spec))
+        res = subprocess.run([sys.executable, script, "--worker", str(req), str(out)], env=env,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.stderr.write(res.stderr[-4000:])
+            return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
+        return json.loads(out.read_text())
