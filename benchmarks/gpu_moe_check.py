@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-bound", action="store_true", help="skip the BF16 engine (exactness checks only)")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--engine-args", type=json.loads, default={}, help="extra vllm.LLM arguments as JSON")
     args = ap.parse_args()
     import vllm
 
@@ -82,6 +83,7 @@ def main() -> None:
         kw["enforce_eager"] = False
     if args.ep:
         kw["enable_expert_parallel"] = True
+    kw.update(args.engine_args)
     eng = {"engine_kwargs": kw}
     results = {"device": torch.cuda.get_device_name() if gpu else "CPU", "gpus": torch.cuda.device_count(),
                "vllm": vllm.__version__,

@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="reuse models built by an earlier run")
     ap.add_argument("--kv-cache-dtype", default=None, help="fp8: every engine with an FP8 KV cache (issue 15)")
     ap.add_argument("--reload", action="store_true", help="also sync through vLLM's reload_weights")
+    ap.add_argument("--engine-args", type=json.loads, default={},
+                    help='extra vllm.LLM arguments as JSON, e.g. \'{"gpu_memory_utilization": 0.05, '
+                         '"kv_cache_memory_bytes": 1073741824}\' to share one GPU between checks')
     ap.add_argument("--correctness-configs", default=None,
                     help="subset of bf16,int8,fp8,fp8_channel for the correctness checks (default: all)")
     args = ap.parse_args()
@@ -123,7 +126,8 @@ def main() -> None:
         perturb(tmp / "m", tmp / "mp")
     mode = {"enforce_eager": False} if args.compiled else {}
     results["engines"] = "compiled (torch.compile + CUDA graphs)" if args.compiled else "eager"
-    eng = {"engine_kwargs": {"gpu_memory_utilization": 0.3, **mode}}
+    ekw = {"gpu_memory_utilization": 0.3, **mode, **args.engine_args}
+    eng = {"engine_kwargs": ekw}
     checks = []
     yaml_fp8 = tmp / "fp8_channel.yaml"
     yaml_fp8.write_text("version: 1\nconfigs:\n- fn: fp8_channel\n  logprobs_mode: processed_logprobs\n")
@@ -132,7 +136,7 @@ def main() -> None:
     cases = {
         "bf16": ({"FLASHRL_CONFIG": "bf16"}, lambda: probe(tmp, "fresh-bf16", ref, model=str(tmp / "mp"), **eng)),
         "int8": ({"FLASHRL_CONFIG": "int8"}, lambda: probe(tmp, "fresh-int8", ref, model=str(quantize(tmp / "mp", tmp / "mp-int8", "int8").out), **eng)),
-        "fp8": ({"FLASHRL_CONFIG": "fp8"}, lambda: probe(tmp, "fresh-fp8", ref, model=str(tmp / "mp"), engine_kwargs={"gpu_memory_utilization": 0.3, "quantization": "fp8", **mode})),
+        "fp8": ({"FLASHRL_CONFIG": "fp8"}, lambda: probe(tmp, "fresh-fp8", ref, model=str(tmp / "mp"), engine_kwargs={**ekw, "quantization": "fp8"})),
         "fp8_channel (yaml)": ({"FLASHRL_CONFIG": str(yaml_fp8)}, lambda: probe(tmp, "fresh-fp8c", ref, model=str(quantize(tmp / "mp", tmp / "mp-fp8c", "fp8_channel").out), **eng)),
     }
     wanted = (args.correctness_configs or ",".join(cases)).split(",")

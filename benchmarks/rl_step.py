@@ -76,13 +76,13 @@ def worker(spec: dict) -> dict:
     vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
     lengths = output_lengths(spec["prompts"] * spec["samples"], spec["max_len"])
 
-    def rollout(step: int) -> dict:
+    def rollout(step: int, cap: int) -> dict:
         rng = random.Random(1000 + step)  # new prompts every step, the same for every config
         prompts = [[rng.randrange(10, vocab) for _ in range(spec["prompt_len"])] for _ in range(spec["prompts"])]
         reqs, params = [], []
         for i, length in enumerate(lengths):
             reqs.append({"prompt_token_ids": prompts[i // spec["samples"]]})
-            params.append(SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, logprobs=0,
+            params.append(SamplingParams(temperature=1.0, max_tokens=min(length, cap), ignore_eos=True, logprobs=0,
                                          seed=step * 100003 + i, detokenize=False))
         t0 = time.perf_counter()
         outs = llm.generate(reqs, params, use_tqdm=False)
@@ -95,9 +95,9 @@ def worker(spec: dict) -> dict:
 
     llm.generate([{"prompt_token_ids": [11] * 8}], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
                  use_tqdm=False)  # warm-up outside the timed steps
-    first = rollout(0)
+    first = rollout(0, spec.get("first_max_len") or spec["max_len"])
     sync = llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=1))[0][0]
-    second = rollout(1)
+    second = rollout(1, spec["max_len"])
     memory = llm.collective_rpc(_device_memory)[0]
     return {"engine_start_s": start_s, "kv_cache_tokens": kv_tokens,
             "full_length_seqs_in_kv": kv_tokens // (spec["prompt_len"] + spec["max_len"]),
@@ -159,6 +159,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, help="samples per prompt (GRPO group size)")
     ap.add_argument("--prompt-len", type=int)
     ap.add_argument("--max-len", type=int, help="cap of the output length distribution")
+    ap.add_argument("--first-max-len", type=int, default=None,
+                    help="cap of the output lengths of the rollout before the sync (default: --max-len; "
+                         "a short one saves device time: the step is timed on the rollout after the sync)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -172,7 +175,8 @@ def main() -> None:
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "samples": opts["samples"],
-                    "prompt_len": opts["prompt_len"], "max_len": opts["max_len"], "gpu_memory_utilization": util}
+                    "prompt_len": opts["prompt_len"], "max_len": opts["max_len"], "gpu_memory_utilization": util,
+                    "first_max_len": a.first_max_len}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)

@@ -24,10 +24,11 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
     if kv_cache_dtype is not None:
         env["FLASHRL_KV_CACHE_DTYPE"] = kv_cache_dtype
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine_kwargs = {**(engine_kwargs or {}), **extra_engine_args()}
     with tempfile.TemporaryDirectory(prefix="flashrl-verify-") as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
         req.write_text(json.dumps({"model": str(model), "steps": steps, "fault": fault,
-                                   "engine_kwargs": engine_kwargs or {}}))
+                                   "engine_kwargs": engine_kwargs}))
         try:
             res = subprocess.run([sys.executable, "-m", "flashrl_tools.runtime.engine_job", str(req), str(out)],
                                  capture_output=True, text=True, env=env, timeout=timeout)
@@ -40,6 +41,22 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
                            f"model {model}, FLASHRL_CONFIG={config or '(unset)'}",
                            "run with FLASHRL_LOGGING_LEVEL=DEBUG for the engine's log")
     return result["steps"]
+
+
+def extra_engine_args() -> dict:
+    """FLASHRL_ENGINE_ARGS: a JSON object of extra vllm.LLM arguments for every engine the verify
+    and tune commands start (e.g. '{"gpu_memory_utilization": 0.1}' on a GPU shared with others)."""
+    raw = os.environ.get("FLASHRL_ENGINE_ARGS", "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise FlashRLError("FLASHRL_ENGINE_ARGS is not a JSON object", raw,
+                           'set it to vllm.LLM arguments as JSON, e.g. \'{"gpu_memory_utilization": 0.1}\', or unset it')
+    return value
 
 
 def _last_error_line(stderr: str) -> str | None:
