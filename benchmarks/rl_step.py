@@ -38,7 +38,7 @@ PRESETS = {
     "gpu": dict(shapes="7b,14b,32b", configs="bf16,fp8,int8,int8+kv", prompts=64, samples=8, prompt_len=1024,
                 max_len=8192),
     "cpu": dict(shapes="default", configs="bf16,int8,int8+kv", prompts=4, samples=4, prompt_len=64, max_len=128),
-    "smoke": dict(shapes="tiny", configs="bf16,int8", prompts=2, samples=3, prompt_len=16, max_len=48),
+    "smoke": dict(shapes="tiny", configs="bf16,int8+kv", prompts=2, samples=3, prompt_len=16, max_len=48),
 }
 
 

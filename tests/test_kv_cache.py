@@ -85,6 +85,26 @@ def test_calibration_sequences_are_fixed(default_model):
     assert a == b and len(a) == 8 and all(2 <= len(s) <= 256 for s in a)
 
 
+def test_calibration_sequences_without_a_tokenizer_are_fixed_ids_in_the_vocab():
+    """skip_tokenizer_init=True engines (rl_step.py; some trainers) have no tokenizer."""
+    a, b = calibration_sequences(None, 300), calibration_sequences(None, 300)
+    assert a == b and len(a) == 8 and all(len(s) == 256 and 0 <= min(s) and max(s) < 300 for s in a)
+
+
+def test_scales_are_written_into_vllm_026_compressed_tensors_parameters():
+    """vLLM 0.26's compressed-tensors KV method leaves the scales as shape-[1] nn.Parameters that
+    require grad; an in-place copy outside no_grad raised on the H100 (int8 / fp8_channel configs)."""
+    from flashrl_tools.runtime.vllm_compat import _set_kv_scales
+
+    layer = torch.nn.Module()
+    for n in ("_q_scale", "_k_scale", "_v_scale"):
+        setattr(layer, n, torch.nn.Parameter(torch.ones(1)))  # as CompressedTensorsKVCacheMethod
+    layer.register_buffer("_k_scale_cpu", torch.ones(()))
+    _set_kv_scales(layer, 0.5, 0.25, 0.125)
+    assert (float(layer._q_scale), float(layer._k_scale), float(layer._v_scale)) == (0.5, 0.25, 0.125)
+    assert layer._k_scale_float == 0.25 and float(layer._k_scale_cpu) == 0.25
+
+
 # -- refusal ----------------------------------------------------------------------------------
 
 def test_cpu_without_fp8_kv_support_refuses_at_start(default_model):

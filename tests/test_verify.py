@@ -56,6 +56,20 @@ def test_bad_input_is_one_clear_error(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
     res = run_cli("verify", "drift", "--config", "int8", "-m", "default", "--prompts", bad)
     assert res.returncode == 2 and "line 2" in res.stderr
+    for raw in ("{not json", "[1, 2]"):  # extra engine arguments: one error before any engine starts
+        res = run_cli("verify", "drift", "--config", "bf16", "-m", "default", "-n", "1",
+                      env={"FLASHRL_ENGINE_ARGS": raw})
+        assert res.returncode == 2 and "FLASHRL_ENGINE_ARGS is not a JSON object" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_engine_args_from_the_environment(monkeypatch):
+    from flashrl_tools.verify.engines import extra_engine_args
+
+    monkeypatch.delenv("FLASHRL_ENGINE_ARGS", raising=False)
+    assert extra_engine_args() == {}
+    monkeypatch.setenv("FLASHRL_ENGINE_ARGS", '{"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 1024}')
+    assert extra_engine_args() == {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 1024}
 
 
 def checks_of(report: Path) -> dict[str, bool]:

@@ -49,11 +49,18 @@ def scale_for(kind: str, absmax: float) -> float:
     return max(scale, MIN_SCALE)
 
 
-def calibration_sequences(tokenizer) -> list[list[int]]:
+def calibration_sequences(tokenizer, vocab_size: int | None = None) -> list[list[int]]:
     """The fixed token sequences every calibration runs (built-in prompts, same tokenizer as the
-    rollouts): deterministic, so equal weights give equal scales."""
+    rollouts; an engine without a tokenizer gets seeded token ids below `vocab_size`):
+    deterministic, so equal weights give equal scales."""
     from flashrl_tools.verify.prompts import load_prompts
 
+    if tokenizer is None:
+        import random
+
+        rng = random.Random(0)
+        return [[rng.randrange(min(vocab_size or 256, 32000)) for _ in range(MAX_CALIBRATION_TOKENS)]
+                for _ in range(CALIBRATION_PROMPTS)]
     out = []
     for prompt in load_prompts()[:CALIBRATION_PROMPTS]:
         ids = list(tokenizer(prompt)["input_ids"])[:MAX_CALIBRATION_TOKENS]

@@ -481,13 +481,19 @@ def calibrate_kv_if_stale(llm) -> dict | None:
     from flashrl_tools.runtime.kv_calibration import calibration_sequences
 
     t0 = time.perf_counter()
-    sequences = calibration_sequences(llm.get_tokenizer())
+    try:
+        tokenizer = llm.get_tokenizer()
+    except ValueError:  # skip_tokenizer_init=True: fixed token ids instead of the built-in prompts
+        tokenizer = None
+    model_config = llm.llm_engine.model_config
+    room = model_config.max_model_len - 1  # the prompt and its one generated token must fit
+    sequences = [s[:room] for s in calibration_sequences(tokenizer, model_config.get_vocab_size())]
     llm.reset_prefix_cache()
     llm.collective_rpc("flashrl_kv_arm")
     _calibrating.active = True
     try:
         llm.generate([{"prompt_token_ids": s} for s in sequences],
-                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+                     SamplingParams(temperature=0.0, max_tokens=1, detokenize=False), use_tqdm=False)
     finally:
         _calibrating.active = False
         scales = llm.collective_rpc("flashrl_kv_finish")
@@ -573,14 +579,17 @@ def _real_tokens(layer) -> int | None:
 
 
 def _set_kv_scales(layer, q: float, k: float, v: float) -> None:
-    """What vLLM's own `Attention.calc_kv_scales` sets (0.26), with our values."""
-    layer._q_scale.copy_(q)
-    layer._k_scale.copy_(k)
-    layer._v_scale.copy_(v)
+    """What vLLM's own `Attention.calc_kv_scales` sets (0.26), with our values. Under no_grad:
+    vLLM 0.26's compressed-tensors KV method makes the scales `nn.Parameter`s that require grad
+    (shape [1]), which an in-place copy outside no_grad refuses (measured on the H100)."""
+    with torch.no_grad():
+        layer._q_scale.copy_(q)
+        layer._k_scale.copy_(k)
+        layer._v_scale.copy_(v)
+        for attr, value in (("_k_scale_cpu", k), ("_v_scale_cpu", v)):
+            if hasattr(layer, attr):
+                getattr(layer, attr).fill_(value)
     layer._q_scale_float, layer._k_scale_float, layer._v_scale_float = q, k, v
-    for attr, value in (("_k_scale_cpu", k), ("_v_scale_cpu", v)):
-        if hasattr(layer, attr):
-            getattr(layer, attr).fill_(value)
 
 
 def _fp8_kv_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
