@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device session's work as a queue (DEVELOPERS.md "GPU (device tool)"): started with
+#   setsid nohup bash scripts/gpu_session_queue.sh REPO_DIR > /root/res/queue.out 2>&1 < /dev/null &
+# after install-vllm-bundle.sh; results and logs land in /root/res (tar them into $OUT from
+# later calls). Phase 1: correctness checks side by side on the GPU (small models, fixed KV
+# memory, at most MAX_JOBS at once, killed at P_DEADLINE s). Phase 2: throughput benchmarks
+# alone on the GPU, in order. Edit the two lists for the session's plan.
+R=$1; cd "$R" || exit 1; source scripts/gpu_env.sh
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=2
+RES=/root/res; mkdir -p $RES /root/w
+EA='{"gpu_memory_utilization": 0.04, "kv_cache_memory_bytes": 1073741824}'
+G=benchmarks/gpu_runtime_check.py; M=benchmarks/gpu_moe_check.py; S=benchmarks/rl_step.py
+KV="--skip-7b --kv-cache-dtype fp8 --reload --engine-args '$EA'"
+CHECKS=(  # name|command (phase 1, in priority order)
+  "kv-eager-int8|python $G $KV --correctness-configs int8 --workdir /root/w/ke-int8 --json $RES/kv-eager-int8.json"
+  "kv-eager-fp8c|python $G $KV --correctness-configs fp8_channel --workdir /root/w/ke-fp8c --json $RES/kv-eager-fp8c.json"
+  "kv-comp-int8|python $G $KV --compiled --correctness-configs int8 --workdir /root/w/kc-int8 --json $RES/kv-comp-int8.json"
+  "kv-comp-fp8c|python $G $KV --compiled --correctness-configs fp8_channel --workdir /root/w/kc-fp8c --json $RES/kv-comp-fp8c.json"
+  "drift-kv-int8|FLASHRL_ENGINE_ARGS='$EA' FLASHRL_KV_CACHE_DTYPE=fp8 python -m flashrl_tools verify drift -c int8 -m default --json $RES/drift-kv-int8.json"
+  "drift-kv-fp8|FLASHRL_ENGINE_ARGS='$EA' FLASHRL_KV_CACHE_DTYPE=fp8 python -m flashrl_tools verify drift -c fp8 -m default --json $RES/drift-kv-fp8.json"
+  "mixtral|python $M --archs mixtral --configs int8,fp8 --no-dense --engine-args '$EA' --workdir /root/w/mx --json $RES/mixtral.json"
+  "moe-comp|python $M --archs qwen3_moe --configs int8,fp8 --compiled --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mc --json $RES/moe-comp.json"
+)
+BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
+  "rl-7b-bf16|python $S --shapes 7b --configs bf16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-bf16.json"
+  "rl-7b-int8kv|python $S --shapes 7b --configs int8+kv --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-int8kv.json"
+  "rl-14b-bf16|python $S --shapes 14b --configs bf16 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-bf16.json"
+  "rl-14b-int8kv|python $S --shapes 14b --configs int8+kv --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-int8kv.json"
+  "rl-14b-int8|python $S --shapes 14b --configs int8 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-int8.json"
+  "rl-7b-fp8kv|python $S --shapes 7b --configs fp8+kv --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-fp8kv.json"
+)
+T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> $RES/queue.log; }
+python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
+declare -A PIDS
+running() { local c=0; for n in "${!PIDS[@]}"; do kill -0 ${PIDS[$n]} 2>/dev/null && c=$((c+1)); done; echo $c; }
+DEADLINE=$(( T0 + ${P_DEADLINE:-420} ))
+for entry in "${CHECKS[@]}"; do
+  name=${entry%%|*}; cmd=${entry#*|}
+  while [ "$(running)" -ge "${MAX_JOBS:-8}" ] && [ $(date +%s) -lt $DEADLINE ]; do sleep 3; done
+  [ $(date +%s) -ge $DEADLINE ] && { log "skip $name (deadline)"; continue; }
+  VLLM_CACHE_ROOT=/root/vc/$name setsid bash -c "$cmd; echo \"exit \$?\"" > $RES/$name.log 2>&1 &
+  PIDS[$name]=$!; log "start $name"
+done
+while [ "$(running)" -gt 0 ] && [ $(date +%s) -lt $DEADLINE ]; do sleep 3; done
+for n in "${!PIDS[@]}"; do kill -0 ${PIDS[$n]} 2>/dev/null && { log "kill $n (deadline)"; kill -KILL -- -${PIDS[$n]}; }; done
+sleep 3; log "phase 1 done"
+for entry in "${BENCH[@]}"; do
+  name=${entry%%|*}; cmd=${entry#*|}
+  log "start $name"; VLLM_CACHE_ROOT=/root/vc/s bash -c "$cmd" > $RES/$name.log 2>&1; log "end $name rc=$?"
+done
+log "ALL DONE"; touch $RES/ALLDONE
