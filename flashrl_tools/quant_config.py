@@ -51,6 +51,15 @@ def quantization_config(fn: QuantFn, ignore: list[str] | None = None) -> dict[st
     return cfg.model_dump(mode="json")
 
 
+# config.json key (top level, beside quantization_config) of a checkpoint whose FP8 scales are
+# powers of two: syncs must re-quantize the same way (runtime/convert.py reads it).
+FP8_POW2_KEY = "flashrl_fp8_scale_pow2"
+
+
+def has_pow2_scales(config: dict[str, Any]) -> bool:
+    return bool(config.get(FP8_POW2_KEY))
+
+
 def ignored_by(module: str, ignore: list[str]) -> bool:
     """Whether a compressed-tensors `ignore` list (exact module names or `re:` patterns) covers a module."""
     import re

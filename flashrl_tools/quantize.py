@@ -21,7 +21,7 @@ from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_output_dir, check_output_dir
 from flashrl_tools.mixed import KeepSpec, kept_modules, kept_weights
 from flashrl_tools.model_structure import model_layout, read_config
-from flashrl_tools.quant_config import quantization_config
+from flashrl_tools.quant_config import FP8_POW2_KEY, quantization_config
 from flashrl_tools.quantizer import QuantFn, output_specs, quantize_weight
 from flashrl_tools.safetensors_io import INDEX_NAME, CheckpointReader, PlannedTensor, write_checkpoint
 
@@ -43,9 +43,10 @@ class QuantizeResult:
 
 
 def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
-             max_shard_bytes: int = 4 << 30, keep: KeepSpec = KeepSpec()) -> QuantizeResult:
+             max_shard_bytes: int = 4 << 30, keep: KeepSpec = KeepSpec(), pow2: bool = False) -> QuantizeResult:
     t0 = time.perf_counter()
     fn = parse_fn(fn)
+    check_pow2(fn, pow2)
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if dst == src or src in dst.parents:
         raise FlashRLError("output directory is the model directory or inside it", str(dst),
@@ -77,7 +78,7 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in reader.iter_tensors():
             if name in target_set:
-                q = quantize_weight(fn, tensor)
+                q = quantize_weight(fn, tensor, pow2)
                 yield name, q.weight
                 yield f"{name}_scale", q.weight_scale
             else:
@@ -86,9 +87,7 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
     with atomic_output_dir(dst) as tmp:
         write_checkpoint(tmp, plan, produce, max_shard_bytes=max_shard_bytes,
                          metadata={"format": "pt", "flashrl_tools": __version__, "fn": fn.value})
-        config = read_config(src)
-        config["quantization_config"] = quantization_config(fn, ignore=list(layout.excluded) + kept_modules(kept))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_config(src, tmp, fn, list(layout.excluded) + kept_modules(kept), pow2)
         copy_side_files(src, tmp)
     bytes_in = sum(f.stat().st_size for f in reader.files)
     bytes_out = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
@@ -96,18 +95,33 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
                           bytes_out, time.perf_counter() - t0)
 
 
-def quantize_config_only(src: Path, dst: Path, fn: QuantFn | str, keep: KeepSpec = KeepSpec()) -> Path:
+def quantize_config_only(src: Path, dst: Path, fn: QuantFn | str, keep: KeepSpec = KeepSpec(),
+                         pow2: bool = False) -> Path:
     """For a config-only model (vLLM `load_format="dummy"`, benchmarks): the quantized config,
     no weights."""
     fn = parse_fn(fn)
+    check_pow2(fn, pow2)
     layout = model_layout(src)
     kept = kept_weights(layout.linear_weights, keep, str(src))
     with atomic_output_dir(Path(dst)) as tmp:
-        config = read_config(src)
-        config["quantization_config"] = quantization_config(fn, ignore=list(layout.excluded) + kept_modules(kept))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_config(src, tmp, fn, list(layout.excluded) + kept_modules(kept), pow2)
         copy_side_files(src, tmp)
     return Path(dst)
+
+
+def write_config(src: Path, dst: Path, fn: QuantFn, ignore: list[str], pow2: bool) -> None:
+    """The source's config.json with the quantization_config of what `dst` stores."""
+    config = read_config(src)
+    config["quantization_config"] = quantization_config(fn, ignore=ignore)
+    if pow2:
+        config[FP8_POW2_KEY] = True
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def check_pow2(fn: QuantFn, pow2: bool) -> None:
+    if pow2 and not fn.is_fp8:
+        raise FlashRLError(f"power-of-two scales are an FP8 option; --fn {fn.value} has none", None,
+                           "use --fn fp8_channel, fp8_tensor or fp8_block, or drop --pow2-scales")
 
 
 def copy_side_files(src: Path, dst: Path) -> None:

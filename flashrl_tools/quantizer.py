@@ -72,9 +72,14 @@ def output_specs(fn: QuantFn, shape: tuple[int, ...], dtype: torch.dtype) -> dic
     return {"weight": TensorSpec(shape, FP8_DTYPE), "weight_scale": TensorSpec(scale_shape, torch.float32)}
 
 
-def quantize_weight(fn: QuantFn, w: torch.Tensor) -> QuantizedWeight:
-    """Quantize one linear weight [out, in] with the given format (round to nearest)."""
+def quantize_weight(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> QuantizedWeight:
+    """Quantize one linear weight [out, in] with the given format (round to nearest). `pow2`
+    (FP8 formats): every scale rounded up to a power of two (as NeMo-RL's FP8 rollouts and
+    UE8M0 scales): no value clips, and a scale's bits no longer depend on the weight's exact
+    absmax, only on its binade."""
     _check_2d(tuple(w.shape))
+    if pow2 and not fn.is_fp8:
+        raise ValueError(f"power-of-two scales are an FP8 option, not for {fn.value}")
     if fn is QuantFn.int8:
         return QuantizedWeight(*_int8_channel(w))
     if fn is QuantFn.fp8_channel:
@@ -82,12 +87,12 @@ def quantize_weight(fn: QuantFn, w: torch.Tensor) -> QuantizedWeight:
     elif fn is QuantFn.fp8_tensor:
         scale = (w.float().abs().amax() / FP8_MAX).reshape(1)
     else:
-        return QuantizedWeight(*_fp8_block(w))
-    scale = _nonzero(scale)
+        return QuantizedWeight(*_fp8_block(w, pow2))
+    scale = _scale(scale, pow2)
     return QuantizedWeight(_to_fp8(w.float() / scale), scale)
 
 
-def quantize_weights(fn: QuantFn, w: torch.Tensor) -> list[QuantizedWeight]:
+def quantize_weights(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> list[QuantizedWeight]:
     """Quantize N linear weights of one shape stacked as [N, out, in] in a few kernels (MoE experts:
     thousands of small tensors per sync). Bit-identical with `quantize_weight` on each slice: every
     format's statistics stay within one slice (rows; the slice for per-tensor; 128x128 blocks,
@@ -96,12 +101,12 @@ def quantize_weights(fn: QuantFn, w: torch.Tensor) -> list[QuantizedWeight]:
         raise ValueError(f"expected stacked linear weights [N, out, in], got shape {list(w.shape)}")
     n, out, inp = w.shape
     if fn is QuantFn.fp8_tensor:
-        scale = _nonzero(w.float().abs().amax(dim=(1, 2)) / FP8_MAX)  # [N]
+        scale = _scale(w.float().abs().amax(dim=(1, 2)) / FP8_MAX, pow2)  # [N]
         q = _to_fp8(w.float() / scale[:, None, None])
         return [QuantizedWeight(q[i], scale[i].reshape(1)) for i in range(n)]
     if fn is QuantFn.fp8_block and out % FP8_BLOCK[0]:
-        return [quantize_weight(fn, w[i]) for i in range(n)]
-    flat = quantize_weight(fn, w.reshape(n * out, inp))
+        return [quantize_weight(fn, w[i], pow2) for i in range(n)]
+    flat = quantize_weight(fn, w.reshape(n * out, inp), pow2)
     qs = flat.weight.view(n, out, inp)
     scales = flat.weight_scale.view(n, -1, flat.weight_scale.shape[-1])
     return [QuantizedWeight(qs[i], scales[i]) for i in range(n)]
@@ -134,14 +139,14 @@ def _int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_int8_with_scale(w, scale), scale
 
 
-def _fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_block(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     out, inp = w.shape
     bo, bi = FP8_BLOCK
     po, pi = math.ceil(out / bo), math.ceil(inp / bi)
     padded = torch.zeros(po * bo, pi * bi, dtype=torch.float32, device=w.device)
     padded[:out, :inp] = w.float()
     blocks = padded.view(po, bo, pi, bi)
-    scale = _nonzero(blocks.abs().amax(dim=(1, 3)) / FP8_MAX)  # [po, pi]
+    scale = _scale(blocks.abs().amax(dim=(1, 3)) / FP8_MAX, pow2)  # [po, pi]
     q = _to_fp8(blocks / scale[:, None, :, None]).view(po * bo, pi * bi)[:out, :inp]
     return q.contiguous(), scale
 
@@ -162,6 +167,15 @@ def _to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.full_like(scale, _FP8_ZERO_SCALE), scale)
+
+
+def _scale(scale: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """An FP8 dequantization scale (fp32): nonzero, rounded up to a power of two if asked."""
+    scale = _nonzero(scale)
+    if not pow2:
+        return scale
+    up = torch.exp2(torch.ceil(torch.log2(scale)))
+    return torch.where(up < scale, up * 2, up)  # log2 rounding just above a power of two
 
 
 def _check_2d(shape: tuple[int, ...]) -> None:

@@ -21,21 +21,26 @@ def command(
     keep_bf16: list[str] = typer.Option([], "--keep-bf16", help="glob of module names kept in BF16 (repeatable)"),
     first_layers_bf16: int = typer.Option(0, "--first-layers-bf16", min=0, help="keep the first N layers in BF16"),
     last_layers_bf16: int = typer.Option(0, "--last-layers-bf16", min=0, help="keep the last N layers in BF16"),
+    pow2_scales: bool = typer.Option(False, "--pow2-scales", help="FP8 formats: round every scale up to a "
+                                     "power of two (NeMo-RL style)"),
 ) -> None:
     """Write an 8-bit checkpoint (weights + config.json + tokenizer) that vLLM loads without flags."""
     from flashrl_tools.mixed import KeepSpec
-    from flashrl_tools.quantize import parse_fn, quantize  # compressed-tensors: seconds to import
+    from flashrl_tools.quantize import check_pow2, parse_fn, quantize  # compressed-tensors: seconds to import
 
     fn_ = parse_fn(fn)  # validate before any slow work
+    check_pow2(fn_, pow2_scales)
     src = model_path(model)
     with err.status(f"quantizing {src.name} ({fn_.value})"):
         result = quantize(src, output, fn_, force=force,
-                          keep=KeepSpec(tuple(keep_bf16), first_layers_bf16, last_layers_bf16))
+                          keep=KeepSpec(tuple(keep_bf16), first_layers_bf16, last_layers_bf16), pow2=pow2_scales)
     table = Table(title=f"flashrl quantize --fn {fn_.value}", show_header=False)
     table.add_row("output", str(result.out))
     table.add_row("quantized linear weights", str(len(result.quantized)))
     if result.kept_bf16:
         table.add_row("linear weights kept in BF16", str(len(result.kept_bf16)))
+    if pow2_scales:
+        table.add_row("scales", "powers of two")
     table.add_row("tensors kept as-is", str(result.kept))
     table.add_row("size", f"{result.bytes_in / 2**20:.1f} MiB -> {result.bytes_out / 2**20:.1f} MiB")
     table.add_row("time", f"{result.seconds:.1f} s")

@@ -17,7 +17,7 @@ import torch
 from flashrl_tools.model_structure import has_weights, meta_model, model_layout, read_config, unquantized_names
 from flashrl_tools.profile.apply import kept_bf16
 from flashrl_tools.profile.format import Profile, load_profile
-from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES
+from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales
 from flashrl_tools.quantizer import QuantFn, quantize_weight, quantize_weights, requantize_int8, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.setup.schema import ConfigFn
@@ -35,8 +35,9 @@ class WeightConverter:
 
     def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None,
                  model_dir: Path | None = None, expected: set[str] | None = None,
-                 served: QuantFn | None = None):
+                 served: QuantFn | None = None, pow2: bool = False):
         self.fn = fn
+        self.pow2 = pow2  # the checkpoint's FP8 scales are powers of two (quantize --pow2-scales)
         # the 8-bit format of the tensors the engine loaded; None when it loaded BF16 (bf16, vLLM's
         # online fp8). FLASHRL_CONFIG=fp8 on a MoE model serves our fp8_tensor checkpoint.
         self.served = served if served is not None else (QuantFn(fn.value) if fn.value in QUANTIZED else None)
@@ -52,13 +53,14 @@ class WeightConverter:
         model's structure when it is config-only: dummy weights)."""
         profile = load_profile(Path(profile_path)) if profile_path else None
         served = served_format(loaded_dir)
+        pow2 = has_pow2_scales(read_config(loaded_dir))
         if not has_weights(loaded_dir):  # config only: the linears its quantization_config does not ignore
             ignored = {f"{m}.weight" for m in read_config(loaded_dir).get("quantization_config", {}).get("ignore", [])}
             quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights - ignored if served else set()
-            return cls(fn, set(quantized), profile, loaded_dir, cls.expected_names(loaded_dir), served)
+            return cls(fn, set(quantized), profile, loaded_dir, cls.expected_names(loaded_dir), served, pow2)
         reader = CheckpointReader(loaded_dir)
         quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
-        return cls(fn, quantized, profile, loaded_dir, cls.expected_names(loaded_dir), served)
+        return cls(fn, quantized, profile, loaded_dir, cls.expected_names(loaded_dir), served, pow2)
 
     @staticmethod
     def expected_names(loaded_dir: Path) -> set[str]:
@@ -92,7 +94,7 @@ class WeightConverter:
                 q = requantize_int8(tensor, scale, self._on(f"{name}:in", entry.smooth_in, tensor.device),
                                     self._on(f"{name}:out", entry.smooth_out, tensor.device))
                 return [(name, q), (f"{name}_scale", scale)]
-            q = quantize_weight(self.served, tensor)
+            q = quantize_weight(self.served, tensor, self.pow2)
             return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
         if self.profile is not None:
             if self.profile.linear(name) is not None:  # a linear kept in BF16 (mixed precision)
@@ -119,7 +121,7 @@ class WeightConverter:
             stacked = torch.stack([t for _, t in chunk])
             if stacked.dtype in (torch.float32, torch.float64):
                 stacked = stacked.to(torch.bfloat16)  # as `convert` does for fp32 master weights
-            for (name, _), q in zip(chunk, quantize_weights(self.served, stacked)):
+            for (name, _), q in zip(chunk, quantize_weights(self.served, stacked, self.pow2)):
                 out += [(name, q.weight), (f"{name}_scale", q.weight_scale)]
         return out
 

@@ -38,16 +38,17 @@ def fingerprint(model_dir: Path, fn: QuantFn, extra: str = "") -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_quantized(model_dir: Path, fn: QuantFn, keep: KeepSpec = KeepSpec()) -> Path:
-    tag = f"{fn.value}-mixed" if keep else fn.value
-    out = _root() / f"{Path(model_dir).name}-{tag}-{fingerprint(model_dir, fn, keep.fingerprint())}"
+def ensure_quantized(model_dir: Path, fn: QuantFn, keep: KeepSpec = KeepSpec(), pow2: bool = False) -> Path:
+    tag = fn.value + ("-mixed" if keep else "") + ("-pow2" if pow2 else "")
+    extra = keep.fingerprint() + (":pow2" if pow2 else "")
+    out = _root() / f"{Path(model_dir).name}-{tag}-{fingerprint(model_dir, fn, extra)}"
 
     def build():
         if has_weights(model_dir):
             _in_child({"op": "quantize", "src": str(model_dir), "dst": str(out), "fn": fn.value,
-                       "keep": keep.cli_args()}, model_dir, f"online {fn.value} quantization of the policy")
+                       "keep": keep.cli_args(), "pow2": pow2}, model_dir, f"online {fn.value} quantization of the policy")
         else:  # config only: the engine loads dummy weights
-            quantize_config_only(model_dir, out, fn, keep)
+            quantize_config_only(model_dir, out, fn, keep, pow2)
     return _once(out, model_dir, build)
 
 
@@ -98,7 +99,7 @@ def _child(job: dict) -> None:
     if job["op"] == "quantize":
         from flashrl_tools.quantize import quantize
 
-        quantize(Path(job["src"]), Path(job["dst"]), job["fn"], force=True, keep=keep)
+        quantize(Path(job["src"]), Path(job["dst"]), job["fn"], force=True, keep=keep, pow2=job.get("pow2", False))
     else:
         from flashrl_tools.profile.apply import requantize_checkpoint
         from flashrl_tools.profile.format import load_profile

@@ -85,7 +85,7 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
             # checkpoint (the same format: per-tensor weights, dynamic per-tensor activations)
             # goes through the exact compressed-tensors reload instead.
             fmt = QuantFn.fp8_tensor if entry.fn is ConfigFn.fp8 else QuantFn(entry.fn.value)
-            out["model"] = str(ensure_quantized(Path(policy_model), fmt, keep))
+            out["model"] = str(ensure_quantized(Path(policy_model), fmt, keep, entry.fp8_scale_pow2))
     if "model" in out:
         out["tokenizer"] = policy_model
     if entry.fp8_kv_cache:

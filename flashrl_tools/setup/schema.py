@@ -55,6 +55,7 @@ class RolloutConfig(BaseModel):
     keep_bf16: list[str] = []  # glob patterns of module names
     first_layers_bf16: NonNegativeInt = 0
     last_layers_bf16: NonNegativeInt = 0
+    fp8_scale_pow2: bool = False  # FP8 formats quantized online: scales rounded up to powers of two
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -86,6 +87,13 @@ class RolloutConfig(BaseModel):
                              "or 'fp8_block'")
         if any(not p.strip() for p in self.keep_bf16):
             raise ValueError("keep_bf16 has an empty pattern")
+        if self.fp8_scale_pow2 and self.fn not in (ConfigFn.fp8_channel, ConfigFn.fp8_tensor, ConfigFn.fp8_block):
+            raise ValueError(f"fp8_scale_pow2 needs fn fp8_channel, fp8_tensor or fp8_block (fn '{self.fn.value}'"
+                             + (" is vLLM's online FP8, which computes its own scales)" if self.fn is ConfigFn.fp8
+                                else " has no FP8 scales)"))
+        if self.fp8_scale_pow2 and self.model is not None:
+            raise ValueError("fp8_scale_pow2 applies to online quantization: a given `model` serves its own scales "
+                             "(write it with `flashrl quantize --pow2-scales`)")
         return self
 
 

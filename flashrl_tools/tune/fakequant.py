@@ -29,7 +29,8 @@ class _Linear:
 
 
 class FakeQuantModel:
-    def __init__(self, model_dir: Path, fn: QuantFn, linear_weights: set[str], profile: Profile | None = None):
+    def __init__(self, model_dir: Path, fn: QuantFn, linear_weights: set[str], profile: Profile | None = None,
+                 pow2: bool = False):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -42,7 +43,7 @@ class FakeQuantModel:
         for weights in self.units.values():
             for name in weights:
                 module = self.model.get_submodule(name.removesuffix(".weight"))
-                quantized, col_div = _fake_weight(fn, name, bf16[name], profile)
+                quantized, col_div = _fake_weight(fn, name, bf16[name], profile, pow2)
                 self.linears[name] = _Linear(module, module.weight.detach().clone(), quantized, col_div)
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self.unit_bytes = {u: sum(self.linears[n].original.numel() * 2 for n in ws) for u, ws in self.units.items()}
@@ -101,10 +102,10 @@ class FakeQuantModel:
         return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _fake_weight(fn: QuantFn, name: str, w: torch.Tensor, profile: Profile | None):
+def _fake_weight(fn: QuantFn, name: str, w: torch.Tensor, profile: Profile | None, pow2: bool = False):
     entry = profile.linear(name) if profile is not None else None
     if entry is None:
-        return dequantize(fn, quantize_weight(fn, w)), None
+        return dequantize(fn, quantize_weight(fn, w, pow2)), None
     q = requantize_int8(w, entry.weight_scale, entry.smooth_in, entry.smooth_out)
     deq = q.float() * entry.weight_scale.float()
     if entry.smooth_out is not None:

@@ -80,7 +80,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
 
     seconds, t0 = {}, time.perf_counter()
     progress("loading the BF16 policy (transformers, fp32) and fake-quantizing every linear layer")
-    fq = FakeQuantModel(bf16, fn, linear, profile)
+    fq = FakeQuantModel(bf16, fn, linear, profile, entry.fp8_scale_pow2)
     ids = tokenize(tune_prompts, bf16)
     chosen = [ids[i % len(ids)] for i in range(settings.n_tune)]
     progress(f"sampling {settings.n_tune} responses from the BF16 policy")

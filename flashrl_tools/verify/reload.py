@@ -69,7 +69,11 @@ def reference_model(rc: RuntimeConfig, bf16: Path, out: Path) -> tuple[Path, str
                                      keep=KeepSpec.of(rc.entry)), None
     from flashrl_tools.quantize import quantize
 
-    return quantize(bf16, out, rc.fn.value, force=True, keep=KeepSpec.of(rc.entry)).out, None
+    from flashrl_tools.model_structure import read_config
+    from flashrl_tools.quant_config import has_pow2_scales
+
+    pow2 = rc.entry.fp8_scale_pow2 or (rc.entry.model is not None and has_pow2_scales(read_config(Path(rc.entry.model))))
+    return quantize(bf16, out, rc.fn.value, force=True, keep=KeepSpec.of(rc.entry), pow2=pow2).out, None
 
 
 def sequences_for(bf16: Path, count: int = 4) -> list[list[int]]:
