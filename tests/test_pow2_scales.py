@@ -116,3 +116,11 @@ def test_online_checkpoint_is_cached_apart_from_the_plain_one(tiny_models, tmp_p
     assert json.loads((b / "config.json").read_text())["flashrl_fp8_scale_pow2"] is True
     scale = next(n for n in CheckpointReader(b).names() if n.endswith("_scale"))
     assert _is_pow2(CheckpointReader(b).get(scale)) and not _is_pow2(CheckpointReader(a).get(scale))
+
+
+def test_tune_starts_from_pow2_rtn_and_refuses_it_for_int8(tmp_path):
+    from flashrl_tools.tune.run import base_entry
+
+    assert base_entry(QuantFn.fp8_block, None, pow2=True).fp8_scale_pow2
+    with pytest.raises(FlashRLError, match="fp8_scale_pow2 needs fn"):
+        base_entry(QuantFn.int8, None, pow2=True)

@@ -27,6 +27,7 @@ def command(
     n_verify: int = typer.Option(64, "-n", "--n-verify", min=1, help="rollouts per engine in each verification"),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
     seed: int = typer.Option(0, "--seed"),
+    pow2_scales: bool = typer.Option(False, "--pow2-scales", help="FP8: scales rounded up to powers of two"),
 ) -> None:
     """Measure each layer's share of the drift, keep the fewest layers in BF16 that meet the budget,
     verify the pick with the engine (`verify drift`, fresh prompts), write the config and a report."""
@@ -51,7 +52,7 @@ def command(
             bar.update(task, description=text, completed=0, total=None)
 
         result = tune(src, fn_, output, report, settings, config, prompts, progress=step,
-                      bar=lambda done, total: bar.update(task, completed=done, total=total))
+                      bar=lambda done, total: bar.update(task, completed=done, total=total), pow2=pow2_scales)
     show(result, report)
     if not result["met"]:
         raise typer.Exit(1)

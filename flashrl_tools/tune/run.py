@@ -43,13 +43,16 @@ class TuneSettings:
     tries: int = 3
 
 
-def base_entry(fn: QuantFn, config: Path | None) -> RolloutConfig:
-    """What to start from: the RTN format, or a calibrated YAML (SmoothQuant profile)."""
+def base_entry(fn: QuantFn, config: Path | None, pow2: bool = False) -> RolloutConfig:
+    """What to start from: the RTN format (FP8: power-of-two scales if asked), or a calibrated
+    YAML (SmoothQuant profile)."""
     from flashrl_tools.runtime.config import resolve
     from flashrl_tools.setup.write import build_entry
 
     if config is None:
-        return build_entry(fn.value, None, None, {})
+        return build_entry(fn.value, None, None, {"fp8_scale_pow2": True} if pow2 else {})
+    if pow2:
+        raise FlashRLError("--pow2-scales with --config: set fp8_scale_pow2 in that config instead", str(config))
     entry = resolve(str(config)).entry
     if entry.fn.value != fn.value:
         raise FlashRLError(f"--config is for fn {entry.fn.value} but --fn is {fn.value}", str(config))
@@ -60,7 +63,7 @@ def base_entry(fn: QuantFn, config: Path | None) -> RolloutConfig:
 
 def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings: TuneSettings = TuneSettings(),
          config: Path | None = None, prompts_file: Path | None = None, progress=lambda s: None,
-         bar=lambda done, total: None) -> dict:
+         bar=lambda done, total: None, pow2: bool = False) -> dict:
     from flashrl_tools.model_structure import model_layout
     from flashrl_tools.profile.format import load_profile
     from flashrl_tools.tune.fakequant import FakeQuantModel, SequenceBatch, sample_responses, token_kl
@@ -70,7 +73,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
         raise FlashRLError("give --max-kl or --max-kl-ratio, not both")
     ratio = settings.max_kl_ratio if settings.max_kl is None else None
     ratio = DEFAULT_RATIO if settings.max_kl is None and ratio is None else ratio
-    entry = base_entry(fn, config)
+    entry = base_entry(fn, config, pow2)
     profile = load_profile(Path(entry.profile)) if entry.profile else None
     linear = set(profile.meta.quantized) if profile else set(model_layout(bf16).linear_weights)
     prompts = load_prompts(prompts_file)
