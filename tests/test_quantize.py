@@ -169,7 +169,7 @@ def test_failure_midway_leaves_nothing(tiny_models, tmp_path, monkeypatch):
     """A crash while writing removes the temp dir; no partial output appears."""
     import flashrl_tools.quantize as q
 
-    def boom(fn, w):
+    def boom(*args, **kwargs):
         raise RuntimeError("simulated crash")
 
     monkeypatch.setattr(q, "quantize_weight", boom)
