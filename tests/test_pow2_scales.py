@@ -17,6 +17,10 @@ from flashrl_tools.safetensors_io import CheckpointReader
 FP8 = [QuantFn.fp8_channel, QuantFn.fp8_tensor, QuantFn.fp8_block]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # FP8 compared bit for bit
+
+
 def _is_pow2(t: torch.Tensor) -> bool:
     m, _ = torch.frexp(t)
     return bool((m == 0.5).all())
@@ -44,7 +48,7 @@ def test_stacked_pow2_equals_one_at_a_time(fn):
     torch.manual_seed(1)
     w = (torch.randn(3, 256, 128) * torch.tensor([0.01, 0.1, 1.0])[:, None, None]).to(torch.bfloat16)
     for one, q in zip((quantize_weight(fn, w[i], pow2=True) for i in range(3)), quantize_weights(fn, w, pow2=True)):
-        assert torch.equal(one.weight.view(torch.uint8), q.weight.view(torch.uint8))
+        assert torch.equal(_bits(one.weight), _bits(q.weight))
         assert torch.equal(one.weight_scale, q.weight_scale)
 
 
@@ -84,9 +88,9 @@ def test_sync_converter_requantizes_with_pow2_scales(tiny_models, tmp_path):
     for name, tensor in CheckpointReader(updated).iter_tensors():
         for out_name, out in conv.convert(name, tensor):
             expect = ref.get(out_name)
-            assert out.dtype == expect.dtype and torch.equal(out.view(torch.uint8) if out.dtype.itemsize == 1 else out,
-                                                              expect.view(torch.uint8) if expect.dtype.itemsize == 1 else expect), out_name
-    assert not WeightConverter.for_checkpoint(ConfigFn.fp8_block, quantize(src, tmp_path / "p", "fp8_block").out, None).pow2
+            assert out.dtype == expect.dtype and torch.equal(_bits(out), _bits(expect)), out_name
+    plain = quantize(src, tmp_path / "p", "fp8_block").out
+    assert not WeightConverter.for_checkpoint(ConfigFn.fp8_block, plain, None).pow2
 
 
 def test_config_key_is_for_online_fp8_formats_only(tmp_path):

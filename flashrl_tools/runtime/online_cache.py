@@ -46,7 +46,8 @@ def ensure_quantized(model_dir: Path, fn: QuantFn, keep: KeepSpec = KeepSpec(), 
     def build():
         if has_weights(model_dir):
             _in_child({"op": "quantize", "src": str(model_dir), "dst": str(out), "fn": fn.value,
-                       "keep": keep.cli_args(), "pow2": pow2}, model_dir, f"online {fn.value} quantization of the policy")
+                       "keep": keep.cli_args(), "pow2": pow2},
+                      model_dir, f"online {fn.value} quantization of the policy")
         else:  # config only: the engine loads dummy weights
             quantize_config_only(model_dir, out, fn, keep, pow2)
     return _once(out, model_dir, build)

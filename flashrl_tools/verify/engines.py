@@ -55,7 +55,8 @@ def extra_engine_args() -> dict:
         value = None
     if not isinstance(value, dict):
         raise FlashRLError("FLASHRL_ENGINE_ARGS is not a JSON object", raw,
-                           'set it to vllm.LLM arguments as JSON, e.g. \'{"gpu_memory_utilization": 0.1}\', or unset it')
+                           "set it to vllm.LLM arguments as JSON, e.g. "
+                           '\'{"gpu_memory_utilization": 0.1}\', or unset it')
     return value
 
 

@@ -72,7 +72,9 @@ def reference_model(rc: RuntimeConfig, bf16: Path, out: Path) -> tuple[Path, str
     from flashrl_tools.model_structure import read_config
     from flashrl_tools.quant_config import has_pow2_scales
 
-    pow2 = rc.entry.fp8_scale_pow2 or (rc.entry.model is not None and has_pow2_scales(read_config(Path(rc.entry.model))))
+    # online: the config's key; a given checkpoint: its own mark
+    model_pow2 = rc.entry.model is not None and has_pow2_scales(read_config(Path(rc.entry.model)))
+    pow2 = rc.entry.fp8_scale_pow2 or model_pow2
     return quantize(bf16, out, rc.fn.value, force=True, keep=KeepSpec.of(rc.entry), pow2=pow2).out, None
 
 
