@@ -153,7 +153,8 @@ def main() -> None:
         start, after, back = r["stages"][:3]
         row = {"config": name, "tokens_equal": after["tokens"] == fresh["tokens"],
                "max_dlogp_vs_fresh": max_diff(after, fresh), "changed_by_sync": max_diff(start, after),
-               "restored_max_dlogp": max_diff(back, start), "sync_s": after["seconds"]}
+               "restored_max_dlogp": max_diff(back, start), "sync_s": after["seconds"],
+               "inplace_layers": r.get("inplace_layers")}
         if args.reload:
             r_after, r_back = r["stages"][3:5]
             row.update(reload_max_dlogp_vs_fresh=max_diff(r_after, fresh), reload_restored_max_dlogp=max_diff(r_back, start))

@@ -33,7 +33,10 @@ PRESETS = {"gpu": dict(shapes="7b,14b,32b", modes="native-bf16,bf16,fp8,int8", r
            "smoke": dict(shapes="tiny", modes="native-bf16,bf16,int8", repeats=1)}
 
 
-def sync_in_worker(model_path: str, native: bool, repeats: int):
+def sync_in_worker(model_path: str, native: bool, repeats: int, inplace: bool = True):
+    """A worker function (collective_rpc): `repeats` full syncs, timed. `inplace=False` runs them
+    with the runtime's in-place fast path off (every layer by the layerwise reload), for an A/B
+    in one engine."""
     def run(worker):
         import torch
 
@@ -60,9 +63,14 @@ def sync_in_worker(model_path: str, native: bool, repeats: int):
                 del t
 
         results = []
+        sync = getattr(model, "flashrl_sync", None)
+        plan = sync.inplace if sync is not None else None
+        if sync is not None and not inplace:
+            from flashrl_tools.runtime.vllm_inplace import InPlacePlan
+
+            sync.inplace = InPlacePlan()
         for _ in range(repeats):
             gen["s"] = 0.0
-            sync = getattr(model, "flashrl_sync", None)
             before_convert = sync.convert_seconds if sync else 0.0
             if cuda:
                 torch.cuda.synchronize()
@@ -80,7 +88,10 @@ def sync_in_worker(model_path: str, native: bool, repeats: int):
             results.append({"sync_s": wall, "convert_s": (sync.convert_seconds - before_convert) if sync else 0.0,
                             "generate_s": gen["s"],
                             "peak_extra_bytes": (torch.cuda.max_memory_allocated() - base) if cuda else None,
-                            "syncs_completed": sync.completed if sync else None, "tensors": len(shapes)})
+                            "syncs_completed": sync.completed if sync else None, "tensors": len(shapes),
+                            "inplace_layers": sum(plan.kinds.values()) if plan is not None and inplace else 0})
+        if sync is not None:
+            sync.inplace = plan
         return results
 
     return run

@@ -319,7 +319,16 @@ def main():
         stages.append(observe("after-repeat"))
     with open(sys.argv[2], "w") as f:
         json.dump({"stages": stages, "refused": refused, "memory": memory, "sampled": sampled,
+                   "inplace_layers": _inplace_layers(llm),
                    "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}, f)
+
+
+def _inplace_layers(llm) -> dict | None:
+    """Linear layers the runtime syncs in place (issue 16), per layout; None without the runtime."""
+    try:
+        return llm.collective_rpc("flashrl_inplace_layers")[0]
+    except Exception:  # no runtime in this process: the worker has no such method
+        return None
 
 
 if __name__ == "__main__":

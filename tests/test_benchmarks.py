@@ -76,7 +76,9 @@ def test_rl_step_benchmark_smoke(tmp_path):
     rows = {r["config"]: r for r in data["rows"]}
     assert set(rows) == {"bf16", "int8+kv"}
     for config, r in rows.items():
-        assert r["syncs_completed"] == 1 and r["sync_s"] > 0
+        # a first sync, the timed one, then one with the in-place path off (none on CPU: 0 layers)
+        assert r["syncs_completed"] == 2 and r["sync_s"] > 0 and r["first_sync_s"] > 0
+        assert r["sync_layerwise_s"] > 0 and r["inplace_layers"] == 0
         for step in ("rollout_1", "rollout_2"):
             assert r[step]["output_tokens"] == sum(lengths) and r[step]["samples_with_logprobs"] == 6
         assert r["step_s"] == r["rollout_2"]["rollout_s"] + r["sync_s"]

@@ -33,6 +33,7 @@ import torch
 
 from flashrl_tools.runtime.config import RuntimeConfig, env_flag
 from flashrl_tools.runtime.convert import WeightConverter
+from flashrl_tools.runtime.vllm_inplace import InPlacePlan
 from flashrl_tools.setup.schema import ConfigFn
 
 log = logging.getLogger("flashrl_tools.runtime")
@@ -189,9 +190,11 @@ class SyncIncomplete(RuntimeError):
 class WeightSync:
     """Converts and loads trainer weights in place; refuses to run the model mid-sync."""
 
-    def __init__(self, model: torch.nn.Module, model_config, converter: WeightConverter, expected: set[str]):
+    def __init__(self, model: torch.nn.Module, model_config, converter: WeightConverter, expected: set[str],
+                 inplace: InPlacePlan | None = None):
         self.model, self.model_config = model, model_config
         self.converter, self.expected = converter, expected
+        self.inplace = inplace if inplace is not None else InPlacePlan()  # layers written in place
         self.original_load_weights = model.load_weights
         self.active = False
         self.failed: str | None = None
@@ -231,10 +234,11 @@ class WeightSync:
                     if self.timing:  # FLASHRL_SYNC_TIMING: wait for the device so the time is real
                         _device_sync(group[0][1])
                     self.convert_seconds += time.perf_counter() - t0
-                    yield from converted
+                    yield from (pair for pair in converted if not self.inplace.write(*pair))
 
             try:
                 loaded |= set(self.original_load_weights(segment(), *args, **kwargs) or ())
+                loaded |= self.inplace.pop_loaded()
             except Exception as e:
                 self.failed = f"{type(e).__name__}: {e}"
                 raise
@@ -289,6 +293,7 @@ class WeightSync:
         if self.active:  # close what a failed or interrupted sync left half-loaded
             finalize_layerwise_reload(self.model, self.model_config)
         initialize_layerwise_reload(self.model)
+        self.inplace.begin()
         self.active, self.failed, self.seen = True, None, set()
 
     def _finish(self) -> None:
@@ -323,7 +328,7 @@ def _modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]
 def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> WeightSync:
     loaded_dir = Path(model_config.model)
     converter = WeightConverter.for_checkpoint(rc.fn, loaded_dir, rc.entry.profile)
-    sync = WeightSync(model, model_config, converter, converter.expected)
+    sync = WeightSync(model, model_config, converter, converter.expected, _inplace_plan(model, converter))
     model.load_weights = sync.load_weights
     model.flashrl_sync = sync
     original_forward = model.forward
@@ -338,6 +343,21 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> Weig
     if env_flag("FLASHRL_TEST_RELOAD"):
         test_reload(sync, policy_source(loaded_dir, rc))
     return sync
+
+
+def _inplace_plan(model: torch.nn.Module, converter: WeightConverter) -> InPlacePlan | None:
+    """Issue 16's fast path for the 8-bit linears whose processed layout is known (vllm_inplace.py);
+    the log says which layers take it and why the others do not."""
+    from flashrl_tools.runtime import vllm_inplace
+
+    if converter.served is None or not converter.quantized:
+        return None
+    if not vllm_inplace.enabled():
+        log.info("flashrl: in-place sync off (FLASHRL_INPLACE_SYNC=0): every layer syncs by the layerwise reload")
+        return None
+    plan = vllm_inplace.build_plan(model, converter.quantized, converter.expected)
+    log.info("flashrl: %s", plan.summary())
+    return plan
 
 
 def policy_source(loaded_dir: Path, rc: RuntimeConfig) -> Path:
@@ -417,12 +437,19 @@ def worker_sync_status(worker) -> str | None:
     return None if sync is None else sync.status()
 
 
+def worker_inplace_layers(worker) -> dict[str, int]:
+    """Runs in each worker: how many linear layers sync in place, per processed layout."""
+    sync = getattr(worker.model_runner.model, "flashrl_sync", None)
+    return {} if sync is None else dict(sync.inplace.kinds)
+
+
 def _hook_worker_methods(rc: RuntimeConfig) -> None:
     """A named worker method, so `collective_rpc("flashrl_sync_status")` works in every executor
     (callables need VLLM_ALLOW_INSECURE_SERIALIZATION across processes; names do not)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     WorkerBase.flashrl_sync_status = worker_sync_status
+    WorkerBase.flashrl_inplace_layers = worker_inplace_layers
     WorkerBase.flashrl_kv_stale = lambda worker: _calibrator(worker).stale()
     WorkerBase.flashrl_kv_arm = lambda worker: _calibrator(worker).arm(worker.model_runner)
     WorkerBase.flashrl_kv_finish = lambda worker: _calibrator(worker).finish()

@@ -1,0 +1,258 @@
+"""In-place fast sync (issue 16): re-quantized 8-bit weights written straight into the engine's
+processed storage, for linear layers whose processed layout is known; every other layer goes
+through vLLM's layerwise reload (restore the checkpoint layout, load, `process_weights_after_
+loading`, copy into the original storage), as before.
+
+Known layouts (vLLM 0.26 on CUDA, read from its kernels; DEVELOPERS.md "In-place fast sync"):
+- compressed-tensors W8A8 INT8, channel weight scales, dynamic symmetric activations, Cutlass or
+  Triton kernel: `weight` = `weight.t()` of the [N, K] checkpoint storage; `weight_scale` [N, 1]
+  float32 as loaded.
+- compressed-tensors W8A8 FP8, channel weight scales, dynamic activations, Cutlass kernel: the
+  same, with N and K zero-padded to multiples of 16 (scale padded with 1.0) when they are not.
+Anything else (FP8 tensor / block, vLLM's online FP8, MoE experts, unknown kernels, CPU) falls
+back. A layer is fast only if every checkpoint tensor it is loaded from maps to rows of it.
+`FLASHRL_INPLACE_SYNC=0` turns the fast path off. Tensor-parallel layers take it only with
+`FLASHRL_INPLACE_SYNC=tp`: their shard geometry is tested against vLLM's loaders on CPU
+(tests/test_inplace_sync.py) but not yet run on a multi-GPU engine.
+
+vLLM internals used (this file and vllm_compat.py are the only ones that touch vLLM): linear
+layer classes and their TP attributes, `model.packed_modules_mapping`, compressed-tensors
+scheme / kernel attributes, and the layerwise reload's per-layer info (`kernel_tensors`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("flashrl_tools.runtime")
+
+# kernel classes whose process_weights_after_loading leaves weight.t() (+ padding) and the
+# channel scale as loaded (vLLM 0.26: kernels/linear/scaled_mm/cutlass.py, triton.py)
+_INT8_KERNELS = frozenset({"CutlassInt8ScaledMMLinearKernel", "TritonInt8ScaledMMLinearKernel"})
+_FP8_KERNELS = frozenset({"CutlassFP8ScaledMMLinearKernel"})
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor lands: rows `dst` of the layer's [N, K] storage take rows
+    `src_rows` (and, for a row-parallel layer, columns `src_cols`) of the full tensor."""
+    layer: torch.nn.Module
+    param: str  # the engine's parameter name (what model.load_weights reports as loaded)
+    kind: str  # "weight", "weight_scale" or "bias"
+    dst: slice
+    src_rows: slice
+    src_cols: slice | None = None
+
+
+@dataclass
+class InPlacePlan:
+    slots: dict[str, Slot] = field(default_factory=dict)  # checkpoint name -> slot
+    layer_names: dict[int, frozenset[str]] = field(default_factory=dict)  # id(layer) -> its names
+    fallback: dict[str, str] = field(default_factory=dict)  # module -> why it uses the reload
+    kinds: Counter = field(default_factory=Counter)  # fast layers per layout
+    _written: dict[int, set[str]] = field(default_factory=dict)
+    _loaded: set[str] = field(default_factory=set)
+
+    def begin(self) -> None:
+        self._written = {}
+
+    def pop_loaded(self) -> set[str]:
+        """Engine parameter names written since the last call (for load_weights' return)."""
+        loaded, self._loaded = self._loaded, set()
+        return loaded
+
+    def write(self, name: str, tensor: torch.Tensor) -> bool:
+        """Write one converted checkpoint tensor in place; False when it is not ours to write."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return False
+        layer = slot.layer
+        params = _kernel_params(layer)
+        src = tensor[slot.src_rows] if slot.src_cols is None else tensor[slot.src_rows, slot.src_cols]
+        with torch.no_grad():
+            if slot.kind == "weight":
+                storage = params["weight"].t()  # [N(+pad), K(+pad)] rows of the checkpoint layout
+                storage[slot.dst, :src.shape[1]].copy_(src)
+            elif slot.kind == "weight_scale":
+                params["weight_scale"].view(-1)[slot.dst].copy_(src.reshape(-1))
+            else:
+                params["bias"][slot.dst].copy_(src)
+        self._loaded.add(slot.param)
+        written = self._written.setdefault(id(layer), set())
+        written.add(name)
+        if written == self.layer_names[id(layer)]:
+            _layer_done(layer)
+        return True
+
+    def summary(self) -> str:
+        fast = sum(self.kinds.values())
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        return (f"in-place sync for {fast} linear layers ({kinds or 'none'}); layerwise reload for the rest"
+                + (f" ({len(self.fallback)} quantized linears: {_reasons(self.fallback)})" if self.fallback else ""))
+
+
+def enabled() -> bool:
+    return _setting() not in ("0", "false", "no", "off")
+
+
+def _setting() -> str:
+    return os.environ.get("FLASHRL_INPLACE_SYNC", "1").strip().lower()
+
+
+def build_plan(model: torch.nn.Module, quantized: set[str], expected: set[str]) -> InPlacePlan:
+    """Which quantized linears of the loaded model take the fast path. `quantized`: checkpoint
+    names of the 8-bit weights the converter produces; `expected`: every BF16 name of a sync."""
+    plan = InPlacePlan()
+    modules = dict(model.named_modules())
+    member_of = {m: (packed, i) for packed, members in (getattr(model, "packed_modules_mapping", None) or {}).items()
+                 for i, m in enumerate(members)}
+    members: dict[int, list[tuple[str, int | None]]] = {}
+    layers: dict[int, tuple[str, torch.nn.Module]] = {}
+    for name in sorted(quantized):
+        module = name.removesuffix(".weight")
+        parent, _, leaf = module.rpartition(".")
+        if module in modules:
+            path, index = module, None
+        elif leaf in member_of and f"{parent}.{member_of[leaf][0]}" in modules:
+            path, index = f"{parent}.{member_of[leaf][0]}", member_of[leaf][1]
+        else:
+            plan.fallback[module] = "no matching engine module"
+            continue
+        layers[id(modules[path])] = (path, modules[path])
+        members.setdefault(id(modules[path]), []).append((module, index))
+    for key, (path, layer) in layers.items():
+        kind = layout(layer)
+        if kind is None:
+            why = "layout not known for in-place writes"
+        elif getattr(layer, "tp_size", 1) > 1 and _setting() != "tp":
+            kind, why = None, "tensor-parallel (FLASHRL_INPLACE_SYNC=tp enables it; not yet run on GPUs)"
+        else:
+            try:
+                slots = _layer_slots(layer, path, members[key], expected)
+            except _NotFast as e:
+                kind, why = None, str(e)
+        if kind is None:
+            for module, _ in members[key]:
+                plan.fallback[module] = why
+            log.debug("flashrl: %s syncs by the layerwise reload (%s)", path, why)
+            continue
+        plan.slots.update(slots)
+        plan.layer_names[key] = frozenset(slots)
+        plan.kinds[kind] += 1
+        log.debug("flashrl: %s syncs in place (%s)", path, kind)
+    return plan
+
+
+class _NotFast(Exception):
+    pass
+
+
+def layout(layer: torch.nn.Module) -> str | None:
+    """The known processed layout of a loaded layer, or None."""
+    scheme = getattr(layer, "scheme", None)
+    if type(getattr(layer, "quant_method", None)).__name__ != "CompressedTensorsLinearMethod" or scheme is None:
+        return None
+    if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
+        return None  # ROCm rescales FP8 (fnuz); CPU kernels prepack
+    scheme_name = type(scheme).__name__
+    strategy = getattr(scheme, "strategy", None)
+    if getattr(strategy, "value", strategy) != "channel" or getattr(scheme, "is_static_input_scheme", True):
+        return None
+    if scheme_name == "CompressedTensorsW8A8Int8":
+        kernel, dtype = getattr(scheme, "kernel", None), torch.int8
+        if not getattr(scheme, "input_symmetric", False) or type(kernel).__name__ not in _INT8_KERNELS:
+            return None
+    elif scheme_name == "CompressedTensorsW8A8Fp8":
+        kernel, dtype = getattr(scheme, "fp8_linear", None), torch.float8_e4m3fn
+        if type(kernel).__name__ not in _FP8_KERNELS:
+            return None
+    else:
+        return None
+    weight, scale = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
+    if weight is None or scale is None or weight.dim() != 2 or weight.dtype != dtype \
+            or not weight.t().is_contiguous() or scale.dtype != torch.float32 or not scale.is_contiguous():
+        return None
+    extra = {n for n, p in layer.named_parameters(recurse=False)} - {"weight", "weight_scale", "bias"}
+    return None if extra else type(kernel).__name__
+
+
+def _layer_slots(layer, path: str, members: list[tuple[str, int | None]], expected: set[str]) -> dict[str, Slot]:
+    """The slots of every checkpoint tensor a layer is loaded from (vLLM's weight-loader rules:
+    linear.py QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    rank = getattr(layer, "tp_rank", 0)
+    geometry: dict[int | None, tuple[slice, slice, slice | None]] = {}  # member index -> dst, rows, cols
+    if isinstance(layer, QKVParallelLinear):
+        sizes = [layer.num_heads * layer.head_size, layer.num_kv_heads * layer.head_size,
+                 layer.num_kv_heads * layer.v_head_size]
+        for i, size in enumerate(sizes):
+            src = rank if i == 0 else rank // layer.num_kv_head_replicas
+            geometry[i] = (slice(sum(sizes[:i]), sum(sizes[:i + 1])), slice(src * size, (src + 1) * size), None)
+    elif isinstance(layer, MergedColumnParallelLinear):
+        sizes = [s // layer.tp_size for s in layer.output_sizes]
+        for i, size in enumerate(sizes):
+            geometry[i] = (slice(sum(sizes[:i]), sum(sizes[:i + 1])), slice(rank * size, (rank + 1) * size), None)
+    elif isinstance(layer, ColumnParallelLinear):
+        size = layer.output_size_per_partition
+        geometry[None] = (slice(0, size), slice(rank * size, (rank + 1) * size), None)
+    elif isinstance(layer, RowParallelLinear):
+        size = layer.input_size_per_partition
+        geometry[None] = (slice(0, layer.output_size_per_partition), slice(None), slice(rank * size, (rank + 1) * size))
+    elif isinstance(layer, ReplicatedLinear):
+        geometry[None] = (slice(0, layer.output_size), slice(None), None)
+    else:
+        raise _NotFast(f"{type(layer).__name__} is not a linear layer the fast path knows")
+    if sorted(geometry, key=str) != sorted((i for _, i in members), key=str):
+        raise _NotFast("not every part of the fused layer is an 8-bit checkpoint tensor")
+    rows = max(d.stop for d, _, _ in geometry.values())
+    if layer.weight.t().shape[0] < rows or layer.weight_scale.numel() < rows:
+        raise _NotFast("engine storage smaller than the layer's outputs")
+    slots = {}
+    has_bias = getattr(layer, "bias", None) is not None
+    for module, index in members:
+        dst, src_rows, src_cols = geometry[index]
+        slots[f"{module}.weight"] = Slot(layer, f"{path}.weight", "weight", dst, src_rows, src_cols)
+        slots[f"{module}.weight_scale"] = Slot(layer, f"{path}.weight_scale", "weight_scale", dst, src_rows)
+        if has_bias != (f"{module}.bias" in expected):
+            raise _NotFast("the checkpoint's biases do not match the layer's")
+        if has_bias:  # a row-parallel layer's bias is whole on every rank
+            slots[f"{module}.bias"] = Slot(layer, f"{path}.bias", "bias", dst,
+                                           src_rows if src_cols is None else slice(None))
+    return slots
+
+
+def _kernel_params(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's processed parameters: put aside by the layerwise reload while it is open."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    info = get_layerwise_info(layer)
+    if info.kernel_tensors is not None:
+        return info.kernel_tensors[0]
+    return dict(layer.named_parameters(recurse=False))
+
+
+def _layer_done(layer: torch.nn.Module) -> None:
+    """Every tensor of a fast layer written: put its (updated) storage back on the layer and close
+    its reload entry, so the reload's finalize neither processes it nor warns about it."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    info = layerwise.get_layerwise_info(layer)
+    if info.kernel_tensors is not None:
+        layerwise._place_kernel_tensors(layer, info)
+    info.reset()
+
+
+def _reasons(fallback: dict[str, str]) -> str:
+    return "; ".join(f"{n} {why}" for why, n in Counter(fallback.values()).most_common())

