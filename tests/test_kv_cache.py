@@ -193,3 +193,28 @@ def test_checkpoint_kv_scales_serve_until_the_first_sync_then_recalibrate(tmp_pa
     assert synced["kv_scales"] == fresh["kv_scales"]  # recalibrated, bit-equal to a fresh engine's
     assert all(s["k"] != 0.5 for s in synced["kv_scales"].values())
     assert synced["logprobs"] == fresh["logprobs"] and synced["tokens"] == fresh["tokens"]
+
+
+def test_async_engine_with_fp8_kv_cache_is_refused_at_start(default_model):
+    """vLLM's AsyncLLM is not hooked for the recalibration: one FlashRLError when it is created
+    with an FP8 KV cache config (instead of serving stale scales after every sync), before any
+    engine process starts; without the FP8 KV cache the runtime leaves AsyncLLM alone."""
+    code = ("import asyncio\n"
+            "from vllm.engine.arg_utils import AsyncEngineArgs\n"
+            "from vllm.v1.engine.async_llm import AsyncLLM\n"
+            "try:\n"
+            f"    AsyncLLM.from_engine_args(AsyncEngineArgs(model={str(default_model)!r}, enforce_eager=True,\n"
+            "                                                gpu_memory_utilization=0.3))\n"
+            "except Exception as e:\n"
+            "    print('REFUSED', type(e).__name__, e)\n")
+    env = {**os.environ, "FLASHRL_CONFIG": "bf16", "FLASHRL_KV_CACHE_DTYPE": "fp8"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "REFUSED FlashRLError" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert "async engine (AsyncLLM" in res.stdout and "unset FLASHRL_KV_CACHE_DTYPE" in res.stdout
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from flashrl_tools.runtime import vllm_compat
+    from flashrl_tools.runtime.config import resolve
+
+    vllm_compat._refuse_fp8_kv_in_async_llm(resolve("bf16"))
+    assert not getattr(AsyncLLM.__init__, "_flashrl", False)

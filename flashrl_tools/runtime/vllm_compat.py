@@ -46,7 +46,7 @@ def install(rc: RuntimeConfig) -> None:
         for name, hook in (("engine_args", _hook_engine_args), ("model_loader", _hook_model_loader),
                            ("worker_methods", _hook_worker_methods), ("request_guard", _hook_request_guard),
                            ("cpu_int8_kernel", _fix_cpu_int8_kernel), ("moe_weight_update", _fix_moe_weight_update),
-                           ("post_load", _hook_post_load_processing)):
+                           ("post_load", _hook_post_load_processing), ("async_llm", _refuse_fp8_kv_in_async_llm)):
             if name not in _installed:
                 hook(rc)
                 _installed.add(name)
@@ -454,6 +454,33 @@ def _hook_worker_methods(rc: RuntimeConfig) -> None:
     WorkerBase.flashrl_kv_arm = lambda worker: _calibrator(worker).arm(worker.model_runner)
     WorkerBase.flashrl_kv_finish = lambda worker: _calibrator(worker).finish()
     WorkerBase.flashrl_kv_scales = lambda worker: _calibrator(worker).scales()
+
+
+def _refuse_fp8_kv_in_async_llm(rc: RuntimeConfig) -> None:
+    """The FP8 KV recalibration runs where requests enter `vllm.LLM`; vLLM's async engine
+    (`AsyncLLM`: `vllm serve`, verl's async rollout server) is not hooked, so its scales would stay
+    those of the start-up weights after every sync (silently wrong, 0.14-0.19 nats in the issue's
+    measurements). Refuse that combination when the engine is created."""
+    if not rc.entry.fp8_kv_cache:
+        return
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:
+        return
+    original = AsyncLLM.__init__
+    if getattr(original, "_flashrl", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        from flashrl_tools.errors import FlashRLError
+
+        raise FlashRLError(f"kv_cache_dtype {rc.entry.kv_cache_dtype} (FLASHRL_CONFIG={rc.source}): an FP8 KV cache "
+                           "with vLLM's async engine (AsyncLLM: `vllm serve`, verl's async rollout) is not supported "
+                           "yet: its q/k/v scales would not be recalibrated after weight syncs", None,
+                           "use vllm.LLM (verl's SPMD rollout, TRL colocate), or unset FLASHRL_KV_CACHE_DTYPE")
+
+    __init__._flashrl = True
+    AsyncLLM.__init__ = __init__
 
 
 def _hook_request_guard(rc: RuntimeConfig) -> None:
