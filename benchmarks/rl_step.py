@@ -44,9 +44,13 @@ PRESETS = {
 }
 
 
-def output_lengths(count: int, cap: int, seed: int = 0) -> list[int]:
+def output_lengths(count: int, cap: int, seed: int = 0, fixed: bool = False) -> list[int]:
     """Long-tailed response lengths as RL rollouts have them: log-normal with median cap/4 and
-    sigma 0.75 (mean ~cap/3; ~3 % hit the cap), at least min(16, cap)."""
+    sigma 0.75 (mean ~cap/3; ~3 % hit the cap), at least min(16, cap). `fixed`: every sample
+    exactly `cap` (with --prompts 1 --samples 1: the time of the longest sample alone, the floor
+    of a rollout's tail)."""
+    if fixed:
+        return [cap] * count
     rng = random.Random(seed)
     mu = math.log(cap / 4)
     return [max(min(16, cap), min(cap, int(rng.lognormvariate(mu, 0.75)))) for _ in range(count)]
@@ -76,7 +80,7 @@ def worker(spec: dict) -> dict:
     cache = llm.llm_engine.vllm_config.cache_config
     kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
     vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
-    lengths = output_lengths(spec["prompts"] * spec["samples"], spec["max_len"])
+    lengths = output_lengths(spec["prompts"] * spec["samples"], spec["max_len"], fixed=spec.get("fixed_len", False))
 
     def rollout(step: int, cap: int) -> dict:
         rng = random.Random(1000 + step)  # new prompts every step, the same for every config
@@ -170,6 +174,8 @@ def main() -> None:
     ap.add_argument("--first-max-len", type=int, default=None,
                     help="cap of the output lengths of the rollout before the sync (default: --max-len; "
                          "a short one saves device time: the step is timed on the rollout after the sync)")
+    ap.add_argument("--fixed-len", action="store_true",
+                    help="every sample exactly --max-len tokens (with --prompts 1 --samples 1: the tail's floor)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -177,14 +183,14 @@ def main() -> None:
     import torch
 
     opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
-    lengths = output_lengths(opts["prompts"] * opts["samples"], opts["max_len"])
+    lengths = output_lengths(opts["prompts"] * opts["samples"], opts["max_len"], fixed=a.fixed_len)
     rows = []
     for shape in opts["shapes"].split(","):
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "samples": opts["samples"],
                     "prompt_len": opts["prompt_len"], "max_len": opts["max_len"], "gpu_memory_utilization": util,
-                    "first_max_len": a.first_max_len}
+                    "first_max_len": a.first_max_len, "fixed_len": a.fixed_len}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)

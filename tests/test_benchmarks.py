@@ -87,6 +87,14 @@ def test_rl_step_benchmark_smoke(tmp_path):
     assert rows["bf16"]["step_vs_bf16"] == 1.0 and rows["int8+kv"]["sync_vs_bf16"] > 0
 
 
+def test_rl_step_fixed_lengths_are_the_cap():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rl_step import output_lengths
+
+    assert output_lengths(4, 8192, fixed=True) == [8192] * 4
+    assert output_lengths(4, 8192) != [8192] * 4
+
+
 def test_rl_step_rejects_unknown_config_suffix():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rl_step import run_one
