@@ -1,12 +1,13 @@
-"""Everything that touches vLLM internals lives here (a new vLLM version changes one file).
+"""Everything that touches vLLM internals lives here and in vllm_inplace.py (the in-place fast
+sync's layouts and shard geometry): a new vLLM version changes these two files.
 
 Hooks, each installed once per process and idempotent:
 1. `EngineArgs.create_engine_config` (front-end process): point the engine at the 8-bit
    checkpoint (online-quantized cache, or the calibrated checkpoint of the config), keep the
    trainer's tokenizer, set `quantization` / `logprobs_mode`.
 2. `BaseModelLoader.load_model` (worker): after loading, replace `model.load_weights` with a
-   `WeightSync` that converts BF16 tensors (runtime/convert.py) and loads them through vLLM's
-   layerwise reload (checkpoint layout restored, loaded, `process_weights_after_loading`
+   `WeightSync` that converts BF16 tensors (runtime/convert.py), writes 8-bit linears of a known
+   processed layout in place (vllm_inplace.py) and loads the rest through vLLM's layerwise reload (checkpoint layout restored, loaded, `process_weights_after_loading`
    re-run, results copied into the original storage). Works whether the trainer calls
    `model.load_weights` one tensor at a time (verl, TRL colocate) or vLLM's `reload_weights`.
 3. `model_loader.utils.process_weights_after_loading` (what verl calls after its buckets): a
