@@ -7,8 +7,9 @@ Hooks, each installed once per process and idempotent:
    trainer's tokenizer, set `quantization` / `logprobs_mode`.
 2. `BaseModelLoader.load_model` (worker): after loading, replace `model.load_weights` with a
    `WeightSync` that converts BF16 tensors (runtime/convert.py), writes 8-bit linears of a known
-   processed layout in place (vllm_inplace.py) and loads the rest through vLLM's layerwise reload (checkpoint layout restored, loaded, `process_weights_after_loading`
-   re-run, results copied into the original storage). Works whether the trainer calls
+   processed layout in place (vllm_inplace.py) and loads the rest through vLLM's layerwise
+   reload (checkpoint layout restored, loaded, `process_weights_after_loading` re-run, results
+   copied into the original storage). Works whether the trainer calls
    `model.load_weights` one tensor at a time (verl, TRL colocate) or vLLM's `reload_weights`.
 3. `model_loader.utils.process_weights_after_loading` (what verl calls after its buckets): a
    no-op for a model whose syncs the runtime post-processes already (re-processing repacked
