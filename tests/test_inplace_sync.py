@@ -92,6 +92,7 @@ def _check(monkeypatch, layer, members, shard_ids, loaders, rows, cols, rank, tp
 def test_qkv_matches_vllm_loader(monkeypatch, tp, rank, total_kv):
     heads, head = 8, 4
     layer = _bare(QKVParallelLinear, tp_rank=rank, tp_size=tp, head_size=head, v_head_size=head,
+                  input_size_per_partition=K_FULL,
                   total_num_heads=heads, total_num_kv_heads=total_kv, num_heads=heads // tp,
                   num_kv_heads=max(1, total_kv // tp), num_kv_head_replicas=max(1, tp // total_kv))
     rows = (layer.num_heads + 2 * layer.num_kv_heads) * head
@@ -105,7 +106,8 @@ def test_qkv_matches_vllm_loader(monkeypatch, tp, rank, total_kv):
 @pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1)])
 def test_merged_column_matches_vllm_loader(monkeypatch, tp, rank):
     sizes = [24, 24]
-    layer = _bare(MergedColumnParallelLinear, tp_rank=rank, tp_size=tp, output_sizes=sizes)
+    layer = _bare(MergedColumnParallelLinear, tp_rank=rank, tp_size=tp, output_sizes=sizes,
+                  input_size_per_partition=K_FULL)
     loaders = {"rows": lambda s: sizes[s], "load": lambda p, t, s: layer.weight_loader_v2(p, t, s)}
     _check(monkeypatch, layer, [("gate_proj", 0), ("up_proj", 1)], [0, 1], loaders, sum(sizes) // tp, K_FULL,
            rank, tp, bias=False)
@@ -122,7 +124,7 @@ def test_row_parallel_matches_vllm_loader(monkeypatch, tp, rank):
 
 
 def test_partial_fused_layer_falls_back():
-    layer = _bare(MergedColumnParallelLinear, tp_rank=0, tp_size=1, output_sizes=[8, 8])
+    layer = _bare(MergedColumnParallelLinear, tp_rank=0, tp_size=1, output_sizes=[8, 8], input_size_per_partition=K_FULL)
     _process_like_cutlass(layer, 16, K_FULL, bias=False)
     with pytest.raises(vllm_inplace._NotFast, match="not every part"):
         vllm_inplace._layer_slots(layer, "m.gate_up_proj", [("m.gate_proj", 0)], set())
@@ -153,7 +155,8 @@ class _Model(torch.nn.Module):
         super().__init__()
         self.attn = torch.nn.Module()
         self.attn.qkv_proj = _bare(QKVParallelLinear, tp_rank=0, tp_size=1, head_size=4, v_head_size=4,
-                                   num_heads=2, num_kv_heads=1, num_kv_head_replicas=1)
+                                   num_heads=2, num_kv_heads=1, num_kv_head_replicas=1,
+                                   input_size_per_partition=K_FULL)
         _process_like_cutlass(self.attn.qkv_proj, 16, K_FULL, bias=False)
         self.attn.o_proj = _bare(RowParallelLinear, tp_rank=0, tp_size=1, input_size_per_partition=8,
                                  output_size_per_partition=K_FULL)
@@ -192,3 +195,18 @@ def test_tensor_parallel_layers_need_the_opt_in(monkeypatch):
     assert not plan.slots and plan.fallback["attn.q_proj"].startswith("tensor-parallel")
     monkeypatch.setenv("FLASHRL_INPLACE_SYNC", "tp")
     assert len(vllm_inplace.build_plan(model, quantized, quantized).slots) == 6
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_not_broadcast():
+    """vLLM's loaders assert shapes; the fast path must too (copy_ would broadcast a [1, K] row or
+    write a narrower tensor into part of the row)."""
+    layer = _bare(RowParallelLinear, tp_rank=0, tp_size=1, input_size_per_partition=K_FULL, output_size_per_partition=8)
+    _process_like_cutlass(layer, 8, K_FULL, bias=False)
+    slots = vllm_inplace._layer_slots(layer, "m.o_proj", [("m.o_proj", None)], set())
+    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    for bad in (torch.ones(1, K_FULL, dtype=torch.int8), torch.ones(8, K_FULL - 1, dtype=torch.int8)):
+        with pytest.raises(ValueError, match="does not fit the engine's m.o_proj.weight"):
+            plan.write("m.o_proj.weight", bad)
+    with pytest.raises(ValueError, match="weight_scale"):
+        plan.write("m.o_proj.weight_scale", torch.ones(1, 1))
+    assert not layer.weight.any()

@@ -47,6 +47,7 @@ class Slot:
     dst: slice
     src_rows: slice
     src_cols: slice | None = None
+    cols: int = 0  # the layer's input width on this rank (the weight's K)
 
 
 @dataclass
@@ -74,6 +75,12 @@ class InPlacePlan:
         layer = slot.layer
         params = _kernel_params(layer)
         src = tensor[slot.src_rows] if slot.src_cols is None else tensor[slot.src_rows, slot.src_cols]
+        rows = slot.dst.stop - slot.dst.start
+        fits = {"weight": (rows, slot.cols), "bias": (rows,)}.get(slot.kind)
+        misfit = tuple(src.shape) != fits if fits else src.numel() != rows
+        if misfit:  # as vLLM's loaders assert; copy_ would broadcast a row or fill part of one
+            raise ValueError(f"{name}: a tensor of shape {tuple(tensor.shape)} does not fit the engine's "
+                             f"{slot.param} (rows {slot.dst.start}:{slot.dst.stop} of this rank)")
         with torch.no_grad():
             if slot.kind == "weight":
                 storage = params["weight"].t()  # [N(+pad), K(+pad)] rows of the checkpoint layout
@@ -220,10 +227,11 @@ def _layer_slots(layer, path: str, members: list[tuple[str, int | None]], expect
     if layer.weight.t().shape[0] < rows or layer.weight_scale.numel() < rows:
         raise _NotFast("engine storage smaller than the layer's outputs")
     slots = {}
+    cols = getattr(layer, "input_size_per_partition", None) or layer.input_size
     has_bias = getattr(layer, "bias", None) is not None
     for module, index in members:
         dst, src_rows, src_cols = geometry[index]
-        slots[f"{module}.weight"] = Slot(layer, f"{path}.weight", "weight", dst, src_rows, src_cols)
+        slots[f"{module}.weight"] = Slot(layer, f"{path}.weight", "weight", dst, src_rows, src_cols, cols)
         slots[f"{module}.weight_scale"] = Slot(layer, f"{path}.weight_scale", "weight_scale", dst, src_rows)
         if has_bias != (f"{module}.bias" in expected):
             raise _NotFast("the checkpoint's biases do not match the layer's")
