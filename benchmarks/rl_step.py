@@ -156,7 +156,8 @@ def print_table(rows: list[dict], header: str) -> None:
         kv = f"{r['kv_vs_bf16']:.2f}x" if r.get("kv_vs_bf16") else "-"
         print(f"{r['shape']:8} {r['config']:9} {r['rollout_2']['rollout_s']:9.2f} {r['sync_s']:8.3f} "
               f"{r['step_s']:8.2f} {r.get('step_vs_bf16', 0):8.2f}x {r.get('sync_vs_bf16', 0):8.2f}x "
-              f"{r['sync_layerwise_s']:8.3f} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} {r['kv_cache_tokens']:10d} {kv:>7} {peak:>8}")
+              f"{r['sync_layerwise_s']:8.3f} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} "
+              f"{r['kv_cache_tokens']:10d} {kv:>7} {peak:>8}")
 
 
 def main() -> None:

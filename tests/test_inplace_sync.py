@@ -124,7 +124,8 @@ def test_row_parallel_matches_vllm_loader(monkeypatch, tp, rank):
 
 
 def test_partial_fused_layer_falls_back():
-    layer = _bare(MergedColumnParallelLinear, tp_rank=0, tp_size=1, output_sizes=[8, 8], input_size_per_partition=K_FULL)
+    layer = _bare(MergedColumnParallelLinear, tp_rank=0, tp_size=1, output_sizes=[8, 8],
+                  input_size_per_partition=K_FULL)
     _process_like_cutlass(layer, 16, K_FULL, bias=False)
     with pytest.raises(vllm_inplace._NotFast, match="not every part"):
         vllm_inplace._layer_slots(layer, "m.gate_up_proj", [("m.gate_proj", 0)], set())
@@ -169,7 +170,8 @@ def test_plan_maps_checkpoint_names_and_says_why_not(monkeypatch, caplog):
     monkeypatch.setattr(vllm_inplace, "layout", lambda layer: "Test" if layer is model.attn.qkv_proj else None)
     with caplog.at_level(logging.DEBUG, logger="flashrl_tools.runtime"):
         plan = vllm_inplace.build_plan(model, quantized, quantized)
-    assert set(plan.slots) == {f"attn.{m}.{k}" for m in ("q_proj", "k_proj", "v_proj") for k in ("weight", "weight_scale")}
+    assert set(plan.slots) == {f"attn.{m}.{k}" for m in ("q_proj", "k_proj", "v_proj")
+                               for k in ("weight", "weight_scale")}
     assert plan.slots["attn.k_proj.weight"].dst == slice(8, 12)
     assert plan.fallback == {"attn.o_proj": "layout not known for in-place writes",
                              "attn.x_proj": "no matching engine module"}

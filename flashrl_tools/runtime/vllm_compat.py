@@ -35,6 +35,7 @@ import torch
 
 from flashrl_tools.runtime.config import RuntimeConfig, env_flag
 from flashrl_tools.runtime.convert import WeightConverter
+from flashrl_tools.runtime import vllm_inplace
 from flashrl_tools.runtime.vllm_inplace import InPlacePlan
 from flashrl_tools.setup.schema import ConfigFn
 
@@ -350,8 +351,6 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> Weig
 def _inplace_plan(model: torch.nn.Module, converter: WeightConverter) -> InPlacePlan | None:
     """Issue 16's fast path for the 8-bit linears whose processed layout is known (vllm_inplace.py);
     the log says which layers take it and why the others do not."""
-    from flashrl_tools.runtime import vllm_inplace
-
     if converter.served is None or not converter.quantized:
         return None
     if not vllm_inplace.enabled():
