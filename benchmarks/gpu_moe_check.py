@@ -128,7 +128,8 @@ def main() -> None:
                    "reload_weights_vs_fresh": diffs(reloaded, fresh)[1],
                    "restored_vs_start": diffs(restored, start)[1],
                    "tokens_equal": pushed["tokens"] == fresh["tokens"] and trainer["tokens"] == fresh["tokens"],
-                   "sync_s": pushed.get("seconds"), "trainer_sync_s": trainer.get("seconds")}
+                   "sync_s": pushed.get("seconds"), "trainer_sync_s": trainer.get("seconds"),
+                   "inplace_layers": r.get("inplace_layers")}
             results["syncs"].append(row)
             print(row, flush=True)
         if args.vllm_online_fp8 and arch != "qwen3":  # vLLM's own online FP8 MoE, synced (bf16 config)

@@ -14,20 +14,15 @@ KV="--skip-7b --kv-cache-dtype fp8 --reload --engine-args '$EA'"
 IP="--skip-7b --reload --correctness-configs int8,fp8_channel --engine-args '$EA'"
 CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slow side by side:
           # at most 3 at once, DEVELOPERS.md "GPU (device tool)")
-  "mixtral|python $M --archs mixtral --configs int8,fp8 --no-dense --engine-args '$EA' --workdir /root/w/mx --json $RES/mixtral.json"
-  "drift-kv-int8|FLASHRL_ENGINE_ARGS='$EA' FLASHRL_KV_CACHE_DTYPE=fp8 python -m flashrl_tools verify drift -c int8 -m default --json $RES/drift-kv-int8.json"
-  "moe-comp|python $M --archs qwen3_moe --configs int8,fp8 --compiled --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mc --json $RES/moe-comp.json"
-  "drift-kv-fp8|FLASHRL_ENGINE_ARGS='$EA' FLASHRL_KV_CACHE_DTYPE=fp8 python -m flashrl_tools verify drift -c fp8 -m default --json $RES/drift-kv-fp8.json"
+  "moe-ip|FLASHRL_LOGGING_LEVEL=DEBUG python $M --archs qwen3_moe --configs int8 --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mi --json $RES/moe-ip.json"
+  "moe-ip-comp|FLASHRL_LOGGING_LEVEL=DEBUG python $M --archs qwen3_moe --configs int8 --compiled --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mc2 --json $RES/moe-ip-comp.json"
+  "mixtral-ip|FLASHRL_LOGGING_LEVEL=DEBUG python $M --archs mixtral --configs int8 --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mx2 --json $RES/mixtral-ip.json"
 )
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
-  "tail-7b|python $S --shapes 7b --configs bf16,int8+kv --prompts 1 --samples 1 --fixed-len --first-max-len 16 --workdir /root/w/s --json $RES/tail-7b.json"
-  "rl-7b-bf16|python $S --shapes 7b --configs bf16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-bf16.json"
-  "rl-7b-fp8kv|python $S --shapes 7b --configs fp8+kv --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-fp8kv.json"
-  "rl-14b-bf16|python $S --shapes 14b --configs bf16 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-bf16.json"
-  "rl-14b-int8|python $S --shapes 14b --configs int8 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-int8.json"
+  "moe-sync|python benchmarks/weight_sync.py --shapes 30b-a3b --modes bf16,int8 --repeats 2 --gpu-memory-utilization 0.85 --workdir /root/w/ws --json $RES/moe-sync.json"
 )
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> $RES/queue.log; }
-python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
+[ "${ENSURE_DEFAULT:-1}" = 1 ] && python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
 declare -A PIDS
 running() { local c=0; for n in "${!PIDS[@]}"; do kill -0 ${PIDS[$n]} 2>/dev/null && c=$((c+1)); done; echo $c; }
 DEADLINE=$(( T0 + ${P_DEADLINE:-540} ))

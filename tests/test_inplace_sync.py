@@ -177,7 +177,7 @@ def test_plan_maps_checkpoint_names_and_says_why_not(monkeypatch, caplog):
                              "attn.x_proj": "no matching engine module"}
     assert "attn.qkv_proj syncs in place (Test)" in caplog.text
     assert "attn.o_proj syncs by the layerwise reload (layout not known" in caplog.text
-    assert plan.summary().startswith("in-place sync for 1 linear layers (1 Test)")
+    assert plan.summary().startswith("in-place sync for 1 layers (1 Test)")
     assert not plan.write("attn.o_proj.weight", torch.zeros(K_FULL, 8, dtype=torch.int8))
 
 
@@ -212,3 +212,123 @@ def test_a_tensor_of_the_wrong_shape_is_refused_not_broadcast():
     with pytest.raises(ValueError, match="weight_scale"):
         plan.write("m.o_proj.weight_scale", torch.ones(1, 1))
     assert not layer.weight.any()
+
+
+# -- MoE experts (compressed-tensors W8A8 INT8, TRITON backend on CUDA) ---------------------------
+
+E, I_FULL, H = 3, 8, 12
+
+
+def _experts(tp=1, rank=0, gate="gate_proj", up="up_proj", down="down_proj", ep=1):
+    """A routed-expert layer as vLLM 0.26 leaves it after processing (TRITON: as loaded)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    inter = I_FULL // tp
+    parallel = SimpleNamespace(tp_size=tp, ep_size=ep, use_ep=ep > 1)
+    layer = _bare(RoutedExperts, ckpt_gate_proj_name=gate, ckpt_up_proj_name=up, ckpt_down_proj_name=down,
+                  global_num_experts=E, moe_config=SimpleNamespace(is_act_and_mul=True, tp_rank=rank,
+                                                                    num_logical_experts=E,
+                                                                    moe_parallel_config=parallel))
+    for name, shape, dtype in (("w13_weight", (E, 2 * inter, H), torch.int8), ("w2_weight", (E, H, inter), torch.int8),
+                               ("w13_weight_scale", (E, 2 * inter, 1), torch.float32),
+                               ("w2_weight_scale", (E, H, 1), torch.float32)):
+        layer.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
+    return layer
+
+
+def _expert_tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for e in range(E):
+        for proj, (rows, cols) in (("gate_proj", (I_FULL, H)), ("up_proj", (I_FULL, H)), ("down_proj", (H, I_FULL))):
+            out[f"mlp.experts.{e}.{proj}.weight"] = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)
+            out[f"mlp.experts.{e}.{proj}.weight_scale"] = torch.rand(rows, 1, generator=g) + 0.5
+    return out
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
+def test_moe_experts_match_vllm_loader(tp, rank):
+    """Every expert's gate/up/down weight and scale, written by the plan, equal what vLLM's
+    RoutedExperts loaders (`_load_w13`, `_load_w2`, `_load_per_channel_weight_scale`) put in
+    fresh [E, 2I, H] / [E, H, I] / [E, N, 1] storage, for each TP rank."""
+    layer, ref = _experts(tp, rank), _experts(tp, rank)
+    names = {f"mlp.experts.{e}.{p}.weight" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
+    slots = vllm_inplace._moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", names)
+    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    for name, t in _expert_tensors(seed=tp * 10 + rank).items():
+        assert plan.write(name, t)
+        _, _, e, proj, kind = name.split(".")
+        stem = "w2" if proj == "down_proj" else "w13"
+        data = getattr(ref, f"{stem}_{kind}").data[int(e)]
+        if kind == "weight" and stem == "w13":
+            ref._load_w13(expert_data=data, shard_dim=0, shard_id=shard[proj], loaded_weight=t, tp_rank=rank)
+        elif kind == "weight":
+            ref._load_w2(expert_data=data, shard_dim=1, loaded_weight=t, tp_rank=rank)
+        else:
+            ref._load_per_channel_weight_scale(expert_data=data, shard_dim=0, shard_id=shard[proj],
+                                               loaded_weight=t, tp_rank=rank)
+    for name in vllm_inplace._MOE_TENSORS:
+        assert torch.equal(getattr(layer, name), getattr(ref, name)), name
+        assert getattr(layer, name).abs().sum() > 0, name  # every tensor was written
+    assert plan.pop_loaded() == {f"mlp.experts.routed_experts.{n}" for n in vllm_inplace._MOE_TENSORS}
+
+
+class _MoEModel(torch.nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.mlp = torch.nn.Module()
+        self.mlp.experts = torch.nn.Module()  # vLLM's MoERunner
+        self.mlp.experts.routed_experts = _experts(**kw)
+
+
+def _moe_names(gate="gate_proj", up="up_proj", down="down_proj"):
+    return {f"mlp.experts.{e}.{p}.weight" for e in range(E) for p in (gate, up, down)}
+
+
+def test_moe_plan_maps_expert_names_and_falls_back_with_a_reason(monkeypatch):
+    """Checkpoint names per expert map to the routed-expert layer by its own checkpoint projection
+    names (Mixtral: w1/w3/w2); a layer missing an expert, or expert-parallel, keeps the reload."""
+    monkeypatch.setattr(vllm_inplace, "moe_layout", lambda layer: "TestMoE")
+    mixtral = dict(gate="w1", up="w3", down="w2")
+    plan = vllm_inplace.build_plan(_MoEModel(**mixtral), _moe_names(**mixtral), _moe_names(**mixtral))
+    assert len(plan.slots) == E * 3 * 2 and not plan.fallback and plan.kinds == {"TestMoE": 1}
+    assert plan.slots["mlp.experts.2.w3.weight"].dst == slice(I_FULL, 2 * I_FULL)
+    names = _moe_names() - {"mlp.experts.1.up_proj.weight"}
+    plan = vllm_inplace.build_plan(_MoEModel(), names, names)
+    assert not plan.slots and plan.fallback["mlp.experts.0.gate_proj"].startswith("not every expert weight")
+    plan = vllm_inplace.build_plan(_MoEModel(ep=2), _moe_names(), _moe_names())
+    assert not plan.slots and plan.fallback["mlp.experts.0.gate_proj"].startswith("expert-parallel")
+    plan = vllm_inplace.build_plan(_MoEModel(tp=2), _moe_names(), _moe_names())
+    assert not plan.slots and plan.fallback["mlp.experts.0.down_proj"].startswith("tensor-parallel")
+
+
+def test_moe_layer_done_rebuilds_the_kernel_around_the_written_storage(monkeypatch):
+    """After the last expert tensor, the layer's quant method processes it again (TRITON: the
+    tensors unchanged, its quant config rebuilt around them), once per sync."""
+    calls = []
+    layer = _experts()
+    layer.quant_method = type("M", (), {"process_weights_after_loading": lambda self, m: calls.append(m)})()
+    monkeypatch.setattr(vllm_inplace, "moe_layout", lambda m: "TestMoE")
+    slots = vllm_inplace._moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", _moe_names())
+    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    tensors = list(_expert_tensors(seed=3).items())
+    for name, t in tensors[:-1]:
+        plan.write(name, t)
+    assert not calls
+    plan.write(*tensors[-1])
+    assert calls == [layer]
+
+
+def test_moe_layout_needs_cuda_and_the_triton_int8_method(monkeypatch):
+    layer = _experts()
+    layer.quant_method = type("CompressedTensorsW8A8Int8MoEMethod", (), {})()
+    layer.quant_method.int8_backend = type("B", (), {"value": "TRITON"})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_inplace.moe_layout(layer) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vllm_inplace.moe_layout(layer) == "TritonInt8MoE"
+    layer.quant_method.int8_backend.value = "HUMMING"
+    assert vllm_inplace.moe_layout(layer) is None

@@ -9,9 +9,11 @@ Known layouts (vLLM 0.26 on CUDA, read from its kernels; DEVELOPERS.md "In-place
   float32 as loaded.
 - compressed-tensors W8A8 FP8, channel weight scales, dynamic activations, Cutlass kernel: the
   same, with N and K zero-padded to multiples of 16 (scale padded with 1.0) when they are not.
-Anything else (FP8 tensor / block, vLLM's online FP8, MoE experts, unknown kernels, CPU) falls
-back. A layer is fast only if every checkpoint tensor it is loaded from maps to rows of it.
-`FLASHRL_INPLACE_SYNC=0` turns the fast path off. Tensor-parallel layers take it only with
+- compressed-tensors W8A8 INT8 MoE experts, TRITON backend: `w13_weight` [E, 2I, H] (gate rows,
+  then up), `w2_weight` [E, H, I] and the [E, N, 1] channel scales as loaded; per (expert, shard).
+Anything else (FP8 tensor / block, vLLM's online FP8, FP8 MoE experts, expert parallelism,
+unknown kernels, CPU) falls back. A layer is fast only if every checkpoint tensor it is loaded
+from maps to rows of it. `FLASHRL_INPLACE_SYNC=0` turns the fast path off. Tensor-parallel layers take it only with
 `FLASHRL_INPLACE_SYNC=tp`: their shard geometry is tested against vLLM's loaders on CPU
 (tests/test_inplace_sync.py) but not yet run on a multi-GPU engine.
 
@@ -48,6 +50,9 @@ class Slot:
     src_rows: slice
     src_cols: slice | None = None
     cols: int = 0  # the layer's input width on this rank (the weight's K)
+    attr: str = ""  # the layer's tensor (default: `kind`); MoE: w13_weight, w2_weight_scale, ...
+    expert: int | None = None  # MoE: the local expert index into the [E, ...] storage
+    transposed: bool = True  # the weight storage is [K, N] (dense kernels) rather than [N, K]
 
 
 @dataclass
@@ -73,7 +78,9 @@ class InPlacePlan:
         if slot is None:
             return False
         layer = slot.layer
-        params = _kernel_params(layer)
+        storage = _kernel_params(layer)[slot.attr or slot.kind]
+        if slot.expert is not None:
+            storage = storage[slot.expert]
         src = tensor[slot.src_rows] if slot.src_cols is None else tensor[slot.src_rows, slot.src_cols]
         rows = slot.dst.stop - slot.dst.start
         fits = {"weight": (rows, slot.cols), "bias": (rows,)}.get(slot.kind)
@@ -82,13 +89,13 @@ class InPlacePlan:
             raise ValueError(f"{name}: a tensor of shape {tuple(tensor.shape)} does not fit the engine's "
                              f"{slot.param} (rows {slot.dst.start}:{slot.dst.stop} of this rank)")
         with torch.no_grad():
-            if slot.kind == "weight":
-                storage = params["weight"].t()  # [N(+pad), K(+pad)] rows of the checkpoint layout
+            if slot.kind == "weight":  # rows [N(+pad), K(+pad)] of the checkpoint layout
+                storage = storage.t() if slot.transposed else storage
                 storage[slot.dst, :src.shape[1]].copy_(src)
             elif slot.kind == "weight_scale":
-                params["weight_scale"].view(-1)[slot.dst].copy_(src.reshape(-1))
+                storage.view(-1)[slot.dst].copy_(src.reshape(-1))
             else:
-                params["bias"][slot.dst].copy_(src)
+                storage[slot.dst].copy_(src)
         self._loaded.add(slot.param)
         written = self._written.setdefault(id(layer), set())
         written.add(name)
@@ -99,8 +106,8 @@ class InPlacePlan:
     def summary(self) -> str:
         fast = sum(self.kinds.values())
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
-        return (f"in-place sync for {fast} linear layers ({kinds or 'none'}); layerwise reload for the rest"
-                + (f" ({len(self.fallback)} quantized linears: {_reasons(self.fallback)})" if self.fallback else ""))
+        return (f"in-place sync for {fast} layers ({kinds or 'none'}); layerwise reload for the rest"
+                + (f" ({len(self.fallback)} quantized modules: {_reasons(self.fallback)})" if self.fallback else ""))
 
 
 def enabled() -> bool:
@@ -116,6 +123,7 @@ def build_plan(model: torch.nn.Module, quantized: set[str], expected: set[str]) 
     names of the 8-bit weights the converter produces; `expected`: every BF16 name of a sync."""
     plan = InPlacePlan()
     modules = dict(model.named_modules())
+    quantized = quantized - _plan_moe(plan, modules, quantized)
     member_of = {m: (packed, i) for packed, members in (getattr(model, "packed_modules_mapping", None) or {}).items()
                  for i, m in enumerate(members)}
     members: dict[int, list[tuple[str, int | None]]] = {}
@@ -157,6 +165,103 @@ def build_plan(model: torch.nn.Module, quantized: set[str], expected: set[str]) 
 
 class _NotFast(Exception):
     pass
+
+
+def _plan_moe(plan: InPlacePlan, modules: dict[str, torch.nn.Module], quantized: set[str]) -> set[str]:
+    """Plan the routed-expert layers (vLLM's RoutedExperts: `w13_weight`, `ckpt_*_proj_name`);
+    returns the checkpoint names they own, fast or not."""
+    owned: set[str] = set()
+    by_prefix: dict[str, set[str]] = {}  # `...experts` -> its `...experts.{e}.{proj}.weight` names
+    for name in quantized:
+        by_prefix.setdefault(name.rsplit(".", 3)[0], set()).add(name)
+    for path, layer in modules.items():
+        if not (hasattr(layer, "w13_weight") and hasattr(layer, "ckpt_gate_proj_name")):
+            continue
+        prefix = path.removesuffix(".routed_experts")  # the checkpoint's `...mlp.experts`
+        names = by_prefix.get(prefix, set())
+        if not names:
+            continue
+        owned |= names
+        kind, why = moe_layout(layer), ""
+        if kind is None:
+            why = "layout not known for in-place writes"
+        elif layer.moe_config.moe_parallel_config.tp_size > 1 and _setting() != "tp":
+            kind, why = None, "tensor-parallel (FLASHRL_INPLACE_SYNC=tp enables it; not yet run on GPUs)"
+        else:
+            try:
+                slots = _moe_slots(layer, path, prefix, names)
+            except _NotFast as e:
+                kind, why = None, str(e)
+        if kind is None:
+            plan.fallback.update((n.removesuffix(".weight"), why) for n in names)
+            log.debug("flashrl: %s syncs by the layerwise reload (%s)", path, why)
+            continue
+        plan.slots.update(slots)
+        plan.layer_names[id(layer)] = frozenset(slots)
+        plan.kinds[kind] += 1
+        log.debug("flashrl: %s syncs in place (%s, %d expert tensors)", path, kind, len(slots))
+    return owned
+
+
+def moe_layout(layer: torch.nn.Module) -> str | None:
+    """The known processed layout of a loaded routed-expert layer, or None. vLLM 0.26's
+    compressed-tensors W8A8 INT8 MoE on CUDA takes the TRITON backend, whose
+    `convert_to_int8_moe_kernel_format` keeps w13_weight [E, 2I, H] (w1 rows, then w3),
+    w2_weight [E, H, I] and the [E, N, 1] float32 channel scales as loaded (fused_moe/oracle/int8.py)."""
+    method = getattr(layer, "quant_method", None)
+    if type(method).__name__ != "CompressedTensorsW8A8Int8MoEMethod":
+        return None
+    if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
+        return None
+    backend = getattr(method, "int8_backend", None)
+    if getattr(backend, "value", backend) != "TRITON" or not getattr(layer.moe_config, "is_act_and_mul", False):
+        return None
+    tensors = dict(layer.named_parameters(recurse=False))
+    if set(tensors) != _MOE_TENSORS:
+        return None
+    for name, t in tensors.items():
+        dtype = torch.float32 if name.endswith("_scale") else torch.int8
+        if t.dtype != dtype or t.dim() != 3 or not t.is_contiguous():
+            return None
+    return "TritonInt8MoE"
+
+
+_MOE_TENSORS = frozenset({"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"})
+
+
+def _moe_slots(layer, path: str, prefix: str, names: set[str]) -> dict[str, Slot]:
+    """Every expert's slots, by vLLM's RoutedExperts loader rules (`_load_w13`, `_load_w2`,
+    `_load_per_channel_weight_scale`): gate (w1) and up (w3) rows of this rank at rows [0, I) and
+    [I, 2I) of w13; down (w2) columns of this rank, its channel scale whole."""
+    config = layer.moe_config
+    parallel = config.moe_parallel_config
+    experts, two_i, hidden = layer.w13_weight.shape
+    inter = two_i // 2
+    if getattr(parallel, "ep_size", 1) > 1 or getattr(parallel, "use_ep", False):
+        raise _NotFast("expert-parallel (experts are not all on this rank)")
+    if getattr(config, "num_logical_experts", experts) != experts or layer.global_num_experts != experts:
+        raise _NotFast("redundant or non-local experts")
+    if tuple(layer.w2_weight.shape) != (experts, hidden, inter) \
+            or tuple(layer.w13_weight_scale.shape) != (experts, two_i, 1) \
+            or tuple(layer.w2_weight_scale.shape) != (experts, hidden, 1):
+        raise _NotFast("expert storage of an unexpected shape")
+    rank = config.tp_rank
+    mine = slice(rank * inter, (rank + 1) * inter)
+    projs = {layer.ckpt_gate_proj_name: ("w13", slice(0, inter), mine, None, hidden),
+             layer.ckpt_up_proj_name: ("w13", slice(inter, two_i), mine, None, hidden),
+             layer.ckpt_down_proj_name: ("w2", slice(0, hidden), slice(None), mine, inter)}
+    if names != {f"{prefix}.{e}.{p}.weight" for e in range(experts) for p in projs}:
+        raise _NotFast("not every expert weight of the layer is an 8-bit checkpoint tensor")
+    slots = {}
+    for e in range(experts):
+        for proj, (stem, dst, rows, cols, width) in projs.items():
+            name = f"{prefix}.{e}.{proj}"
+            slots[f"{name}.weight"] = Slot(layer, f"{path}.{stem}_weight", "weight", dst, rows, cols, width,
+                                           f"{stem}_weight", e, transposed=False)
+            slots[f"{name}.weight_scale"] = Slot(layer, f"{path}.{stem}_weight_scale", "weight_scale", dst,
+                                                 rows if stem == "w13" else slice(None), None, 0,
+                                                 f"{stem}_weight_scale", e)
+    return slots
 
 
 def layout(layer: torch.nn.Module) -> str | None:
@@ -260,6 +365,11 @@ def _layer_done(layer: torch.nn.Module) -> None:
     if info.kernel_tensors is not None:
         layerwise._place_kernel_tensors(layer, info)
     info.reset()
+    if moe_layout(layer) is not None:
+        # the MoE kernel holds its scales in a quant config built by the last processing, which a
+        # layerwise reload ran on temporary tensors: rebuild it around the storage just written
+        # (for TRITON an identity on the tensors: convert_to_int8_moe_kernel_format returns them)
+        layer.quant_method.process_weights_after_loading(layer)
 
 
 def _reasons(fallback: dict[str, str]) -> str:
