@@ -17,6 +17,8 @@ CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slo
   "moe-ip|FLASHRL_LOGGING_LEVEL=DEBUG python $M --archs qwen3_moe --configs int8 --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mi --json $RES/moe-ip.json"
   "moe-ip-comp|FLASHRL_LOGGING_LEVEL=DEBUG python $M --archs qwen3_moe --configs int8 --compiled --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mc2 --json $RES/moe-ip-comp.json"
   "mixtral-ip|FLASHRL_LOGGING_LEVEL=DEBUG python $M --archs mixtral --configs int8 --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mx2 --json $RES/mixtral-ip.json"
+  "mixtral-fp8|python $M --archs mixtral --configs fp8 --no-dense --engine-args '$EA' --workdir /root/w/mx3 --json $RES/mixtral-fp8.json"
+  "moe-comp-fp8|python $M --archs qwen3_moe --configs fp8 --compiled --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mc3 --json $RES/moe-comp-fp8.json"
 )
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
   "moe-sync|python benchmarks/weight_sync.py --shapes 30b-a3b --modes bf16,int8 --repeats 2 --gpu-memory-utilization 0.85 --workdir /root/w/ws --json $RES/moe-sync.json"
