@@ -332,4 +332,7 @@ def _inplace_layers(llm) -> dict | None:
 
 
 if __name__ == "__main__":
+    from flashrl_tools.runtime.engine_job import exit_engine_process
+
     main()
+    exit_engine_process()

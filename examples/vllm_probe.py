@@ -39,3 +39,7 @@ if req.get("score"):
         scored.append([lp[t].logprob for t, lp in zip(cont, tail)])
 with open(out_path, "w") as f:
     json.dump({"prompt_ids": prompt_ids, "greedy": greedy, "scored": scored}, f)
+
+from flashrl_tools.runtime.engine_job import exit_engine_process  # noqa: E402
+
+exit_engine_process()
