@@ -1,5 +1,6 @@
 """Score rollouts with the BF16 policy as a trainer does: HF transformers forward in BF16,
-logits / temperature, log-softmax in fp32, the logprob of each response token."""
+logits / temperature, log-softmax in fp32, the logprob of each response token. On the GPU when
+there is one (as a trainer scores), else on the CPU."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def score_rollouts(model_dir: Path, prompts: list[list[int]], responses: list[li
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device)
     model.eval()
     out: list[list[float]] = []
     for start in range(0, len(prompts), batch_size):
@@ -32,7 +34,7 @@ def score_rollouts(model_dir: Path, prompts: list[list[int]], responses: list[li
         for i, (p, r) in enumerate(batch):  # right padding
             seq = torch.tensor(p + r)
             ids[i, :len(seq)], mask[i, :len(seq)] = seq, 1
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.cpu()
         for i, (p, r) in enumerate(batch):
             if not r:
                 out.append([])
