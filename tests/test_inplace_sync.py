@@ -243,7 +243,8 @@ def _expert_tensors(seed):
     out = {}
     for e in range(E):
         for proj, (rows, cols) in (("gate_proj", (I_FULL, H)), ("up_proj", (I_FULL, H)), ("down_proj", (H, I_FULL))):
-            out[f"mlp.experts.{e}.{proj}.weight"] = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)
+            out[f"mlp.experts.{e}.{proj}.weight"] = torch.randint(-127, 128, (rows, cols), generator=g,
+                                                                  dtype=torch.int8)
             out[f"mlp.experts.{e}.{proj}.weight_scale"] = torch.rand(rows, 1, generator=g) + 0.5
     return out
 

@@ -1,6 +1,6 @@
 """In-place fast sync (issue 16): re-quantized 8-bit weights written straight into the engine's
-processed storage, for linear layers whose processed layout is known; every other layer goes
-through vLLM's layerwise reload (restore the checkpoint layout, load, `process_weights_after_
+processed storage, for linear and MoE layers whose processed layout is known; every other layer
+goes through vLLM's layerwise reload (restore the checkpoint layout, load, `process_weights_after_
 loading`, copy into the original storage), as before.
 
 Known layouts (vLLM 0.26 on CUDA, read from its kernels; DEVELOPERS.md "In-place fast sync"):
@@ -13,9 +13,9 @@ Known layouts (vLLM 0.26 on CUDA, read from its kernels; DEVELOPERS.md "In-place
   then up), `w2_weight` [E, H, I] and the [E, N, 1] channel scales as loaded; per (expert, shard).
 Anything else (FP8 tensor / block, vLLM's online FP8, FP8 MoE experts, expert parallelism,
 unknown kernels, CPU) falls back. A layer is fast only if every checkpoint tensor it is loaded
-from maps to rows of it. `FLASHRL_INPLACE_SYNC=0` turns the fast path off. Tensor-parallel layers take it only with
-`FLASHRL_INPLACE_SYNC=tp`: their shard geometry is tested against vLLM's loaders on CPU
-(tests/test_inplace_sync.py) but not yet run on a multi-GPU engine.
+from maps to rows of it. `FLASHRL_INPLACE_SYNC=0` turns the fast path off. Tensor-parallel
+layers take it only with `FLASHRL_INPLACE_SYNC=tp`: their shard geometry is tested against
+vLLM's loaders on CPU (tests/test_inplace_sync.py) but not yet run on a multi-GPU engine.
 
 vLLM internals used (this file and vllm_compat.py are the only ones that touch vLLM): linear
 layer classes and their TP attributes, `model.packed_modules_mapping`, compressed-tensors
