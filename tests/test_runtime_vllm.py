@@ -70,39 +70,54 @@ def fresh_perturbed_int8(perturbed, tmp_path_factory) -> dict:
                  model=str(quantize(perturbed, tmp / "pq", "int8").out))
 
 
-def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(default_model, perturbed, fresh_perturbed_int8,
-                                                              tmp_path):
+HAVE_VERL = importlib.util.find_spec("verl") is not None
+
+
+@pytest.fixture(scope="module")
+def multiprocess_int8(default_model, perturbed, tmp_path_factory) -> dict:
+    """One multiprocess engine (vLLM's default) with FLASHRL_CONFIG=int8 and verl's worker
+    extension, synced by every trainer path in turn: one tensor per call (perturbed, original),
+    vLLM's reload_weights (perturbed, original), verl's own bucketed sync (perturbed, original),
+    then an interrupted push and a full one. (One engine start for what two tests check.)"""
+    req = dict(model=str(default_model), push=[str(perturbed), str(default_model)],
+               reload=[str(perturbed), str(default_model)], partial_push=str(default_model))
+    if HAVE_VERL:
+        req["verl"] = [str(perturbed), str(default_model)]
+    r = probe(tmp_path_factory.mktemp("mp"), "synced", {"FLASHRL_CONFIG": "int8"}, **req)
+    names = ["start", "after_pert", "after_orig", "reload_pert", "reload_orig"] + \
+        (["verl_pert", "verl_orig"] if HAVE_VERL else []) + ["after_retry"]
+    assert len(r["stages"]) == len(names)
+    return {**r, "stages": dict(zip(names, r["stages"]))}
+
+
+def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(multiprocess_int8, fresh_perturbed_int8):
     """FLASHRL_CONFIG=int8, vLLM's default multiprocess engine."""
-    fresh = fresh_perturbed_int8
-    r = probe(tmp_path, "synced", {"FLASHRL_CONFIG": "int8"}, model=str(default_model),
-              push=[str(perturbed), str(default_model)], reload=[str(perturbed)],
-              partial_push=str(default_model))
+    r, fresh = multiprocess_int8, fresh_perturbed_int8["stages"][0]
+    st = r["stages"]
     assert r["multiprocessing"] == "1"
-    start, after_pert, after_orig, after_reload, after_retry = r["stages"]
-    assert_same(after_reload, fresh["stages"][0], "vLLM's own reload_weights with BF16 tensors")
-    assert differs(start, after_pert) > 0.1  # the sync reached the engine
-    d = assert_same(after_pert, fresh["stages"][0], "synced vs fresh engine on quantize(perturbed)")
-    assert_same(after_orig, start, "pushing the original weights back")
+    assert_same(st["reload_pert"], fresh, "vLLM's own reload_weights with BF16 tensors")
+    assert_same(st["reload_orig"], st["start"], "vLLM's own reload_weights of the original weights")
+    assert differs(st["start"], st["after_pert"]) > 0.1  # the sync reached the engine
+    d = assert_same(st["after_pert"], fresh, "synced vs fresh engine on quantize(perturbed)")
+    assert_same(st["after_orig"], st["start"], "pushing the original weights back")
     assert r["refused"] and "weight sync incomplete" in r["refused"]  # mid-sync generate refused
-    assert_same(after_retry, start, "full sync after an interrupted one")
-    print(f"\nint8 sync: {after_pert['seconds']:.2f} s for {len(after_pert['tokens'])} prompts' model; "
+    assert_same(st["after_retry"], st["start"], "full sync after an interrupted one")
+    print(f"\nint8 sync: {st['after_pert']['seconds']:.2f} s for {len(st['after_pert']['tokens'])} prompts' model; "
           f"max |Δ logp| vs fresh engine {d:.2e}")
 
 
-def test_verl_weight_sync_path(default_model, perturbed, fresh_perturbed_int8, tmp_path):
+@pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (scripts/install.sh installs it)")
+def test_verl_weight_sync_path(multiprocess_int8, fresh_perturbed_int8):
     """verl 0.9.1's own sync code, unchanged, in a multiprocess engine with FLASHRL_CONFIG=int8:
     the engine built with verl's worker extension (vLLMColocateWorkerExtension), the trainer
     side streaming with verl's BucketedWeightSender (shared-memory buckets over ZMQ, verl's
     non-CUDA-IPC path), the worker receiving in update_weights_from_ipc: model.load_weights per
-    bucket, then vLLM's whole-model process_weights_after_loading (see examples/sync_probe.py)."""
-    if importlib.util.find_spec("verl") is None:
-        pytest.skip("verl is not installed (scripts/install.sh installs it)")
-    r = probe(tmp_path, "verl", {"FLASHRL_CONFIG": "int8"}, model=str(default_model),
-              verl=[str(perturbed), str(default_model)])
-    start, after_pert, after_orig = r["stages"]
-    assert differs(start, after_pert) > 0.1
-    assert_same(after_pert, fresh_perturbed_int8["stages"][0], "verl sync vs fresh engine on quantize(perturbed)")
-    assert_same(after_orig, start, "verl sync of the original weights")
+    bucket, then vLLM's whole-model process_weights_after_loading (see examples/sync_probe.py).
+    It starts from the original weights (the reload before it restored them)."""
+    st = multiprocess_int8["stages"]
+    assert differs(st["reload_orig"], st["verl_pert"]) > 0.1
+    assert_same(st["verl_pert"], fresh_perturbed_int8["stages"][0], "verl sync vs fresh engine on quantize(perturbed)")
+    assert_same(st["verl_orig"], st["start"], "verl sync of the original weights")
 
 
 @pytest.fixture(scope="module")

