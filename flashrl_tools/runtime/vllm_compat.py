@@ -537,13 +537,13 @@ def calibrate_kv_if_stale(llm) -> dict | None:
 
     t0 = time.perf_counter()
     sequences = _calibration_inputs(llm.get_tokenizer, llm.llm_engine.model_config)
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     llm.reset_prefix_cache()
     llm.collective_rpc("flashrl_kv_arm")
     _calibrating.active = True
     try:
         for s in sequences:
-            llm.generate([{"prompt_token_ids": s}], SamplingParams(temperature=0.0, max_tokens=1, detokenize=False),
-                         use_tqdm=False)
+            llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)
     finally:
         _calibrating.active = False
         scales = llm.collective_rpc("flashrl_kv_finish")
