@@ -13,18 +13,23 @@ G=benchmarks/gpu_runtime_check.py; M=benchmarks/gpu_moe_check.py; S=benchmarks/r
 KV="--skip-7b --kv-cache-dtype fp8 --reload --engine-args '$EA'"
 IP="--skip-7b --reload --correctness-configs int8,fp8_channel --engine-args '$EA'"
 EAGER='{"gpu_memory_utilization": 0.04, "kv_cache_memory_bytes": 1073741824, "enforce_eager": true}'
+DEF="\$(python -c 'from flashrl_tools.models.default import ensure_default_model as e; print(e())')"
+AK="python examples/async_kv_probe.py $DEF /root/w/pert --engine-args '$EA'"
 CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slow side by side:
           # at most 3 at once, DEVELOPERS.md "GPU (device tool)")
   "drift-kv-int8|FLASHRL_ENGINE_ARGS='$EAGER' FLASHRL_KV_CACHE_DTYPE=fp8 python -m flashrl_tools verify drift -c int8 -m default --json $RES/drift-kv-int8.json"
   "drift-kv-fp8|FLASHRL_ENGINE_ARGS='$EAGER' FLASHRL_KV_CACHE_DTYPE=fp8 python -m flashrl_tools verify drift -c fp8 -m default --json $RES/drift-kv-fp8.json"
-  "moe-vfp8|python $M --archs qwen3_moe --configs bf16 --vllm-online-fp8 --no-bound --no-dense --engine-args '$EA' --workdir /root/w/vf --json $RES/moe-vfp8.json"
+  "async-kv|export FLASHRL_KV_CACHE_DTYPE=fp8; FLASHRL_CONFIG=int8 $AK --eager; FLASHRL_CONFIG=int8 $AK; FLASHRL_CONFIG=fp8 $AK; FLASHRL_CONFIG=bf16 $AK"
   "tune-fp8ch|FLASHRL_ENGINE_ARGS='$EAGER' python -m flashrl_tools tune -m default --fn fp8_channel -o $RES/tune-fp8ch.yaml --report $RES/tune-fp8ch.json"
+  "tune-fp8blk|FLASHRL_ENGINE_ARGS='$EAGER' python -m flashrl_tools tune -m default --fn fp8_block -o $RES/tune-fp8blk.yaml --report $RES/tune-fp8blk.json"
+  "moe-vfp8|python $M --archs qwen3_moe --configs bf16 --vllm-online-fp8 --no-bound --no-dense --engine-args '$EA' --workdir /root/w/vf --json $RES/moe-vfp8.json"
 )
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
+  "rl-14b-bf16|python $S --shapes 14b --configs bf16 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-bf16.json"
+  "rl-14b-fp8kv|python $S --shapes 14b --configs fp8+kv --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-fp8kv.json"
+  "rl-14b-int8|python $S --shapes 14b --configs int8 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-int8.json"
   "rl-7b-bf16|python $S --shapes 7b --configs bf16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-bf16.json"
   "rl-7b-fp8kv|python $S --shapes 7b --configs fp8+kv --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-fp8kv.json"
-  "rl-14b-bf16|python $S --shapes 14b --configs bf16 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-bf16.json"
-  "rl-14b-int8|python $S --shapes 14b --configs int8 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-int8.json"
 )
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> $RES/queue.log; }
 [ "${ENSURE_DEFAULT:-1}" = 1 ] && python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
