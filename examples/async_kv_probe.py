@@ -67,10 +67,13 @@ if __name__ == "__main__":
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--engine-args", type=json.loads, default={})
     a = ap.parse_args()
-    if not os.path.exists(a.perturbed):
-        from flashrl_tools.verify.perturb import perturb
+    if not os.path.exists(a.perturbed):  # in a child: torch CPU work here before AsyncLLM forks its engine
+        # core hangs that core on a GPU host (DEVELOPERS.md, "default multiprocess engine")
+        import subprocess
+        import sys
 
-        perturb(a.original, a.perturbed)
+        subprocess.run([sys.executable, "-c", "import sys; from flashrl_tools.verify.perturb import perturb; "
+                        "perturb(sys.argv[1], sys.argv[2])", a.original, a.perturbed], check=True)
     print("RESULT" + json.dumps(asyncio.run(main(a.original, a.perturbed, a.eager, a.engine_args))), flush=True)
     from flashrl_tools.runtime.engine_job import exit_engine_process
 

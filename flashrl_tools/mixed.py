@@ -123,3 +123,22 @@ def kept_weights(linear_weights: Iterable[str], spec: KeepSpec, source: str | No
 def kept_modules(kept: Iterable[str]) -> list[str]:
     """Module names for a compressed-tensors `ignore` list, sorted in model order."""
     return [n.removesuffix(".weight") for n in sorted(kept, key=lambda n: (layer_index(n) or 0, n))]
+
+
+# the last member of each fused layer, in vLLM's shard order (q, k, v; gate, up)
+_LAST_SHARD = {"qkv_proj": "v_proj", "gate_up_proj": "up_proj"}
+
+
+def fp8_block_unservable(shapes: dict[str, tuple[int, ...]], block_rows: int = 128) -> list[str]:
+    """Dense units vLLM's block FP8 kernels cannot serve at TP=1: a fused layer's shards, all but
+    its last, must each have a multiple of 128 rows (vLLM 0.26 `validate_fp8_block_shape`; a
+    fused layer's blocks must not straddle two shards). `shapes`: linear weight name -> shape.
+    SmolLM2-135M's q (576 rows) and k (192) fail it: its qkv layers stay BF16 under fp8_block."""
+    bad = []
+    for unit, weights in units(shapes).items():
+        fused = unit.rpartition(".")[2]
+        if fused in _LAST_SHARD and len(weights) > 1 and any(
+                shapes[w][0] % block_rows for w in weights
+                if w.removesuffix(".weight").rpartition(".")[2] != _LAST_SHARD[fused]):
+            bad.append(unit)
+    return bad

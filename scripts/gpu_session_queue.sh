@@ -17,9 +17,7 @@ DEF="\$(python -c 'from flashrl_tools.models.default import ensure_default_model
 AK="python examples/async_kv_probe.py $DEF /root/w/pert --engine-args '$EA'"
 CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slow side by side:
           # at most 3 at once, DEVELOPERS.md "GPU (device tool)")
-  "drift-kv-int8|FLASHRL_ENGINE_ARGS='$EAGER' FLASHRL_KV_CACHE_DTYPE=fp8 python -m flashrl_tools verify drift -c int8 -m default --json $RES/drift-kv-int8.json"
-  "drift-kv-fp8|FLASHRL_ENGINE_ARGS='$EAGER' FLASHRL_KV_CACHE_DTYPE=fp8 python -m flashrl_tools verify drift -c fp8 -m default --json $RES/drift-kv-fp8.json"
-  "async-kv|export FLASHRL_KV_CACHE_DTYPE=fp8; FLASHRL_CONFIG=int8 $AK --eager; FLASHRL_CONFIG=int8 $AK; FLASHRL_CONFIG=fp8 $AK; FLASHRL_CONFIG=bf16 $AK"
+  "async-kv|export FLASHRL_KV_CACHE_DTYPE=fp8; FLASHRL_CONFIG=int8 $AK; FLASHRL_CONFIG=fp8 $AK; FLASHRL_CONFIG=bf16 $AK"
   "tune-fp8ch|FLASHRL_ENGINE_ARGS='$EAGER' python -m flashrl_tools tune -m default --fn fp8_channel -o $RES/tune-fp8ch.yaml --report $RES/tune-fp8ch.json"
   "tune-fp8blk|FLASHRL_ENGINE_ARGS='$EAGER' python -m flashrl_tools tune -m default --fn fp8_block -o $RES/tune-fp8blk.yaml --report $RES/tune-fp8blk.json"
   "moe-vfp8|python $M --archs qwen3_moe --configs bf16 --vllm-online-fp8 --no-bound --no-dense --engine-args '$EA' --workdir /root/w/vf --json $RES/moe-vfp8.json"

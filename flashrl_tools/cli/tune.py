@@ -63,9 +63,12 @@ def show(r: dict, report: Path) -> None:
     table = Table(title=f"flashrl tune --fn {r['fn']}: most sensitive layers (token KL with only that layer 8-bit)")
     for col in ("rank", "layer", "KL alone", "MiB"):
         table.add_column(col, justify="right" if col != "layer" else "left")
-    for u in sorted(r["units"], key=lambda u: u["rank"])[:10]:
+    for u in sorted((u for u in r["units"] if u["sensitivity"] is not None), key=lambda u: u["rank"])[:10]:
         table.add_row(str(u["rank"]), u["unit"], f"{u['sensitivity']:.2e}", f"{u['bytes_bf16'] / 2**20:.1f}")
     out.print(table)
+    if r.get("forced_bf16"):
+        out.print(f"{len(r['forced_bf16'])} layers BF16 in every config: {r['fn']} cannot serve them in vLLM "
+                  "(fused shards not multiples of 128 rows)")
     curve = Table(title="KL vs fraction of linear-weight bytes in 8 bit (fake-quant, tuning sample)")
     for col in ("layers BF16", "8-bit bytes", "fake-quant KL", "estimated engine KL"):
         curve.add_column(col, justify="right")

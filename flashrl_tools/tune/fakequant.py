@@ -5,7 +5,8 @@ A quantized linear computes with the dequantized 8-bit weight and a dynamically 
 input, as the engine's W8A8 / FP8 kernels do (quantizer.py has the math). Under a SmoothQuant
 profile the weight lives in smoothed column space: its input is divided by the smoothing factor
 (what the divided norm does in the engine), rows divided by smooth_out are multiplied back.
-Computed in fp32: the ranking is of quantization error, not of BF16 rounding.
+Computed in fp32: the ranking is of quantization error, not of BF16 rounding. On the GPU when
+there is one (the fp32 forwards of the ranking are most of `tune`'s time on a CPU).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class FakeQuantModel:
 
         hf_logging.disable_progress_bar()
         self.fn = fn
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(self.device)
         bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}
         self.units = units(linear_weights)
         self.linears: dict[str, _Linear] = {}
@@ -106,11 +108,13 @@ def _fake_weight(fn: QuantFn, name: str, w: torch.Tensor, profile: Profile | Non
     entry = profile.linear(name) if profile is not None else None
     if entry is None:
         return dequantize(fn, quantize_weight(fn, w, pow2)), None
-    q = requantize_int8(w, entry.weight_scale, entry.smooth_in, entry.smooth_out)
-    deq = q.float() * entry.weight_scale.float()
-    if entry.smooth_out is not None:
-        deq = deq * entry.smooth_out.float()[:, None]
-    return deq, (entry.smooth_in.float() if entry.smooth_in is not None else None)
+    on = lambda t: t.to(w.device) if t is not None else None  # noqa: E731 (profile tensors live on the CPU)
+    scale, smooth_in, smooth_out = on(entry.weight_scale), on(entry.smooth_in), on(entry.smooth_out)
+    q = requantize_int8(w, scale, smooth_in, smooth_out)
+    deq = q.float() * scale.float()
+    if smooth_out is not None:
+        deq = deq * smooth_out.float()[:, None]
+    return deq, (smooth_in.float() if smooth_in is not None else None)
 
 
 @dataclass
@@ -133,6 +137,9 @@ class SequenceBatch:
             cols += range(len(p) - 1, len(p) + len(r) - 1)
         return cls(ids, mask, torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
 
+    def to(self, device) -> SequenceBatch:
+        return SequenceBatch(self.ids.to(device), self.mask.to(device), self.rows.to(device), self.cols.to(device))
+
 
 def token_kl(logq: torch.Tensor, logp: torch.Tensor) -> float:
     """Mean over positions of KL(q || p): q the rollout (quantized) policy, p the trainer's."""
@@ -145,7 +152,7 @@ def sample_responses(model, prompts: list[list[int]], max_tokens: int, seed: int
     torch.manual_seed(seed)
     out = []
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=model.device)
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_p=1.0,
                              top_k=0, max_new_tokens=max_tokens, pad_token_id=model.config.eos_token_id)
         resp = gen[0, len(p):].tolist()

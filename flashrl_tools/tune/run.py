@@ -24,7 +24,7 @@ from pathlib import Path
 
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_write_text
-from flashrl_tools.mixed import kept_modules, layer_index
+from flashrl_tools.mixed import fp8_block_unservable, kept_modules, layer_index
 from flashrl_tools.quantizer import QuantFn
 from flashrl_tools.setup.schema import RolloutConfig
 from flashrl_tools.tune import search
@@ -87,7 +87,8 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
     ids = tokenize(tune_prompts, bf16)
     chosen = [ids[i % len(ids)] for i in range(settings.n_tune)]
     progress(f"sampling {settings.n_tune} responses from the BF16 policy")
-    batch = SequenceBatch.of(chosen, sample_responses(fq.model, chosen, settings.max_tokens, settings.seed))
+    responses = sample_responses(fq.model, chosen, settings.max_tokens, settings.seed)
+    batch = SequenceBatch.of(chosen, responses).to(fq.device)
     fq.cache_layer_outputs(batch)
     logp = fq.response_logprobs(batch)
 
@@ -96,12 +97,18 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
         first = min((layer_index(u) for u in quantized if layer_index(u) is not None), default=0)
         return token_kl(fq.response_logprobs(batch, replay_layers=first), logp)
 
-    names = list(fq.units)
+    # fp8_block: units vLLM cannot serve in blocks stay BF16 in every config tried (first in `order`)
+    forced = fp8_block_unservable({n: tuple(lin.original.shape) for n, lin in fq.linears.items()}) \
+        if fn is QuantFn.fp8_block else []
+    if forced:
+        progress(f"{len(forced)} layers kept in BF16: fp8_block cannot serve them (shards not multiples of 128 rows)")
+    names = [u for u in fq.units if u not in forced]
     progress(f"sensitivity of {len(names)} layers (each 8-bit alone)")
     sens = search.sensitivities(names, measure, bar)
-    order = search.ranking(sens)
+    order = forced + search.ranking(sens)
     progress("KL vs fraction of weights in 8 bit")
-    points = search.curve(order, fq.unit_bytes, measure, search.grid(len(order)), bar)
+    ks = sorted({len(forced)} | {k for k in search.grid(len(order)) if k >= len(forced)})
+    points = search.curve(order, fq.unit_bytes, measure, ks, bar)
     seconds["rank_and_curve"], t0 = time.perf_counter() - t0, time.perf_counter()
 
     with tempfile.TemporaryDirectory(prefix="flashrl-tune-") as tmp:
@@ -112,11 +119,11 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
         tune_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in tune_prompts))
 
         progress("verify drift of the all-8-bit config (tuning prompts): the BF16 floor and the KL scale")
-        full = _drift(entry, [], bf16, work / "full.yaml", tune_file, settings, settings.seed)
+        full = _drift(entry, forced, bf16, work / "full.yaml", tune_file, settings, settings.seed)
         floor, full_kl = full["floor"], full["kl"]
         seconds["all_8bit_drift"], t0 = time.perf_counter() - t0, time.perf_counter()
         budget = settings.max_kl if settings.max_kl is not None else ratio * floor
-        fake0 = next(p.kl for p in points if p.kept == 0)
+        fake0 = points[0].kl  # the all-8-bit config (fp8_block: but its unservable units)
         alpha = (full_kl - floor) / fake0 if fake0 > 0 and full_kl > floor else 1.0
         target = (budget - floor) / alpha
         progress(f"budget {budget:.4g} (floor {floor:.4g}); fake-quant target {target:.4g}")
@@ -142,8 +149,9 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
         "settings": asdict(settings),
         "budget": {"max_kl": budget, "ratio": ratio, "floor": floor, "all_8bit_engine_kl": full_kl,
                    "alpha": alpha, "fake_quant_target": target},
-        "units": [{"unit": u, "weights": len(fq.units[u]), "bytes_bf16": fq.unit_bytes[u], "sensitivity": sens[u],
-                   "rank": order.index(u) + 1} for u in names],
+        "units": [{"unit": u, "weights": len(fq.units[u]), "bytes_bf16": fq.unit_bytes[u], "sensitivity": sens.get(u),
+                   "rank": order.index(u) + 1} for u in fq.units],
+        "forced_bf16": forced,
         "curve": [p.to_dict() for p in points],
         "candidate": candidate.to_dict() if candidate else None,
         "verifications": verifications,

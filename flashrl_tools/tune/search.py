@@ -66,7 +66,7 @@ def pick(order: list[str], unit_bytes: dict[str, int], measure: Callable[[set[st
         return None
     best = min(ok, key=lambda p: p.kept)
     below = max((p for p in points if p.kept < best.kept), key=lambda p: p.kept, default=None)
-    lo = below.kept if below is not None else 0
+    lo = below.kept if below is not None else best.kept  # nothing below the curve's first point
     total = sum(unit_bytes.values())
     while best.kept - lo > 1:
         mid = (lo + best.kept) // 2
