@@ -129,16 +129,18 @@ def kept_modules(kept: Iterable[str]) -> list[str]:
 _LAST_SHARD = {"qkv_proj": "v_proj", "gate_up_proj": "up_proj"}
 
 
-def fp8_block_unservable(shapes: dict[str, tuple[int, ...]], block_rows: int = 128) -> list[str]:
-    """Dense units vLLM's block FP8 kernels cannot serve at TP=1: a fused layer's shards, all but
-    its last, must each have a multiple of 128 rows (vLLM 0.26 `validate_fp8_block_shape`; a
-    fused layer's blocks must not straddle two shards). `shapes`: linear weight name -> shape.
-    SmolLM2-135M's q (576 rows) and k (192) fail it: its qkv layers stay BF16 under fp8_block."""
+def fp8_block_unservable(shapes: dict[str, tuple[int, ...]], block: int = 128) -> list[str]:
+    """Dense units vLLM's block FP8 cannot serve at TP=1 (vLLM 0.26): the input width must be a
+    multiple of 128 (activations are quantized per 1x128 group: `per_token_group_quant_fp8`), and
+    a fused layer's shards, all but its last, must each have a multiple of 128 rows
+    (`validate_fp8_block_shape`). `shapes`: linear weight name -> [out, in]. On SmolLM2-135M
+    (hidden 576) only the down projections (input 1536) pass."""
     bad = []
     for unit, weights in units(shapes).items():
         fused = unit.rpartition(".")[2]
-        if fused in _LAST_SHARD and len(weights) > 1 and any(
-                shapes[w][0] % block_rows for w in weights
-                if w.removesuffix(".weight").rpartition(".")[2] != _LAST_SHARD[fused]):
+        ragged_shard = fused in _LAST_SHARD and len(weights) > 1 and any(
+            shapes[w][0] % block for w in weights
+            if w.removesuffix(".weight").rpartition(".")[2] != _LAST_SHARD[fused])
+        if ragged_shard or any(shapes[w][1] % block for w in weights):
             bad.append(unit)
     return bad

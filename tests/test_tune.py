@@ -40,24 +40,27 @@ def test_search_keeps_the_most_sensitive_units_first():
     assert search.pick(order, BYTES, synthetic, points[2:], 0.1).kept == 2
 
 
-def test_fp8_block_keeps_the_fused_layers_vllm_cannot_serve_in_blocks():
-    """vLLM 0.26 (TP=1) needs each shard of a fused layer but the last to be a multiple of 128
-    rows: SmolLM2-135M's qkv (q 576, k 192 rows) fails, its gate_up (1536, 1536) passes."""
+def test_fp8_block_keeps_the_layers_vllm_cannot_serve_in_blocks():
+    """vLLM 0.26 (TP=1) needs input widths that are multiples of 128 (activations in 1x128 groups)
+    and each shard of a fused layer but the last a multiple of 128 rows: of SmolLM2-135M (hidden
+    576, q 576 / k 192 rows) only the down projections (input 1536) can be served in blocks."""
     from flashrl_tools.mixed import fp8_block_unservable
 
-    def layer(i, q, k, v, inter=1536, hidden=576):
+    def layer(i, q, k, v, inter=1536, hidden=1024):
         p = f"model.layers.{i}."
         return {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (k, hidden),
                 p + "self_attn.v_proj.weight": (v, hidden), p + "self_attn.o_proj.weight": (hidden, q),
                 p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
                 p + "mlp.down_proj.weight": (hidden, inter)}
 
-    smol = {**layer(0, 576, 192, 192), **layer(1, 576, 192, 192)}
-    assert fp8_block_unservable(smol) == ["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj"]
+    smol = {**layer(0, 576, 192, 192, hidden=576), **layer(1, 576, 192, 192, hidden=576)}
+    assert sorted(fp8_block_unservable(smol)) == sorted(
+        f"model.layers.{i}.{u}" for i in (0, 1) for u in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"))
     assert fp8_block_unservable(layer(0, 1024, 256, 256)) == []
     assert fp8_block_unservable(layer(0, 1024, 256, 200)) == []  # the last shard (v) may be ragged
     assert fp8_block_unservable(layer(0, 1024, 200, 256)) == ["model.layers.0.self_attn.qkv_proj"]
-    assert fp8_block_unservable(layer(0, 1024, 256, 256, inter=1000)) == ["model.layers.0.mlp.gate_up_proj"]
+    assert sorted(fp8_block_unservable(layer(0, 1024, 256, 256, inter=1000))) == [
+        "model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_up_proj"]  # 1000 rows / 1000 inputs
 
 
 def test_activation_fake_quant_matches_the_formats():

@@ -68,7 +68,7 @@ def show(r: dict, report: Path) -> None:
     out.print(table)
     if r.get("forced_bf16"):
         out.print(f"{len(r['forced_bf16'])} layers BF16 in every config: {r['fn']} cannot serve them in vLLM "
-                  "(fused shards not multiples of 128 rows)")
+                  "(input width or fused shards not multiples of 128)")
     curve = Table(title="KL vs fraction of linear-weight bytes in 8 bit (fake-quant, tuning sample)")
     for col in ("layers BF16", "8-bit bytes", "fake-quant KL", "estimated engine KL"):
         curve.add_column(col, justify="right")

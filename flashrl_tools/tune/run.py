@@ -101,7 +101,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
     forced = fp8_block_unservable({n: tuple(lin.original.shape) for n, lin in fq.linears.items()}) \
         if fn is QuantFn.fp8_block else []
     if forced:
-        progress(f"{len(forced)} layers kept in BF16: fp8_block cannot serve them (shards not multiples of 128 rows)")
+        progress(f"{len(forced)} layers kept in BF16: vLLM cannot serve them in fp8_block (not multiples of 128)")
     names = [u for u in fq.units if u not in forced]
     progress(f"sensitivity of {len(names)} layers (each 8-bit alone)")
     sens = search.sensitivities(names, measure, bar)
