@@ -17,17 +17,13 @@ DEF="\$(python -c 'from flashrl_tools.models.default import ensure_default_model
 AK="python examples/async_kv_probe.py $DEF /root/w/pert --engine-args '$EA'"
 CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slow side by side:
           # at most 3 at once, DEVELOPERS.md "GPU (device tool)")
-  "async-kv|export FLASHRL_KV_CACHE_DTYPE=fp8; FLASHRL_CONFIG=int8 $AK; FLASHRL_CONFIG=fp8 $AK; FLASHRL_CONFIG=bf16 $AK"
-  "tune-fp8ch|FLASHRL_ENGINE_ARGS='$EAGER' python -m flashrl_tools tune -m default --fn fp8_channel -o $RES/tune-fp8ch.yaml --report $RES/tune-fp8ch.json"
-  "tune-fp8blk|FLASHRL_ENGINE_ARGS='$EAGER' python -m flashrl_tools tune -m default --fn fp8_block -o $RES/tune-fp8blk.yaml --report $RES/tune-fp8blk.json"
-  "moe-vfp8|python $M --archs qwen3_moe --configs bf16 --vllm-online-fp8 --no-bound --no-dense --engine-args '$EA' --workdir /root/w/vf --json $RES/moe-vfp8.json"
+  "moe-comp-fp8|python $M --archs qwen3_moe --configs fp8 --compiled --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mc --json $RES/moe-comp-fp8.json"
 )
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
-  "rl-14b-bf16|python $S --shapes 14b --configs bf16 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-bf16.json"
-  "rl-14b-fp8kv|python $S --shapes 14b --configs fp8+kv --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-fp8kv.json"
-  "rl-14b-int8|python $S --shapes 14b --configs int8 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-14b-int8.json"
-  "rl-7b-bf16|python $S --shapes 7b --configs bf16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-bf16.json"
-  "rl-7b-fp8kv|python $S --shapes 7b --configs fp8+kv --first-max-len 256 --workdir /root/w/s --json $RES/rl-7b-fp8kv.json"
+  "rl-moe-bf16|python $S --shapes 30b-a3b --configs bf16 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-moe-bf16.json"
+  "rl-moe-int8|python $S --shapes 30b-a3b --configs int8 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-moe-int8.json"
+  "rl-32b-bf16|python $S --shapes 32b --configs bf16 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-bf16.json"
+  "rl-32b-int8|python $S --shapes 32b --configs int8+kv --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8.json"
 )
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> $RES/queue.log; }
 [ "${ENSURE_DEFAULT:-1}" = 1 ] && python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
