@@ -140,6 +140,28 @@ def test_bad_budget_is_one_clear_error(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_fp8_block_on_a_model_vllm_cannot_serve_in_blocks_is_one_clear_error(tmp_path):
+    """A model whose widths (hidden 96, MLP 160) are not multiples of 128: no layer could be 8-bit
+    in blocks; refused before any ranking or engine, nothing written."""
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from flashrl_tools.cli.app import app
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.models.tiny import TinyArch, byte_tokenizer, tiny_config
+
+    config = tiny_config(TinyArch.llama, tied=False)
+    config.hidden_size, config.intermediate_size, config.head_dim = 96, 160, 24
+    model_dir, out = tmp_path / "narrow", tmp_path / "out"
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    out.mkdir()
+    result = CliRunner().invoke(app, ["tune", "-m", str(model_dir), "--fn", "fp8_block", "-o", str(out / "c.yaml")])
+    assert isinstance(result.exception, FlashRLError), result.output
+    assert "cannot serve any linear layer of this model in fp8_block" in result.exception.message
+    assert not list(out.iterdir())
+
+
 @pytest.mark.vllm
 def test_tune_end_to_end_on_a_tiny_model(tiny_models, tmp_path):
     """Ranking of the 8 units of a 2-layer model, the curve, a budget met by the verified pick

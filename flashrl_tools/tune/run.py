@@ -100,6 +100,9 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
     # fp8_block: units vLLM cannot serve in blocks stay BF16 in every config tried (first in `order`)
     forced = fp8_block_unservable({n: tuple(lin.original.shape) for n, lin in fq.linears.items()}) \
         if fn is QuantFn.fp8_block else []
+    if forced and len(forced) == len(fq.units):
+        raise FlashRLError("vLLM cannot serve any linear layer of this model in fp8_block (input widths or fused "
+                           "shards not multiples of 128)", str(bf16), "use --fn fp8_channel or int8")
     if forced:
         progress(f"{len(forced)} layers kept in BF16: vLLM cannot serve them in fp8_block (not multiples of 128)")
     names = [u for u in fq.units if u not in forced]
