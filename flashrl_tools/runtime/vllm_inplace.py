@@ -9,9 +9,10 @@ Known layouts (vLLM 0.26 on CUDA, read from its kernels; DEVELOPERS.md "In-place
   float32 as loaded.
 - compressed-tensors W8A8 FP8, channel weight scales, dynamic activations, Cutlass kernel: the
   same, with N and K zero-padded to multiples of 16 (scale padded with 1.0) when they are not.
-- compressed-tensors W8A8 INT8 MoE experts, TRITON backend: `w13_weight` [E, 2I, H] (gate rows,
-  then up), `w2_weight` [E, H, I] and the [E, N, 1] channel scales as loaded; per (expert, shard).
-Anything else (FP8 tensor / block, vLLM's online FP8, FP8 MoE experts, expert parallelism,
+- compressed-tensors W8A8 INT8 MoE experts (TRITON backend) and W8A8 FP8 channel MoE experts
+  (VLLM_CUTLASS or TRITON backend): `w13_weight` [E, 2I, H] (gate rows, then up), `w2_weight`
+  [E, H, I] and the [E, N, 1] channel scales as loaded; per (expert, shard).
+Anything else (FP8 tensor / block, vLLM's online FP8, per-tensor FP8 experts, expert parallelism,
 unknown kernels, CPU) falls back. A layer is fast only if every checkpoint tensor it is loaded
 from maps to rows of it. `FLASHRL_INPLACE_SYNC=0` turns the fast path off. Tensor-parallel
 layers take it only with `FLASHRL_INPLACE_SYNC=tp`: their shard geometry is tested against
@@ -182,9 +183,9 @@ def _plan_moe(plan: InPlacePlan, modules: dict[str, torch.nn.Module], quantized:
         if not names:
             continue
         owned |= names
-        kind, why = moe_layout(layer), ""
+        kind, why = _moe_layout(layer)
         if kind is None:
-            why = "layout not known for in-place writes"
+            why = f"layout not known for in-place writes ({why})"
         elif layer.moe_config.moe_parallel_config.tp_size > 1 and _setting() != "tp":
             kind, why = None, "tensor-parallel (FLASHRL_INPLACE_SYNC=tp enables it; not yet run on GPUs)"
         else:
@@ -204,28 +205,50 @@ def _plan_moe(plan: InPlacePlan, modules: dict[str, torch.nn.Module], quantized:
 
 
 def moe_layout(layer: torch.nn.Module) -> str | None:
-    """The known processed layout of a loaded routed-expert layer, or None. vLLM 0.26's
-    compressed-tensors W8A8 INT8 MoE on CUDA takes the TRITON backend, whose
-    `convert_to_int8_moe_kernel_format` keeps w13_weight [E, 2I, H] (w1 rows, then w3),
-    w2_weight [E, H, I] and the [E, N, 1] float32 channel scales as loaded (fused_moe/oracle/int8.py)."""
+    """The known processed layout of a loaded routed-expert layer, or None. vLLM 0.26 on CUDA
+    keeps the experts as loaded -- w13_weight [E, 2I, H] (w1 rows, then w3), w2_weight [E, H, I]
+    and [E, N, 1] float32 channel scales -- for compressed-tensors W8A8 INT8 on the TRITON backend
+    (`convert_to_int8_moe_kernel_format` returns them: fused_moe/oracle/int8.py) and for W8A8 FP8
+    with channel weights and dynamic per-token activations on the VLLM_CUTLASS or TRITON backends
+    (`convert_to_fp8_moe_kernel_format` leaves them; no w1/w3 re-quantization, which per-tensor
+    FP8 does: fused_moe/oracle/fp8.py, compressed_tensors_moe_w8a8_fp8.py)."""
+    return _moe_layout(layer)[0]
+
+
+def _moe_layout(layer: torch.nn.Module) -> tuple[str | None, str]:
+    """(layout, "") or (None, why not)."""
     method = getattr(layer, "quant_method", None)
-    if type(method).__name__ != "CompressedTensorsW8A8Int8MoEMethod":
-        return None
+    kind = _MOE_METHODS.get(type(method).__name__)
+    if kind is None:
+        return None, f"{type(method).__name__} experts"
     if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
-        return None
-    backend = getattr(method, "int8_backend", None)
-    if getattr(backend, "value", backend) != "TRITON" or not getattr(layer.moe_config, "is_act_and_mul", False):
-        return None
+        return None, "not CUDA"
+    backend_attr, backends, dtype = kind
+    backend = getattr(method, backend_attr, None)
+    backend = getattr(backend, "value", backend)
+    if backend not in backends:
+        return None, f"{type(method).__name__} on the {backend} backend"
+    if dtype == torch.float8_e4m3fn:
+        strategy = getattr(getattr(method, "weight_quant", None), "strategy", None)
+        if getattr(strategy, "value", strategy) != "channel" or getattr(method, "static_input_scales", True) \
+                or getattr(method, "block_quant", True):
+            return None, f"FP8 experts with {getattr(strategy, 'value', strategy)} weight scales"
+    if not getattr(layer.moe_config, "is_act_and_mul", False):
+        return None, "experts without a gated activation"
     tensors = dict(layer.named_parameters(recurse=False))
     if set(tensors) != _MOE_TENSORS:
-        return None
+        return None, "expert tensors other than w13/w2 and their scales"
     for name, t in tensors.items():
-        dtype = torch.float32 if name.endswith("_scale") else torch.int8
-        if t.dtype != dtype or t.dim() != 3 or not t.is_contiguous():
-            return None
-    return "TritonInt8MoE"
+        want = torch.float32 if name.endswith("_scale") else dtype
+        if t.dtype != want or t.dim() != 3 or not t.is_contiguous():
+            return None, f"{name} stored as {t.dtype} {tuple(t.shape)}"
+    return f"{backend.title().replace('_', '')}{'Int8' if dtype == torch.int8 else 'Fp8'}MoE", ""
 
 
+# quant method -> (its backend attribute, backends that keep the loaded layout, weight dtype)
+_MOE_METHODS = {"CompressedTensorsW8A8Int8MoEMethod": ("int8_backend", frozenset({"TRITON"}), torch.int8),
+                "CompressedTensorsW8A8Fp8MoEMethod": ("fp8_backend", frozenset({"TRITON", "VLLM_CUTLASS"}),
+                                                      torch.float8_e4m3fn)}
 _MOE_TENSORS = frozenset({"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"})
 
 
