@@ -388,11 +388,25 @@ def _layer_done(layer: torch.nn.Module) -> None:
     if info.kernel_tensors is not None:
         layerwise._place_kernel_tensors(layer, info)
     info.reset()
-    if moe_layout(layer) is not None:
-        # the MoE kernel holds its scales in a quant config built by the last processing, which a
-        # layerwise reload ran on temporary tensors: rebuild it around the storage just written
-        # (for TRITON an identity on the tensors: convert_to_int8_moe_kernel_format returns them)
+    if moe_layout(layer) is not None and not _moe_kernel_holds_storage(layer):
+        # the MoE kernel holds its scales in a quant config built by the last processing; after a
+        # layerwise reload of this layer that ran on temporary tensors: rebuild it around the
+        # storage just written (an identity on the tensors for these layouts). Only then: a
+        # rebuild also makes new kernel objects (CUTLASS: per-expert stride tensors) whose old
+        # buffers captured CUDA graphs still read (illegal memory access, H100, vLLM 0.26).
         layer.quant_method.process_weights_after_loading(layer)
+
+
+def _moe_kernel_holds_storage(layer: torch.nn.Module) -> bool:
+    """Whether the layer's MoE quant config reads its scales from the layer's own storage."""
+    config = getattr(layer.quant_method, "moe_quant_config", None)
+    if config is None:
+        return False
+    for ours, theirs in (("w13_weight_scale", "_w1"), ("w2_weight_scale", "_w2")):
+        scale, held = getattr(layer, ours), getattr(getattr(config, theirs, None), "scale", None)
+        if not isinstance(held, torch.Tensor) or held.data_ptr() != scale.data_ptr() or held.shape != scale.shape:
+            return False
+    return True
 
 
 def _reasons(fallback: dict[str, str]) -> str:
