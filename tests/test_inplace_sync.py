@@ -323,6 +323,32 @@ def test_moe_layer_done_rebuilds_the_kernel_around_the_written_storage(monkeypat
     assert calls == [layer]
 
 
+def test_moe_layer_done_keeps_a_kernel_that_already_reads_the_storage(monkeypatch):
+    """When the layer's MoE quant config already holds the layer's own scale storage (the engine's
+    start-up processing, every in-place sync after it), the kernel is not rebuilt: a rebuild makes
+    new kernel objects (CUTLASS FP8: stride buffers) and frees the old ones CUDA graphs replay
+    (illegal memory access on the H100). A config left on other tensors is rebuilt."""
+    from types import SimpleNamespace
+
+    calls = []
+    layer = _experts()
+    layer.quant_method = type("M", (), {"process_weights_after_loading": lambda self, m: calls.append(m)})()
+    monkeypatch.setattr(vllm_inplace, "moe_layout", lambda m: "TestMoE")
+    held = SimpleNamespace(_w1=SimpleNamespace(scale=layer.w13_weight_scale),
+                           _w2=SimpleNamespace(scale=layer.w2_weight_scale))
+    layer.quant_method.moe_quant_config = held
+    slots = vllm_inplace._moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", _moe_names())
+    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    for name, t in _expert_tensors(seed=4).items():
+        plan.write(name, t)
+    assert calls == []
+    held._w2 = SimpleNamespace(scale=layer.w2_weight_scale.clone())  # what a layerwise reload leaves
+    plan.begin()
+    for name, t in _expert_tensors(seed=5).items():
+        plan.write(name, t)
+    assert calls == [layer]
+
+
 def test_moe_layout_needs_cuda_and_the_triton_int8_method(monkeypatch):
     layer = _experts()
     layer.quant_method = type("CompressedTensorsW8A8Int8MoEMethod", (), {})()

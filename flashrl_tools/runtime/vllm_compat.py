@@ -31,6 +31,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -51,7 +52,8 @@ def install(rc: RuntimeConfig) -> None:
         for name, hook in (("engine_args", _hook_engine_args), ("model_loader", _hook_model_loader),
                            ("worker_methods", _hook_worker_methods), ("request_guard", _hook_request_guard),
                            ("cpu_int8_kernel", _fix_cpu_int8_kernel), ("moe_weight_update", _fix_moe_weight_update),
-                           ("post_load", _hook_post_load_processing), ("async_llm", _hook_async_llm_kv_calibration)):
+                           ("post_load", _hook_post_load_processing), ("async_llm", _hook_async_llm_kv_calibration),
+                           ("moe_kernels", _keep_captured_moe_kernels)):
             if name not in _installed:
                 hook(rc)
                 _installed.add(name)
@@ -758,3 +760,35 @@ def _fix_moe_weight_update(rc: RuntimeConfig) -> None:
 
     _setup_kernel._flashrl = True
     UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+
+
+_first_moe_kernels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its start-up MoE kernel
+
+
+def _keep_captured_moe_kernels(rc: RuntimeConfig) -> None:
+    """Processing a quantized MoE layer again (vLLM's layerwise reload of it; our in-place path
+    after one) builds a new kernel object and drops the old one, whose own buffers (vLLM 0.26
+    CUTLASS FP8 MoE: per-expert stride tensors) the CUDA graphs captured at start still read:
+    freed, the next compiled rollout faulted (illegal memory access, H100, 30B-A3B shape, fp8
+    experts after a layerwise-reload sync). Keep the first kernel of every layer alive: its
+    buffers depend on shapes only, and weights and scales are copied into the captured storage."""
+    try:
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+            compressed_tensors_moe_w8a8_fp8 as fp8_moe,
+            compressed_tensors_moe_w8a8_int8 as int8_moe,
+        )
+    except ImportError:
+        return
+    for cls in (fp8_moe.CompressedTensorsW8A8Fp8MoEMethod, int8_moe.CompressedTensorsW8A8Int8MoEMethod):
+        original = cls.process_weights_after_loading
+        if getattr(original, "_flashrl", False):
+            continue
+
+        def process_weights_after_loading(self, layer, *args, _original=original, **kwargs):
+            kernel = getattr(self, "moe_kernel", None)
+            if kernel is not None:
+                _first_moe_kernels.setdefault(layer, kernel)
+            return _original(self, layer, *args, **kwargs)
+
+        process_weights_after_loading._flashrl = True
+        cls.process_weights_after_loading = process_weights_after_loading
