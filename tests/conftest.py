@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,17 @@ def smoothquant_checkpoint(default_model) -> Path:
                              capture_output=True, text=True, timeout=1800)
         assert res.returncode == 0, res.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def sq_profile(default_model, smoothquant_checkpoint, tmp_path_factory):
+    """`flashrl profile` of the default model against the SmoothQuant checkpoint, once per session
+    (five test files use it): (profile path, report dict, CLI stdout). Read-only for tests."""
+    out = tmp_path_factory.mktemp("sq-profile")
+    res = run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", out / "p.safetensors",
+                  "--fn", "int8", "--report", out / "report.json")
+    assert res.returncode == 0, res.stderr
+    return out / "p.safetensors", json.loads((out / "report.json").read_text()), res.stdout
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ the profile explains the checkpoint; errors on mismatched or corrupt input."""
 
 from __future__ import annotations
 
-import json
 import pickle
 import shutil
 
@@ -18,15 +17,6 @@ from flashrl_tools.profile.build import build_profile
 from flashrl_tools.profile.format import load_profile
 from flashrl_tools.quantize import quantize
 from flashrl_tools.safetensors_io import CheckpointReader
-
-
-@pytest.fixture(scope="module")
-def sq_profile(default_model, smoothquant_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prof")
-    res = run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", out / "p.safetensors",
-                  "--fn", "int8", "--report", out / "report.json")
-    assert res.returncode == 0, res.stderr
-    return out / "p.safetensors", json.loads((out / "report.json").read_text()), res.stdout
 
 
 def test_smoothquant_profile_reproduces_the_checkpoint(sq_profile):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO
 from flashrl_tools.profile.apply import requantize_checkpoint
 from flashrl_tools.profile.format import load_profile
 from flashrl_tools.verify.perturb import perturb
@@ -39,10 +39,8 @@ def gaps(ref: dict, other: dict) -> list[float]:
 
 
 def test_requantized_perturbed_weights_track_the_perturbed_model(default_model, smoothquant_checkpoint,
-                                                                 tmp_path):
-    prof = tmp_path / "p.safetensors"
-    res = run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", prof)
-    assert res.returncode == 0, res.stderr
+                                                                 sq_profile, tmp_path):
+    prof = sq_profile[0]
     pert = perturb(default_model, tmp_path / "perturbed-bf16")
     requant = requantize_checkpoint(pert, load_profile(prof), tmp_path / "perturbed-int8")
     ref = probe(pert, tmp_path, "bf16")

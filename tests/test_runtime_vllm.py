@@ -121,11 +121,9 @@ def test_verl_weight_sync_path(multiprocess_int8, fresh_perturbed_int8):
 
 
 @pytest.fixture(scope="module")
-def sq_config(smoothquant_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+def sq_config(smoothquant_checkpoint, sq_profile, tmp_path_factory) -> tuple[Path, Path]:
     """`flashrl profile` + `flashrl setup` of the SmoothQuant checkpoint: (profile, config.yaml)."""
-    tmp = tmp_path_factory.mktemp("sq")
-    prof, cfg = tmp / "p.safetensors", tmp / "config.yaml"
-    assert run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", prof).returncode == 0
+    prof, cfg = sq_profile[0], tmp_path_factory.mktemp("sq") / "config.yaml"
     assert run_cli("setup", "-m", smoothquant_checkpoint, "-p", prof, "-o", cfg).returncode == 0
     return prof, cfg
 

@@ -14,10 +14,8 @@ from flashrl_tools.setup.write import DEFAULTS, build_entry
 
 
 @pytest.fixture(scope="module")
-def sq_profile_file(smoothquant_checkpoint, default_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("setup") / "p.safetensors"
-    assert run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", out).returncode == 0
-    return out
+def sq_profile_file(sq_profile) -> Path:
+    return sq_profile[0]
 
 
 def test_setup_writes_a_flashrl_compatible_yaml(smoothquant_checkpoint, sq_profile_file, tmp_path):

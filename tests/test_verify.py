@@ -109,13 +109,13 @@ def test_reload_catches_injected_faults(default_model, reload_work, fault, faili
 
 
 @pytest.mark.vllm
-def test_reload_with_mixed_smoothquant_yaml_and_missing_norm_rescale(default_model, smoothquant_checkpoint, tmp_path):
+def test_reload_with_mixed_smoothquant_yaml_and_missing_norm_rescale(default_model, smoothquant_checkpoint,
+                                                                    sq_profile, tmp_path):
     """A SmoothQuant profile config with layers kept in BF16 (mixed precision: the first layer and
     every down_proj, served smoothed as calibrated): syncs equal a fresh engine on the re-quantized
     checkpoint; a sync that forgets to divide the norms fails. (The profile config without kept
     layers: tests/test_runtime_vllm.py.)"""
-    prof, cfg = tmp_path / "p.safetensors", tmp_path / "config.yaml"
-    assert run_cli("profile", "-m", "default", "-qm", smoothquant_checkpoint, "-o", prof).returncode == 0
+    prof, cfg = sq_profile[0], tmp_path / "config.yaml"
     assert run_cli("setup", "-m", smoothquant_checkpoint, "-p", prof, "-o", cfg, "first_layers_bf16=1",
                    "keep_bf16=*.down_proj").returncode == 0
     work = tmp_path / "work"
