@@ -431,3 +431,41 @@ def test_moe_fp8_channel_experts_written_like_vllm_loads_them(monkeypatch):
     plan = vllm_inplace.build_plan(model, _moe_names(), _moe_names())
     assert not plan.slots and "tensor weight scales" in plan.fallback["mlp.experts.0.gate_proj"]
     assert "tensor weight scales" in plan.summary()
+
+
+def test_runtime_keeps_each_moe_layers_start_up_kernel_alive(monkeypatch):
+    """vLLM re-processing a quantized MoE layer (its layerwise reload) replaces the layer's kernel;
+    CUDA graphs captured at start still read the first kernel's buffers (CUTLASS FP8 MoE strides:
+    illegal memory access on the H100 when they were freed). The runtime's hook keeps the first
+    kernel of each layer referenced, and only the first, for as long as the layer lives."""
+    import gc
+    import weakref
+
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_fp8 as fp8_moe,
+    )
+
+    from flashrl_tools.runtime import vllm_compat
+
+    class Kernel:
+        pass
+
+    def build(self, layer):  # stands in for vLLM's processing: a new kernel object every call
+        self.moe_kernel = Kernel()
+
+    cls = fp8_moe.CompressedTensorsW8A8Fp8MoEMethod
+    monkeypatch.setattr(cls, "process_weights_after_loading", build)
+    vllm_compat._keep_captured_moe_kernels(None)
+    assert cls.process_weights_after_loading is not build  # wrapped
+    method, layer = cls.__new__(cls), torch.nn.Module()
+    method.moe_kernel = None
+    method.process_weights_after_loading(layer)  # engine start
+    first = weakref.ref(method.moe_kernel)
+    for _ in range(2):  # two reloads
+        method.process_weights_after_loading(layer)
+    gc.collect()
+    assert first() is not None and first() is not method.moe_kernel
+    assert vllm_compat._first_moe_kernels[layer] is first()
+    del layer
+    gc.collect()
+    assert first() is None  # released with its layer
