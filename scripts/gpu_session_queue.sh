@@ -17,12 +17,14 @@ DEF="\$(python -c 'from flashrl_tools.models.default import ensure_default_model
 AK="python examples/async_kv_probe.py $DEF /root/w/pert --engine-args '$EA'"
 CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slow side by side:
           # at most 3 at once, DEVELOPERS.md "GPU (device tool)")
-  "moe-fp8-comp-reload|FLASHRL_INPLACE_SYNC=0 python $M --archs qwen3_moe --configs fp8 --compiled --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mr --json $RES/moe-fp8-comp-reload.json"
 )
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
-  "rl-moe-fp8|python $S --shapes 30b-a3b --configs fp8 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-moe-fp8.json"
-  "rl-moe-bf16|python $S --shapes 30b-a3b --configs bf16 --prompts 16 --first-max-len 256 --workdir /root/w/s --json $RES/rl-moe-bf16.json"
+  "rl-32b-bf16|python $S --shapes 32b --configs bf16 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-bf16.json"
+  "rl-32b-int8kv|python $S --shapes 32b --configs int8+kv --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8kv.json"
+  "rl-32b-fp8|python $S --shapes 32b --configs fp8 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-fp8.json"
 )
+# Two-GPU session (nvidia-h200-x2), when lent: python $M --archs qwen3_moe --configs int8,fp8 --tp 2
+#   --no-bound --no-dense (per-channel fp8 now), then with FLASHRL_INPLACE_SYNC=tp, then --ep.
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> $RES/queue.log; }
 [ "${ENSURE_DEFAULT:-1}" = 1 ] && python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
 declare -A PIDS
