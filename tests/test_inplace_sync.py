@@ -249,6 +249,21 @@ def _expert_tensors(seed):
     return out
 
 
+def _load_like_vllm(ref, name: str, t: torch.Tensor, rank: int) -> None:
+    """Load one checkpoint expert tensor into `ref` with vLLM's own RoutedExperts loaders."""
+    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    _, _, e, proj, kind = name.split(".")
+    stem = "w2" if proj == "down_proj" else "w13"
+    data = getattr(ref, f"{stem}_{kind}").data[int(e)]
+    if kind == "weight" and stem == "w13":
+        ref._load_w13(expert_data=data, shard_dim=0, shard_id=shard[proj], loaded_weight=t, tp_rank=rank)
+    elif kind == "weight":
+        ref._load_w2(expert_data=data, shard_dim=1, loaded_weight=t, tp_rank=rank)
+    else:
+        ref._load_per_channel_weight_scale(expert_data=data, shard_dim=0, shard_id=shard[proj],
+                                           loaded_weight=t, tp_rank=rank)
+
+
 @pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
 def test_moe_experts_match_vllm_loader(tp, rank):
     """Every expert's gate/up/down weight and scale, written by the plan, equal what vLLM's
@@ -258,19 +273,9 @@ def test_moe_experts_match_vllm_loader(tp, rank):
     names = {f"mlp.experts.{e}.{p}.weight" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
     slots = vllm_inplace._moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", names)
     plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
-    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
     for name, t in _expert_tensors(seed=tp * 10 + rank).items():
         assert plan.write(name, t)
-        _, _, e, proj, kind = name.split(".")
-        stem = "w2" if proj == "down_proj" else "w13"
-        data = getattr(ref, f"{stem}_{kind}").data[int(e)]
-        if kind == "weight" and stem == "w13":
-            ref._load_w13(expert_data=data, shard_dim=0, shard_id=shard[proj], loaded_weight=t, tp_rank=rank)
-        elif kind == "weight":
-            ref._load_w2(expert_data=data, shard_dim=1, loaded_weight=t, tp_rank=rank)
-        else:
-            ref._load_per_channel_weight_scale(expert_data=data, shard_dim=0, shard_id=shard[proj],
-                                               loaded_weight=t, tp_rank=rank)
+        _load_like_vllm(ref, name, t, rank)
     for name in vllm_inplace._MOE_TENSORS:
         assert torch.equal(getattr(layer, name), getattr(ref, name)), name
         assert getattr(layer, name).abs().sum() > 0, name  # every tensor was written
@@ -407,20 +412,10 @@ def test_moe_fp8_channel_experts_written_like_vllm_loads_them(monkeypatch):
     plan = vllm_inplace.build_plan(model, _moe_names(), _moe_names())
     assert plan.kinds == {"VllmCutlassFp8MoE": 1} and not plan.fallback
     monkeypatch.setattr(vllm_inplace, "_layer_done", lambda layer: None)
-    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
     for name, t in _expert_tensors(seed=5).items():
         t = t.to(torch.float8_e4m3fn) if t.dtype == torch.int8 else t
         assert plan.write(name, t)
-        _, _, e, proj, kind = name.split(".")
-        stem = "w2" if proj == "down_proj" else "w13"
-        data = getattr(ref, f"{stem}_{kind}").data[int(e)]
-        if kind == "weight" and stem == "w13":
-            ref._load_w13(expert_data=data, shard_dim=0, shard_id=shard[proj], loaded_weight=t, tp_rank=0)
-        elif kind == "weight":
-            ref._load_w2(expert_data=data, shard_dim=1, loaded_weight=t, tp_rank=0)
-        else:
-            ref._load_per_channel_weight_scale(expert_data=data, shard_dim=0, shard_id=shard[proj],
-                                               loaded_weight=t, tp_rank=0)
+        _load_like_vllm(ref, name, t, 0)
     layer = model.mlp.experts.routed_experts
     for name in vllm_inplace._MOE_TENSORS:
         a, b = getattr(layer, name), getattr(ref, name)

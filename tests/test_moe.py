@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,7 +188,7 @@ def test_fp8_on_a_moe_model_serves_per_channel_experts(moe_models, tmp_path, mon
 
     monkeypatch.setenv("FLASHRL_HOME", str(tmp_path))
     served = engine_overrides(resolve("fp8"), str(moe_models["qwen3_moe"]))
-    qc = json.loads((__import__("pathlib").Path(served["model"]) / "config.json").read_text())["quantization_config"]
+    qc = json.loads((Path(served["model"]) / "config.json").read_text())["quantization_config"]
     scheme = next(iter(qc["config_groups"].values()))
     assert scheme["weights"]["strategy"] == "channel" and scheme["input_activations"]["strategy"] == "token"
     reader = CheckpointReader(served["model"])
