@@ -214,6 +214,99 @@ def test_a_tensor_of_the_wrong_shape_is_refused_not_broadcast():
     assert not layer.weight.any()
 
 
+# -- vLLM's online per-tensor FP8 (FLASHRL_CONFIG=fp8 on a dense model) --------------------------
+
+def _online_fp8(layer, rows, cols, bias, kernel="CutlassFP8ScaledMMLinearKernel"):
+    """What vLLM 0.26's Fp8PerTensorOnlineLinearMethod leaves after loading on an H100: weight =
+    scaled_fp8_quant(w).t() (FP8), weight_scale [1] float32, the BF16 bias as loaded."""
+    layer.quant_method = type("Fp8PerTensorOnlineLinearMethod", (), {})()
+    layer.quant_method.fp8_linear = type(kernel, (), {})()
+    layer.orig_dtype = torch.bfloat16
+    layer.register_parameter("weight", torch.nn.Parameter(
+        torch.zeros(rows, cols, dtype=torch.float8_e4m3fn).t(), requires_grad=False))
+    layer.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(1), requires_grad=False))
+    layer.register_parameter("bias", torch.nn.Parameter(torch.zeros(rows, dtype=torch.bfloat16), requires_grad=False)
+                             if bias else None)
+    return layer
+
+
+def test_online_fp8_layout_is_known_only_for_vllm_026s_cutlass_form(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    make = lambda **k: _online_fp8(_bare(RowParallelLinear, tp_rank=0, tp_size=1), 16, K_FULL, False, **k)  # noqa: E731
+    assert vllm_inplace.layout(make()) == vllm_inplace.ONLINE_FP8
+    assert vllm_inplace.layout(make(kernel="MarlinFP8ScaledMMLinearKernel")) is None  # weight-only, repacked
+    layer = make()
+    layer.weight_scale = torch.nn.Parameter(torch.ones(16), requires_grad=False)  # not one scale
+    assert vllm_inplace.layout(layer) is None
+    layer = make()
+    layer.quant_method.get_weight_for_quantization = lambda layer: layer.weight  # vLLM 0.32's form
+    assert vllm_inplace.layout(layer) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_inplace.layout(make()) is None
+
+
+def _fake_scaled_fp8_quant(seen):
+    def quant(w):  # stands in for vLLM's CUDA op (not built on CPU): records what it quantizes
+        seen.append(w.clone())
+        scale = (w.float().abs().max() / 448.0).reshape(1)
+        return (w.float() / scale).to(torch.float8_e4m3fn), scale
+    return quant
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1)])
+def test_online_fp8_shards_are_staged_and_quantized_whole(monkeypatch, tp, rank):
+    """One scale per fused layer: nothing is written until q, k and v are all in; then the BF16
+    weight vLLM's loaders would have built (fp32 pushes rounded as its copy_ rounds them) is
+    quantized once, and the FP8 weight and its scale land in the processed storage."""
+    heads, head, total_kv = 8, 4, 2
+    layer = _bare(QKVParallelLinear, tp_rank=rank, tp_size=tp, head_size=head, v_head_size=head,
+                  input_size_per_partition=K_FULL, total_num_heads=heads, total_num_kv_heads=total_kv,
+                  num_heads=heads // tp, num_kv_heads=total_kv // tp, num_kv_head_replicas=1)
+    rows = (layer.num_heads + 2 * layer.num_kv_heads) * head
+    _online_fp8(layer, rows, K_FULL, bias=True)
+    seen, done = [], []
+    monkeypatch.setattr(vllm_inplace, "_online_fp8_quant", _fake_scaled_fp8_quant(seen))
+    monkeypatch.setattr(vllm_inplace, "_layer_done", done.append)
+    members = [("m.q_proj", 0), ("m.k_proj", 1), ("m.v_proj", 2)]
+    expected = {f"{m}.{k}" for m, _ in members for k in ("weight", "bias")}
+    slots = vllm_inplace._layer_slots(layer, "m.qkv_proj", members, expected, staged=True)
+    assert set(slots) == expected  # BF16 names only: no scale tensors in a BF16 checkpoint
+    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)},
+                                    staged={id(layer): (rows, K_FULL)})
+    plan.begin()
+    monkeypatch.setattr(vparam, "get_tensor_model_parallel_rank", lambda: rank)
+    monkeypatch.setattr(vparam, "get_tensor_model_parallel_world_size", lambda: tp)
+    ref = vparam.ModelWeightParameter(data=torch.zeros(rows, K_FULL, dtype=torch.bfloat16), input_dim=1,
+                                      output_dim=0, weight_loader=lambda *a, **k: None)
+    g = torch.Generator().manual_seed(0)
+    for i, ((m, _), shard) in enumerate(zip(members, "qkv")):
+        w = torch.randn({"q": heads, "k": total_kv, "v": total_kv}[shard] * head, K_FULL, generator=g)  # fp32
+        b = torch.randn(w.shape[0], generator=g).to(torch.bfloat16)
+        assert plan.write(f"{m}.bias", b) and plan.write(f"{m}.weight", w)
+        layer.weight_loader_v2(ref, w, shard)
+        assert len(seen) == (i == 2) and len(done) == (i == 2)
+        if i < 2:
+            assert not layer.weight.float().any()  # storage untouched until the layer is whole
+    assert torch.equal(seen[0], ref.data)
+    q, scale = _fake_scaled_fp8_quant([])(ref.data)
+    assert torch.equal(layer.weight.t().view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(layer.weight_scale, scale)
+    assert plan.pop_loaded() == {"m.qkv_proj.weight", "m.qkv_proj.bias"} and done == [layer]
+    assert not plan._buffers  # the staging buffer is released with the layer
+
+
+def test_online_fp8_plan_covers_only_online_quantized_linears(monkeypatch):
+    model = _Model()
+    _online_fp8(model.attn.qkv_proj, 16, K_FULL, bias=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    names = {f"attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {"norm.weight"}
+    online = vllm_inplace.online_fp8_weights(model, names)
+    assert online == {f"attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj")}  # o_proj: not online FP8
+    plan = vllm_inplace.build_plan(model, online, names)
+    assert plan.kinds == {vllm_inplace.ONLINE_FP8: 1} and plan.staged == {id(model.attn.qkv_proj): (16, K_FULL)}
+    assert {s.kind for s in plan.slots.values()} == {"staged"} and not plan.fallback
+
+
 # -- MoE experts (compressed-tensors W8A8 INT8, TRITON backend on CUDA) ---------------------------
 
 E, I_FULL, H = 3, 8, 12

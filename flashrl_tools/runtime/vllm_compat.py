@@ -357,12 +357,15 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> Weig
 def _inplace_plan(model: torch.nn.Module, converter: WeightConverter) -> InPlacePlan | None:
     """Issue 16's fast path for the 8-bit linears whose processed layout is known (vllm_inplace.py);
     the log says which layers take it and why the others do not."""
-    if converter.served is None or not converter.quantized:
+    # a BF16 checkpoint: quantized only by vLLM's online FP8 (FLASHRL_CONFIG=fp8 on a dense model)
+    quantized = converter.quantized if converter.served is not None else \
+        vllm_inplace.online_fp8_weights(model, converter.expected)
+    if not quantized:
         return None
     if not vllm_inplace.enabled():
         log.info("flashrl: in-place sync off (FLASHRL_INPLACE_SYNC=0): every layer syncs by the layerwise reload")
         return None
-    plan = vllm_inplace.build_plan(model, converter.quantized, converter.expected)
+    plan = vllm_inplace.build_plan(model, quantized, converter.expected)
     log.info("flashrl: %s", plan.summary())
     return plan
 

@@ -12,7 +12,11 @@ Known layouts (vLLM 0.26 on CUDA, read from its kernels; DEVELOPERS.md "In-place
 - compressed-tensors W8A8 INT8 MoE experts (TRITON backend) and W8A8 FP8 channel MoE experts
   (VLLM_CUTLASS or TRITON backend): `w13_weight` [E, 2I, H] (gate rows, then up), `w2_weight`
   [E, H, I] and the [E, N, 1] channel scales as loaded; per (expert, shard).
-Anything else (FP8 tensor / block, vLLM's online FP8, per-tensor FP8 experts, expert parallelism,
+- vLLM's online per-tensor FP8 (`FLASHRL_CONFIG=fp8` on a dense model: `Fp8PerTensorOnlineLinear
+  Method`, Cutlass kernel): the layer's BF16 weight is quantized whole with one scale
+  (`ops.scaled_fp8_quant(weight)`, then `weight.t()`, padded as above), so its shards are staged
+  in a BF16 buffer of the layer's shape and quantized with that same vLLM call once all are in.
+Anything else (FP8 tensor / block checkpoints, per-tensor FP8 experts, expert parallelism,
 unknown kernels, CPU) falls back. A layer is fast only if every checkpoint tensor it is loaded
 from maps to rows of it. `FLASHRL_INPLACE_SYNC=0` turns the fast path off. Tensor-parallel
 layers take it only with `FLASHRL_INPLACE_SYNC=tp`: their shard geometry is tested against
@@ -46,7 +50,7 @@ class Slot:
     `src_rows` (and, for a row-parallel layer, columns `src_cols`) of the full tensor."""
     layer: torch.nn.Module
     param: str  # the engine's parameter name (what model.load_weights reports as loaded)
-    kind: str  # "weight", "weight_scale" or "bias"
+    kind: str  # "weight", "weight_scale", "bias" or "staged" (a BF16 shard of an online-FP8 layer)
     dst: slice
     src_rows: slice
     src_cols: slice | None = None
@@ -62,11 +66,13 @@ class InPlacePlan:
     layer_names: dict[int, frozenset[str]] = field(default_factory=dict)  # id(layer) -> its names
     fallback: dict[str, str] = field(default_factory=dict)  # module -> why it uses the reload
     kinds: Counter = field(default_factory=Counter)  # fast layers per layout
+    staged: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(layer) -> its [N, K] (online FP8)
     _written: dict[int, set[str]] = field(default_factory=dict)
     _loaded: set[str] = field(default_factory=set)
+    _buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # online FP8: the BF16 weight so far
 
     def begin(self) -> None:
-        self._written = {}
+        self._written, self._buffers = {}, {}
 
     def pop_loaded(self) -> set[str]:
         """Engine parameter names written since the last call (for load_weights' return)."""
@@ -84,13 +90,19 @@ class InPlacePlan:
             storage = storage[slot.expert]
         src = tensor[slot.src_rows] if slot.src_cols is None else tensor[slot.src_rows, slot.src_cols]
         rows = slot.dst.stop - slot.dst.start
-        fits = {"weight": (rows, slot.cols), "bias": (rows,)}.get(slot.kind)
+        fits = {"weight": (rows, slot.cols), "staged": (rows, slot.cols), "bias": (rows,)}.get(slot.kind)
         misfit = tuple(src.shape) != fits if fits else src.numel() != rows
         if misfit:  # as vLLM's loaders assert; copy_ would broadcast a row or fill part of one
             raise ValueError(f"{name}: a tensor of shape {tuple(tensor.shape)} does not fit the engine's "
                              f"{slot.param} (rows {slot.dst.start}:{slot.dst.stop} of this rank)")
         with torch.no_grad():
-            if slot.kind == "weight":  # rows [N(+pad), K(+pad)] of the checkpoint layout
+            if slot.kind == "staged":  # copy_ rounds an fp32 push to BF16 as vLLM's loader does
+                buffer = self._buffers.get(id(layer))
+                if buffer is None:
+                    buffer = self._buffers[id(layer)] = torch.empty(
+                        self.staged[id(layer)], dtype=getattr(layer, "orig_dtype", torch.bfloat16), device=storage.device)
+                buffer[slot.dst].copy_(src)
+            elif slot.kind == "weight":  # rows [N(+pad), K(+pad)] of the checkpoint layout
                 storage = storage.t() if slot.transposed else storage
                 storage[slot.dst, :src.shape[1]].copy_(src)
             elif slot.kind == "weight_scale":
@@ -101,6 +113,8 @@ class InPlacePlan:
         written = self._written.setdefault(id(layer), set())
         written.add(name)
         if written == self.layer_names[id(layer)]:
+            if id(layer) in self.staged:
+                _write_online_fp8(layer, self._buffers.pop(id(layer)))
             _layer_done(layer)
         return True
 
@@ -125,20 +139,16 @@ def build_plan(model: torch.nn.Module, quantized: set[str], expected: set[str]) 
     plan = InPlacePlan()
     modules = dict(model.named_modules())
     quantized = quantized - _plan_moe(plan, modules, quantized)
-    member_of = {m: (packed, i) for packed, members in (getattr(model, "packed_modules_mapping", None) or {}).items()
-                 for i, m in enumerate(members)}
+    member_of = _packed_members(model)
     members: dict[int, list[tuple[str, int | None]]] = {}
     layers: dict[int, tuple[str, torch.nn.Module]] = {}
     for name in sorted(quantized):
         module = name.removesuffix(".weight")
-        parent, _, leaf = module.rpartition(".")
-        if module in modules:
-            path, index = module, None
-        elif leaf in member_of and f"{parent}.{member_of[leaf][0]}" in modules:
-            path, index = f"{parent}.{member_of[leaf][0]}", member_of[leaf][1]
-        else:
+        found = _engine_module(module, modules, member_of)
+        if found is None:
             plan.fallback[module] = "no matching engine module"
             continue
+        path, index = found
         layers[id(modules[path])] = (path, modules[path])
         members.setdefault(id(modules[path]), []).append((module, index))
     for key, (path, layer) in layers.items():
@@ -149,7 +159,7 @@ def build_plan(model: torch.nn.Module, quantized: set[str], expected: set[str]) 
             kind, why = None, "tensor-parallel (FLASHRL_INPLACE_SYNC=tp enables it; not yet run on GPUs)"
         else:
             try:
-                slots = _layer_slots(layer, path, members[key], expected)
+                slots = _layer_slots(layer, path, members[key], expected, staged=kind == ONLINE_FP8)
             except _NotFast as e:
                 kind, why = None, str(e)
         if kind is None:
@@ -159,9 +169,41 @@ def build_plan(model: torch.nn.Module, quantized: set[str], expected: set[str]) 
             continue
         plan.slots.update(slots)
         plan.layer_names[key] = frozenset(slots)
+        if kind == ONLINE_FP8:
+            plan.staged[key] = (max(s.dst.stop for s in slots.values()), max(s.cols for s in slots.values()))
         plan.kinds[kind] += 1
         log.debug("flashrl: %s syncs in place (%s)", path, kind)
     return plan
+
+
+def online_fp8_weights(model: torch.nn.Module, expected: set[str]) -> set[str]:
+    """The BF16 checkpoint weights that vLLM's online per-tensor FP8 quantizes at load (every
+    linear under `quantization="fp8"` that is not skipped): the in-place candidates of a BF16
+    checkpoint served with online FP8."""
+    modules, member_of = dict(model.named_modules()), _packed_members(model)
+    out = set()
+    for name in expected:
+        found = _engine_module(name.removesuffix(".weight"), modules, member_of) if name.endswith(".weight") else None
+        if found is not None and type(getattr(modules[found[0]], "quant_method", None)).__name__ == _ONLINE_METHOD:
+            out.add(name)
+    return out
+
+
+def _packed_members(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
+    """Checkpoint module leaf -> (the fused engine module's leaf, its index): q_proj -> qkv_proj, 0."""
+    return {m: (packed, i) for packed, members in (getattr(model, "packed_modules_mapping", None) or {}).items()
+            for i, m in enumerate(members)}
+
+
+def _engine_module(module: str, modules: dict[str, torch.nn.Module],
+                   member_of: dict[str, tuple[str, int]]) -> tuple[str, int | None] | None:
+    """The engine module a checkpoint module is loaded into, and its index in a fused one."""
+    parent, _, leaf = module.rpartition(".")
+    if module in modules:
+        return module, None
+    if leaf in member_of and f"{parent}.{member_of[leaf][0]}" in modules:
+        return f"{parent}.{member_of[leaf][0]}", member_of[leaf][1]
+    return None
 
 
 class _NotFast(Exception):
@@ -290,10 +332,13 @@ def _moe_slots(layer, path: str, prefix: str, names: set[str]) -> dict[str, Slot
 def layout(layer: torch.nn.Module) -> str | None:
     """The known processed layout of a loaded layer, or None."""
     scheme = getattr(layer, "scheme", None)
-    if type(getattr(layer, "quant_method", None)).__name__ != "CompressedTensorsLinearMethod" or scheme is None:
+    method = type(getattr(layer, "quant_method", None)).__name__
+    if method != _ONLINE_METHOD and (method != "CompressedTensorsLinearMethod" or scheme is None):
         return None
     if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
         return None  # ROCm rescales FP8 (fnuz); CPU kernels prepack
+    if method == _ONLINE_METHOD:
+        return _online_fp8_layout(layer)
     scheme_name = type(scheme).__name__
     strategy = getattr(scheme, "strategy", None)
     if getattr(strategy, "value", strategy) != "channel" or getattr(scheme, "is_static_input_scheme", True):
@@ -316,9 +361,48 @@ def layout(layer: torch.nn.Module) -> str | None:
     return None if extra else type(kernel).__name__
 
 
-def _layer_slots(layer, path: str, members: list[tuple[str, int | None]], expected: set[str]) -> dict[str, Slot]:
+ONLINE_FP8 = "OnlineFp8PerTensor"
+_ONLINE_METHOD = "Fp8PerTensorOnlineLinearMethod"
+
+
+def _online_fp8_layout(layer: torch.nn.Module) -> str | None:
+    """vLLM 0.26's online per-tensor FP8 linear (quantization/online/fp8.py): `process_weights_
+    after_loading` = `ops.scaled_fp8_quant(weight)` of the whole [N, K] BF16 weight (one scale for
+    all shards of a fused layer), `weight` = that `.t()`, `weight_scale` [1] float32, then the
+    Cutlass FP8 kernel's padding of N and K to multiples of 16 (the scale is not padded)."""
+    if hasattr(layer.quant_method, "get_weight_for_quantization"):
+        return None  # later vLLM (0.32): scale from a TP-wide amax / a requantization source
+    kernel = getattr(layer.quant_method, "fp8_linear", None)
+    weight, scale = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
+    if type(kernel).__name__ not in _FP8_KERNELS or weight is None or scale is None \
+            or weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or not weight.t().is_contiguous() \
+            or scale.dtype != torch.float32 or scale.numel() != 1:
+        return None
+    extra = {n for n, p in layer.named_parameters(recurse=False)} - {"weight", "weight_scale", "bias"}
+    return None if extra else ONLINE_FP8
+
+
+def _write_online_fp8(layer: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Quantize a staged online-FP8 layer as vLLM's processing does (the same call on the same
+    BF16 tensor: bit-identical with a fresh engine by construction) into its kernel storage."""
+    q, scale = _online_fp8_quant(weight)
+    params = _kernel_params(layer)
+    with torch.no_grad():
+        params["weight"].t()[:q.shape[0], :q.shape[1]].copy_(q)
+        params["weight_scale"].view(-1).copy_(scale.view(-1))
+
+
+def _online_fp8_quant(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from vllm import _custom_ops as ops
+
+    return ops.scaled_fp8_quant(weight, scale=None)
+
+
+def _layer_slots(layer, path: str, members: list[tuple[str, int | None]], expected: set[str],
+                 staged: bool = False) -> dict[str, Slot]:
     """The slots of every checkpoint tensor a layer is loaded from (vLLM's weight-loader rules:
-    linear.py QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear)."""
+    linear.py QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear). `staged`: BF16
+    weights of an online-FP8 layer (no scale tensors; they go to a staging buffer)."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -352,15 +436,17 @@ def _layer_slots(layer, path: str, members: list[tuple[str, int | None]], expect
     if sorted(geometry, key=str) != sorted((i for _, i in members), key=str):
         raise _NotFast("not every part of the fused layer is an 8-bit checkpoint tensor")
     rows = max(d.stop for d, _, _ in geometry.values())
-    if layer.weight.t().shape[0] < rows or layer.weight_scale.numel() < rows:
+    if layer.weight.t().shape[0] < rows or (not staged and layer.weight_scale.numel() < rows):
         raise _NotFast("engine storage smaller than the layer's outputs")
     slots = {}
     cols = getattr(layer, "input_size_per_partition", None) or layer.input_size
     has_bias = getattr(layer, "bias", None) is not None
     for module, index in members:
         dst, src_rows, src_cols = geometry[index]
-        slots[f"{module}.weight"] = Slot(layer, f"{path}.weight", "weight", dst, src_rows, src_cols, cols)
-        slots[f"{module}.weight_scale"] = Slot(layer, f"{path}.weight_scale", "weight_scale", dst, src_rows)
+        slots[f"{module}.weight"] = Slot(layer, f"{path}.weight", "staged" if staged else "weight", dst, src_rows,
+                                         src_cols, cols, attr="weight")
+        if not staged:
+            slots[f"{module}.weight_scale"] = Slot(layer, f"{path}.weight_scale", "weight_scale", dst, src_rows)
         if has_bias != (f"{module}.bias" in expected):
             raise _NotFast("the checkpoint's biases do not match the layer's")
         if has_bias:  # a row-parallel layer's bias is whole on every rank
