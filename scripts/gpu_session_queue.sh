@@ -17,19 +17,24 @@ DEF="\$(python -c 'from flashrl_tools.models.default import ensure_default_model
 AK="python examples/async_kv_probe.py $DEF /root/w/pert --engine-args '$EA'"
 CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slow side by side:
           # at most 3 at once, DEVELOPERS.md "GPU (device tool)")
-  "fp8-eager|python $G --skip-7b --reload --correctness-configs fp8 --engine-args '$EA' --workdir /root/w/c1 --json $RES/fp8-eager.json"
-  "fp8-compiled|python $G --skip-7b --reload --compiled --correctness-configs fp8 --engine-args '$EA' --workdir /root/w/c2 --json $RES/fp8-compiled.json"
-  "fp8-kv-compiled|python $G --skip-7b --reload --compiled --kv-cache-dtype fp8 --correctness-configs fp8 --engine-args '$EA' --workdir /root/w/c3 --json $RES/fp8-kv-compiled.json"
-  "int8-fp8c-eager|python $G $IP --workdir /root/w/c4 --json $RES/int8-fp8c-eager.json"
 )
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
-  "ws-dense|python benchmarks/weight_sync.py --shapes 7b,14b --modes bf16,fp8 --repeats 3 --workdir /root/w/ws --json $RES/ws-dense.json"
+  "rl-32b-bf16|python $S --shapes 32b --configs bf16 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-bf16.json"
+  "rl-32b-fp8|python $S --shapes 32b --configs fp8 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-fp8.json"
+  "rl-32b-int8kv|python $S --shapes 32b --configs int8+kv --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8kv.json"
 )
-# Next machine (32B rows, one machine for all three):
-#   rl-32b-bf16 / rl-32b-fp8 / rl-32b-int8+kv: python $S --shapes 32b --configs NAME --prompts 4
-#   --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-NAME.json
-# Two-GPU session (nvidia-h200-x2), when lent: python $M --archs qwen3_moe --configs int8,fp8 --tp 2
-#   --no-bound --no-dense (per-channel fp8 now), then with FLASHRL_INPLACE_SYNC=tp, then --ep.
+if [ "${PLAN:-}" = tp2 ]; then  # a two-GPU machine (nvidia-h200-x2): tensor / expert parallel checks
+  T2='{"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 1073741824}'
+  T2D='{"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 1073741824, "tensor_parallel_size": 2}'
+  MP="VLLM_ENABLE_V1_MULTIPROCESSING=1"
+  CHECKS=(
+    "dense-tp2-ip|$MP FLASHRL_INPLACE_SYNC=tp python $G --skip-7b --reload --correctness-configs int8,fp8 --engine-args '$T2D' --workdir /root/w/t1 --json $RES/dense-tp2-ip.json"
+    "moe-tp2-ip|$MP FLASHRL_INPLACE_SYNC=tp python $M --archs qwen3_moe --configs int8,fp8 --tp 2 --no-bound --no-dense --engine-args '$T2' --workdir /root/w/t2 --json $RES/moe-tp2-ip.json"
+    "moe-tp2-fp8|$MP python $M --archs qwen3_moe --configs fp8 --tp 2 --no-bound --no-dense --engine-args '$T2' --workdir /root/w/t3 --json $RES/moe-tp2-fp8.json"
+    "moe-ep-fp8|$MP python $M --archs qwen3_moe --configs fp8 --tp 2 --ep --no-bound --no-dense --engine-args '$T2' --workdir /root/w/t4 --json $RES/moe-ep-fp8.json"
+  )
+  BENCH=()
+fi
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> $RES/queue.log; }
 [ "${ENSURE_DEFAULT:-1}" = 1 ] && python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
 declare -A PIDS
