@@ -44,6 +44,9 @@ log = logging.getLogger("flashrl_tools.runtime")
 _INT8_KERNELS = frozenset({"CutlassInt8ScaledMMLinearKernel", "TritonInt8ScaledMMLinearKernel"})
 _FP8_KERNELS = frozenset({"CutlassFP8ScaledMMLinearKernel"})
 
+_TP_OPT_IN = ("tensor-parallel (FLASHRL_INPLACE_SYNC=tp enables it; exact on 2 GPUs for dense int8 / fp8 and "
+              "MoE int8, opt-in until more has run)")
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -157,7 +160,7 @@ def build_plan(model: torch.nn.Module, quantized: set[str], expected: set[str]) 
         if kind is None:
             why = "layout not known for in-place writes"
         elif getattr(layer, "tp_size", 1) > 1 and _setting() != "tp":
-            kind, why = None, "tensor-parallel (FLASHRL_INPLACE_SYNC=tp enables it; exact on 2 GPUs for dense int8 / fp8 and MoE int8, opt-in until more has run)"
+            kind, why = None, _TP_OPT_IN
         else:
             try:
                 slots = _layer_slots(layer, path, members[key], expected, staged=kind == ONLINE_FP8)
@@ -230,7 +233,7 @@ def _plan_moe(plan: InPlacePlan, modules: dict[str, torch.nn.Module], quantized:
         if kind is None:
             why = f"layout not known for in-place writes ({why})"
         elif layer.moe_config.moe_parallel_config.tp_size > 1 and _setting() != "tp":
-            kind, why = None, "tensor-parallel (FLASHRL_INPLACE_SYNC=tp enables it; exact on 2 GPUs for dense int8 / fp8 and MoE int8, opt-in until more has run)"
+            kind, why = None, _TP_OPT_IN
         else:
             try:
                 slots = _moe_slots(layer, path, prefix, names)
