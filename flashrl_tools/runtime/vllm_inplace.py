@@ -103,8 +103,9 @@ class InPlacePlan:
             if slot.kind == "staged":  # copy_ rounds an fp32 push to BF16 as vLLM's loader does
                 buffer = self._buffers.get(id(layer))
                 if buffer is None:
-                    buffer = self._buffers[id(layer)] = torch.empty(
-                        self.staged[id(layer)], dtype=getattr(layer, "orig_dtype", torch.bfloat16), device=storage.device)
+                    dtype = getattr(layer, "orig_dtype", torch.bfloat16)
+                    buffer = self._buffers[id(layer)] = torch.empty(self.staged[id(layer)], dtype=dtype,
+                                                                    device=storage.device)
                 buffer[slot.dst].copy_(src)
             elif slot.kind == "weight":  # rows [N(+pad), K(+pad)] of the checkpoint layout
                 storage = storage.t() if slot.transposed else storage
