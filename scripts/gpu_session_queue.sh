@@ -19,8 +19,9 @@ CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slo
           # at most 3 at once, DEVELOPERS.md "GPU (device tool)")
 )
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
+  # next: 32B int8 (bf16 again: ratios only within one machine; bf16 ~10 min, int8 ~5 min of queue)
   "rl-32b-bf16|python $S --shapes 32b --configs bf16 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-bf16.json"
-  "rl-32b-fp8|python $S --shapes 32b --configs fp8 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-fp8.json"
+  "rl-32b-int8|python $S --shapes 32b --configs int8 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8.json"
   "rl-32b-int8kv|python $S --shapes 32b --configs int8+kv --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8kv.json"
 )
 if [ "${PLAN:-}" = tp2 ]; then  # a two-GPU machine (nvidia-h200-x2): tensor / expert parallel checks
@@ -28,10 +29,9 @@ if [ "${PLAN:-}" = tp2 ]; then  # a two-GPU machine (nvidia-h200-x2): tensor / e
   T2D='{"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 1073741824, "tensor_parallel_size": 2}'
   MP="VLLM_ENABLE_V1_MULTIPROCESSING=1"
   CHECKS=(
-    "dense-tp2-ip|$MP FLASHRL_INPLACE_SYNC=tp python $G --skip-7b --reload --correctness-configs int8,fp8 --engine-args '$T2D' --workdir /root/w/t1 --json $RES/dense-tp2-ip.json"
-    "moe-tp2-ip|$MP FLASHRL_INPLACE_SYNC=tp python $M --archs qwen3_moe --configs int8,fp8 --tp 2 --no-bound --no-dense --engine-args '$T2' --workdir /root/w/t2 --json $RES/moe-tp2-ip.json"
-    "moe-tp2-fp8|$MP python $M --archs qwen3_moe --configs fp8 --tp 2 --no-bound --no-dense --engine-args '$T2' --workdir /root/w/t3 --json $RES/moe-tp2-fp8.json"
-    "moe-ep-fp8|$MP python $M --archs qwen3_moe --configs fp8 --tp 2 --ep --no-bound --no-dense --engine-args '$T2' --workdir /root/w/t4 --json $RES/moe-ep-fp8.json"
+    # done on 2x H200 at stop 26: dense int8/fp8 =tp eager, MoE int8 =tp, MoE fp8 TP and TP+EP (reload)
+    "moe-tp2-ip-fp8|$MP FLASHRL_INPLACE_SYNC=tp python $M --archs qwen3_moe --configs fp8 --tp 2 --no-bound --no-dense --engine-args '$T2' --workdir /root/w/t2 --json $RES/moe-tp2-ip-fp8.json"
+    "dense-tp2-ip-c|$MP FLASHRL_INPLACE_SYNC=tp python $G --skip-7b --reload --compiled --correctness-configs int8,fp8 --engine-args '$T2D' --workdir /root/w/t1 --json $RES/dense-tp2-ip-c.json"
   )
   BENCH=()
 fi
