@@ -336,55 +336,62 @@ def _moe_slots(layer, path: str, prefix: str, names: set[str]) -> dict[str, Slot
 
 def layout(layer: torch.nn.Module) -> str | None:
     """The known processed layout of a loaded layer, or None."""
-    scheme = getattr(layer, "scheme", None)
     method = type(getattr(layer, "quant_method", None)).__name__
-    if method != _ONLINE_METHOD and (method != "CompressedTensorsLinearMethod" or scheme is None):
+    if method not in ("CompressedTensorsLinearMethod", _ONLINE_METHOD):
         return None
     if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
         return None  # ROCm rescales FP8 (fnuz); CPU kernels prepack
-    if method == _ONLINE_METHOD:
-        return _online_fp8_layout(layer)
-    scheme_name = type(scheme).__name__
+    online = method == _ONLINE_METHOD
+    kernel, dtype = _online_fp8_kernel(layer) if online else _compressed_tensors_kernel(layer)
+    if kernel is None or not _stored_as(layer, dtype, one_scale=online):
+        return None
+    return ONLINE_FP8 if online else type(kernel).__name__
+
+
+def _compressed_tensors_kernel(layer: torch.nn.Module) -> tuple[object | None, torch.dtype | None]:
+    """A compressed-tensors W8A8 linear with channel weight scales and dynamic activations on a
+    kernel whose layout is known: (kernel, weight dtype), else (None, None)."""
+    scheme = getattr(layer, "scheme", None)
     strategy = getattr(scheme, "strategy", None)
-    if getattr(strategy, "value", strategy) != "channel" or getattr(scheme, "is_static_input_scheme", True):
-        return None
+    if scheme is None or getattr(strategy, "value", strategy) != "channel" \
+            or getattr(scheme, "is_static_input_scheme", True):
+        return None, None
+    scheme_name = type(scheme).__name__
     if scheme_name == "CompressedTensorsW8A8Int8":
-        kernel, dtype = getattr(scheme, "kernel", None), torch.int8
-        if not getattr(scheme, "input_symmetric", False) or type(kernel).__name__ not in _INT8_KERNELS:
-            return None
+        kernel = getattr(scheme, "kernel", None)
+        if getattr(scheme, "input_symmetric", False) and type(kernel).__name__ in _INT8_KERNELS:
+            return kernel, torch.int8
     elif scheme_name == "CompressedTensorsW8A8Fp8":
-        kernel, dtype = getattr(scheme, "fp8_linear", None), torch.float8_e4m3fn
-        if type(kernel).__name__ not in _FP8_KERNELS:
-            return None
-    else:
-        return None
-    weight, scale = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
-    if weight is None or scale is None or weight.dim() != 2 or weight.dtype != dtype \
-            or not weight.t().is_contiguous() or scale.dtype != torch.float32 or not scale.is_contiguous():
-        return None
-    extra = {n for n, p in layer.named_parameters(recurse=False)} - {"weight", "weight_scale", "bias"}
-    return None if extra else type(kernel).__name__
+        kernel = getattr(scheme, "fp8_linear", None)
+        if type(kernel).__name__ in _FP8_KERNELS:
+            return kernel, torch.float8_e4m3fn
+    return None, None
 
 
 ONLINE_FP8 = "OnlineFp8PerTensor"
 _ONLINE_METHOD = "Fp8PerTensorOnlineLinearMethod"
 
 
-def _online_fp8_layout(layer: torch.nn.Module) -> str | None:
+def _online_fp8_kernel(layer: torch.nn.Module) -> tuple[object | None, torch.dtype | None]:
     """vLLM 0.26's online per-tensor FP8 linear (quantization/online/fp8.py): `process_weights_
     after_loading` = `ops.scaled_fp8_quant(weight)` of the whole [N, K] BF16 weight (one scale for
     all shards of a fused layer), `weight` = that `.t()`, `weight_scale` [1] float32, then the
     Cutlass FP8 kernel's padding of N and K to multiples of 16 (the scale is not padded)."""
     if hasattr(layer.quant_method, "get_weight_for_quantization"):
-        return None  # later vLLM (0.32): scale from a TP-wide amax / a requantization source
+        return None, None  # later vLLM (0.32): scale from a TP-wide amax / a requantization source
     kernel = getattr(layer.quant_method, "fp8_linear", None)
+    return (kernel, torch.float8_e4m3fn) if type(kernel).__name__ in _FP8_KERNELS else (None, None)
+
+
+def _stored_as(layer: torch.nn.Module, dtype: torch.dtype, one_scale: bool) -> bool:
+    """weight = the .t() view of an [N(+pad), K(+pad)] `dtype` storage, float32 weight_scale
+    ([N(+pad), 1] channel scales, or one scale), nothing but those and a bias."""
     weight, scale = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
-    if type(kernel).__name__ not in _FP8_KERNELS or weight is None or scale is None \
-            or weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or not weight.t().is_contiguous() \
-            or scale.dtype != torch.float32 or scale.numel() != 1:
-        return None
-    extra = {n for n, p in layer.named_parameters(recurse=False)} - {"weight", "weight_scale", "bias"}
-    return None if extra else ONLINE_FP8
+    if weight is None or scale is None or weight.dim() != 2 or weight.dtype != dtype \
+            or not weight.t().is_contiguous() or scale.dtype != torch.float32 or not scale.is_contiguous() \
+            or (one_scale and scale.numel() != 1):
+        return False
+    return not {n for n, _ in layer.named_parameters(recurse=False)} - {"weight", "weight_scale", "bias"}
 
 
 def _write_online_fp8(layer: torch.nn.Module, weight: torch.Tensor) -> None:
