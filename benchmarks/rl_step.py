@@ -65,6 +65,13 @@ def _device_memory(worker) -> dict:
     return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(), "device_used_bytes": total - free}
 
 
+def _preemptions(llm) -> int | None:
+    """vLLM's cumulative preemption counter (None when its stats are off, as by default)."""
+    if llm.llm_engine.logger_manager is None:
+        return None
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
+
+
 def worker(spec: dict) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     import torch
@@ -75,7 +82,7 @@ def worker(spec: dict) -> dict:
     llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["max_len"] + 8,
               gpu_memory_utilization=spec["gpu_memory_utilization"], enforce_eager=not gpu, seed=0,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, disable_log_stats=not spec.get("stats", False))
     start_s = time.perf_counter() - t0
     cache = llm.llm_engine.vllm_config.cache_config
     kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
@@ -90,14 +97,18 @@ def worker(spec: dict) -> dict:
             reqs.append({"prompt_token_ids": prompts[i // spec["samples"]]})
             params.append(SamplingParams(temperature=1.0, max_tokens=min(length, cap), ignore_eos=True, logprobs=0,
                                          seed=step * 100003 + i, detokenize=False))
+        preempted = _preemptions(llm)
         t0 = time.perf_counter()
         outs = llm.generate(reqs, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         with_logprobs = sum(1 for o in outs if o.outputs[0].logprobs and len(o.outputs[0].logprobs) == len(
             o.outputs[0].token_ids))
-        return {"rollout_s": seconds, "output_tokens": tokens, "samples_with_logprobs": with_logprobs,
-                "output_tok_per_s": tokens / seconds}
+        out = {"rollout_s": seconds, "output_tokens": tokens, "samples_with_logprobs": with_logprobs,
+               "output_tok_per_s": tokens / seconds}
+        if preempted is not None:  # --stats: requests vLLM preempted (KV cache full) during this rollout
+            out["preemptions"] = _preemptions(llm) - preempted
+        return out
 
     llm.generate([{"prompt_token_ids": [11] * 8}], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
                  use_tqdm=False)  # warm-up outside the timed steps
@@ -177,6 +188,8 @@ def main() -> None:
                          "a short one saves device time: the step is timed on the rollout after the sync)")
     ap.add_argument("--fixed-len", action="store_true",
                     help="every sample exactly --max-len tokens (with --prompts 1 --samples 1: the tail's floor)")
+    ap.add_argument("--stats", action="store_true",
+                    help="vLLM's stat logging on; each rollout reports how many requests were preempted")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -191,7 +204,7 @@ def main() -> None:
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "samples": opts["samples"],
                     "prompt_len": opts["prompt_len"], "max_len": opts["max_len"], "gpu_memory_utilization": util,
-                    "first_max_len": a.first_max_len, "fixed_len": a.fixed_len}
+                    "first_max_len": a.first_max_len, "fixed_len": a.fixed_len, "stats": a.stats}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)

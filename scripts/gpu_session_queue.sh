@@ -17,6 +17,8 @@ DEF="\$(python -c 'from flashrl_tools.models.default import ensure_default_model
 AK="python examples/async_kv_probe.py $DEF /root/w/pert --engine-args '$EA'"
 CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slow side by side:
           # at most 3 at once, DEVELOPERS.md "GPU (device tool)")
+  # a calibrated kv_cache_scheme checkpoint on the GPU: the CPU test itself (pytest carried to /root/pyt)
+  "kv-ckpt|FLASHRL_ENGINE_ARGS='$EA' PYTHONPATH=\$PYTHONPATH:/root/pyt python -m pytest -q -rA -p no:cacheprovider tests/test_kv_cache.py -k checkpoint_kv_scales"
 )
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
   # next: 32B int8 (bf16 again: ratios only within one machine; bf16 ~10 min, int8 ~5 min of queue)
@@ -24,6 +26,16 @@ BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within
   "rl-32b-int8|python $S --shapes 32b --configs int8 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8.json"
   "rl-32b-int8kv|python $S --shapes 32b --configs int8+kv --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8kv.json"
 )
+if [ "${PLAN:-}" = long15 ]; then  # issue 15's long-rollout workload: 1k prompts, every output 8,192 tokens,
+  # 2x the full-length sequences BF16's KV cache holds (7B: 102 -> 208; 14B: 22 -> 48), in order of the goals
+  L="--fixed-len --stats --first-max-len 256 --workdir /root/w/s"
+  BENCH=(
+    "long-14b-bf16|python $S --shapes 14b --configs bf16 --prompts 6 --samples 8 $L --json $RES/long-14b-bf16.json"
+    "long-14b-int8kv|python $S --shapes 14b --configs int8+kv --prompts 6 --samples 8 $L --json $RES/long-14b-int8kv.json"
+    "long-7b-bf16|python $S --shapes 7b --configs bf16 --prompts 26 --samples 8 $L --json $RES/long-7b-bf16.json"
+    "long-7b-int8kv|python $S --shapes 7b --configs int8+kv --prompts 26 --samples 8 $L --json $RES/long-7b-int8kv.json"
+  )
+fi
 if [ "${PLAN:-}" = tp2 ]; then  # a two-GPU machine (nvidia-h200-x2): tensor / expert parallel checks
   T2='{"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 1073741824}'
   T2D='{"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 1073741824, "tensor_parallel_size": 2}'
