@@ -158,17 +158,21 @@ def add_ratios(rows: list[dict]) -> None:
 def print_table(rows: list[dict], header: str) -> None:
     print(f"\n{header}")
     print(f"{'shape':8} {'config':9} {'rollout s':>9} {'sync s':>8} {'step s':>8} {'step/bf16':>9} {'sync/bf16':>9} "
-          f"{'reload s':>8} {'1st sync':>8} {'tok/s':>9} {'KV tokens':>10} {'KV/bf16':>7} {'peak GiB':>8}")
+          f"{'reload s':>8} {'1st sync':>8} {'tok/s':>9} {'KV tokens':>10} {'KV/bf16':>7} {'peak GiB':>8} {'preempt':>7}")
+
+    def ratio(value) -> str:  # "-" where this run had no bf16 row of the shape
+        return f"{value:.2f}x" if value else "-"
+
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:8} {r['config']:9} error: {r['error']}")
             continue
         peak = f"{r['device_used_bytes'] / 2**30:.1f}" if r.get("device_used_bytes") else "-"
-        kv = f"{r['kv_vs_bf16']:.2f}x" if r.get("kv_vs_bf16") else "-"
+        preempt = r["rollout_2"].get("preemptions", "-")
         print(f"{r['shape']:8} {r['config']:9} {r['rollout_2']['rollout_s']:9.2f} {r['sync_s']:8.3f} "
-              f"{r['step_s']:8.2f} {r.get('step_vs_bf16', 0):8.2f}x {r.get('sync_vs_bf16', 0):8.2f}x "
+              f"{r['step_s']:8.2f} {ratio(r.get('step_vs_bf16')):>9} {ratio(r.get('sync_vs_bf16')):>9} "
               f"{r['sync_layerwise_s']:8.3f} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} "
-              f"{r['kv_cache_tokens']:10d} {kv:>7} {peak:>8}")
+              f"{r['kv_cache_tokens']:10d} {ratio(r.get('kv_vs_bf16')):>7} {peak:>8} {preempt:>7}")
 
 
 def main() -> None:

@@ -20,10 +20,10 @@ def test_profile_memory_benchmark_smoke(tmp_path):
     assert "peak RSS" in res.stdout
 
 
-def _bench(tmp_path, script: str) -> dict:
+def _bench(tmp_path, script: str, *args: str) -> dict:
     out = tmp_path / f"{script}.json"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--preset", "smoke",
-                          "--json", str(out)], capture_output=True, text=True, timeout=900,
+                          "--json", str(out), *args], capture_output=True, text=True, timeout=900,
                          env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(out.read_text())
@@ -65,11 +65,12 @@ def test_rl_step_benchmark_smoke(tmp_path):
     """rollout -> full sync through the runtime -> rollout, per config; the drawn lengths are produced
     (per-request max_tokens) and every sample carries its sampling logprobs. int8+kv: an FP8 KV
     cache recalibrated after the sync in an engine without a tokenizer (skip_tokenizer_init, as
-    the benchmark runs; this failed on the H100 before the calibration fell back to fixed ids)."""
+    the benchmark runs; this failed on the H100 before the calibration fell back to fixed ids).
+    `--stats`: each rollout counts vLLM's preemptions (none at this size)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rl_step import output_lengths
 
-    data = _bench(tmp_path, "rl_step")
+    data = _bench(tmp_path, "rl_step", "--stats")
     lengths = output_lengths(2 * 3, 48)
     assert len(set(lengths)) > 1 and max(lengths) <= 48
     assert data["output_lengths"]["total"] == sum(lengths)
@@ -81,6 +82,7 @@ def test_rl_step_benchmark_smoke(tmp_path):
         assert r["sync_layerwise_s"] > 0 and r["inplace_layers"] == 0
         for step in ("rollout_1", "rollout_2"):
             assert r[step]["output_tokens"] == sum(lengths) and r[step]["samples_with_logprobs"] == 6
+            assert r[step]["preemptions"] == 0
         assert r["step_s"] == r["rollout_2"]["rollout_s"] + r["sync_s"]
         assert r["quantization"] == ("compressed-tensors" if config == "int8+kv" else None)
     assert rows["int8+kv"]["kv_cache_dtype"] == "fp8" and rows["bf16"]["kv_cache_dtype"] == "auto"
