@@ -21,15 +21,15 @@ CHECKS=(  # name|command (phase 1, in priority order; MoE and drift jobs are slo
   # (pytest carried to /root/pyt)
   # "kv-ckpt|FLASHRL_ENGINE_ARGS='$EA' PYTHONPATH=\$PYTHONPATH:/root/pyt python -m pytest -q -rA -p no:cacheprovider tests/test_kv_cache.py -k checkpoint_kv_scales"
 )
+L="--fixed-len --stats --first-max-len 256 --workdir /root/w/s"  # issue 15's workload (PLAN=long15)
 BENCH=(  # name|command (phase 2, alone on the GPU, in order; ratios only within one session)
-  # next: 32B int8 (bf16 again: ratios only within one machine; bf16 ~10 min, int8 ~5 min of queue)
-  "rl-32b-bf16|python $S --shapes 32b --configs bf16 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-bf16.json"
-  "rl-32b-int8|python $S --shapes 32b --configs int8 --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8.json"
-  "rl-32b-int8kv|python $S --shapes 32b --configs int8+kv --prompts 4 --first-max-len 256 --workdir /root/w/s --json $RES/rl-32b-int8kv.json"
+  # done at stop 27: 32B bf16 / int8 / int8+kv (results/rl_step_32b_int8.json), PLAN=long15 below.
+  # next: issue 15's workload at 7B with INT8 weights alone (the row it lacks), BF16 again beside it
+  "long-7b-bf16|python $S --shapes 7b --configs bf16 --prompts 26 --samples 8 $L --json $RES/long-7b-bf16.json"
+  "long-7b-int8|python $S --shapes 7b --configs int8 --prompts 26 --samples 8 $L --json $RES/long-7b-int8.json"
 )
-if [ "${PLAN:-}" = long15 ]; then  # issue 15's long-rollout workload: 1k prompts, every output 8,192 tokens,
+if [ "${PLAN:-}" = long15 ]; then  # (ran at stop 27) issue 15's workload: 1k prompts, every output 8,192 tokens,
   # 2x the full-length sequences BF16's KV cache holds (7B: 102 -> 208; 14B: 22 -> 48), in order of the goals
-  L="--fixed-len --stats --first-max-len 256 --workdir /root/w/s"
   BENCH=(
     "long-14b-bf16|python $S --shapes 14b --configs bf16 --prompts 6 --samples 8 $L --json $RES/long-14b-bf16.json"
     "long-14b-int8kv|python $S --shapes 14b --configs int8+kv --prompts 6 --samples 8 $L --json $RES/long-14b-int8kv.json"
