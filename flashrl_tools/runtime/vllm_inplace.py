@@ -43,6 +43,8 @@ log = logging.getLogger("flashrl_tools.runtime")
 # channel scale as loaded (vLLM 0.26: kernels/linear/scaled_mm/cutlass.py, triton.py)
 _INT8_KERNELS = frozenset({"CutlassInt8ScaledMMLinearKernel", "TritonInt8ScaledMMLinearKernel"})
 _FP8_KERNELS = frozenset({"CutlassFP8ScaledMMLinearKernel"})
+ONLINE_FP8 = "OnlineFp8PerTensor"  # the layout name of vLLM's online per-tensor FP8 linears
+_ONLINE_METHOD = "Fp8PerTensorOnlineLinearMethod"
 
 _TP_OPT_IN = ("tensor-parallel (FLASHRL_INPLACE_SYNC=tp enables it; exact on 2 GPUs for dense int8 / fp8 and "
               "MoE int8, opt-in until more has run)")
@@ -366,10 +368,6 @@ def _compressed_tensors_kernel(layer: torch.nn.Module) -> tuple[object | None, t
         if type(kernel).__name__ in _FP8_KERNELS:
             return kernel, torch.float8_e4m3fn
     return None, None
-
-
-ONLINE_FP8 = "OnlineFp8PerTensor"
-_ONLINE_METHOD = "Fp8PerTensorOnlineLinearMethod"
 
 
 def _online_fp8_kernel(layer: torch.nn.Module) -> tuple[object | None, torch.dtype | None]:
