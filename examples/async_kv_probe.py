@@ -1,9 +1,11 @@
 """vLLM's AsyncLLM (verl's async rollout server, `vllm serve`) with an FP8 KV cache, synced by a
 trainer: the first requests after a sync must wait for one recalibration of the q/k/v scales.
 
-Starts an AsyncLLM on PERTURBED (FLASHRL_CONFIG / FLASHRL_KV_CACHE_DTYPE from the environment),
-generates, pushes ORIGINAL one tensor per `load_weights` call (collective_rpc), generates, pushes
-PERTURBED back, sends two requests at once, then repeats the first request. Prints one line
+Starts an AsyncLLM on PERTURBED (FLASHRL_CONFIG / FLASHRL_KV_CACHE_DTYPE from the environment, or
+`kv_cache_dtype` in --engine-args), generates, pushes ORIGINAL one tensor per `load_weights` call
+(collective_rpc), generates, pushes PERTURBED back, sends two requests at once, then repeats the
+first request; then marks the workers' weights discarded (as sleep(level=2) does), expects the
+next request refused, pushes PERTURBED and expects the first request's outputs again. Prints one line
 `RESULT{json}`: fresh / back outputs (tokens, logprobs), the scales at start, after the first
 sync and after syncing back, whether the workers were stale right after a sync, and `checks`
 (each must be true). The runtime logs one "FP8 KV scales recalibrated" per calibration (start
@@ -20,6 +22,10 @@ import os
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # functions sent to the workers
 
 PROMPT = [1, 504, 3575, 282, 4649, 314]
+
+
+def _discard(worker):
+    worker.model_runner.model.flashrl_sync.discard("sleep(level=2) in the probe")
 
 
 async def main(original: str, perturbed: str, eager: bool, engine_args: dict) -> dict:
@@ -50,12 +56,24 @@ async def main(original: str, perturbed: str, eager: bool, engine_args: dict) ->
     await asyncio.gather(gen("c"), gen("d"))  # two requests at once after a sync: one calibration
     res["back_scales"] = await scales()
     res["back"] = await gen("e")  # the same request as the fresh engine's first
+    # weights discarded (what vLLM's sleep(level=2) does on a GPU worker): the front end refuses
+    # requests, the engine core survives, and a full push brings the same outputs back
+    await engine.collective_rpc(_discard)
+    try:
+        await gen("f")
+        res["refused"] = None
+    except Exception as e:
+        res["refused"] = f"{type(e).__name__}: {e}"
+    await engine.collective_rpc(push_checkpoint(perturbed))
+    res["after_discard"] = await gen("g")
     engine.shutdown()
     res["checks"] = {
         "stale right after a sync": res["stale_after_sync"] is True,
         "scales recalibrated for the synced weights": res["original_scales"] != res["fresh_scales"],
         "scales after syncing back = fresh engine's (bit-equal)": res["back_scales"] == res["fresh_scales"],
         "tokens and logprobs after syncing back = fresh engine's": res["back"] == res["fresh"],
+        "refused after the weights were discarded": "full weight sync" in (res["refused"] or ""),
+        "a full push after the refusal = fresh engine's": res["after_discard"] == res["fresh"],
     }
     return res
 

@@ -10,6 +10,8 @@ REQUEST: {"model": dir, "sequences": [[ids]], "max_tokens": n, "push": [dir, ...
           "push_trainer": [dir, ...] (a transformers model's in-memory state dict, one tensor per
                           call: fused MoE experts, in-memory module names),
           "partial_push": dir | null (push 10 tensors, try to generate, then push all),
+          "discard": dir | null (the workers' weights marked discarded, as vLLM's sleep(level=2)
+                     leaves them; try to generate, then push all of dir),
           "repeat": [dir_a, dir_b, n] | null (n syncs alternating a/b: RSS and parameter
           storage addresses after each),
           "reload": [dir, ...] (pushed through vLLM's own model_runner.reload_weights),
@@ -230,6 +232,11 @@ def verl_sync(llm, path):
     return {"seconds": time.perf_counter() - t0}
 
 
+def discard_weights(worker):
+    """What the runtime does when vLLM's sleep(level=2) frees the weights (on a GPU worker)."""
+    worker.model_runner.model.flashrl_sync.discard("sleep(level=2) in the probe")
+
+
 def worker_memory(worker):
     """RSS of the worker process and the storage address of every parameter."""
     rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
@@ -252,9 +259,9 @@ def main():
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
     n_top = req.get("prompt_logprobs", 0)
 
-    from flashrl_tools.runtime.engine_job import fp8_kv_cache_from_env
+    from flashrl_tools.runtime.engine_job import fp8_kv_cache
 
-    fp8_kv = fp8_kv_cache_from_env()  # the runtime's recalibrated FP8 KV scales are recorded too
+    fp8_kv = fp8_kv_cache(llm)  # the runtime's recalibrated FP8 KV scales are recorded too
 
     def observe(tag, extra=None):
         p = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), prompt_logprobs=n_top)
@@ -309,6 +316,15 @@ def main():
             refused = f"{type(e).__name__}: {e}"
         llm.collective_rpc(push_checkpoint(req["partial_push"]))
         stages.append(observe("after-partial-then-full"))
+    discarded = None
+    if req.get("discard"):
+        llm.collective_rpc(discard_weights)
+        try:
+            llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+        except Exception as e:  # the runtime must refuse until a full sync
+            discarded = f"{type(e).__name__}: {e}"
+        llm.collective_rpc(push_checkpoint(req["discard"]))
+        stages.append(observe("after-discard-then-full"))
     memory = None
     if req.get("repeat"):
         a, b, n = req["repeat"]
@@ -318,7 +334,7 @@ def main():
             memory.append(llm.collective_rpc(worker_memory)[0])
         stages.append(observe("after-repeat"))
     with open(sys.argv[2], "w") as f:
-        json.dump({"stages": stages, "refused": refused, "memory": memory, "sampled": sampled,
+        json.dump({"stages": stages, "refused": refused, "discarded": discarded, "memory": memory, "sampled": sampled,
                    "inplace_layers": _inplace_layers(llm),
                    "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}, f)
 

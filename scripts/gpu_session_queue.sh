@@ -48,6 +48,17 @@ if [ "${PLAN:-}" = tp2 ]; then  # a two-GPU machine (nvidia-h200-x2): tensor / e
   )
   BENCH=()
 fi
+if [ "${PLAN:-}" = lifecycle ]; then  # issue 29: sleep mode, bucketed pushes, verl's own sync (needs
+  # scripts/gpu_stage_trainers.sh's wheels installed in /tmp/site for --verl), all configs side by side
+  LC="python benchmarks/gpu_lifecycle_check.py"
+  CHECKS=(
+    "lifecycle|$LC --verl --jobs 6 --workdir /root/w/lc --json $RES/lifecycle.json"
+    "lc-nosleep|$LC --no-sleep --cases dense-fp8_channel,dense-int8,moe-fp8 --kv off --jobs 3 --workdir /root/w/lb --json $RES/lifecycle-nosleep.json"
+    "lc-eager|$LC --eager --cases dense-fp8_channel,moe-fp8 --kv off --jobs 2 --workdir /root/w/le --json $RES/lifecycle-eager.json"
+    "diag|FLASHRL_CONFIG=$R/.stage/diag/fp8c.yaml bash -c 'until [ -f /root/w/le/dense-perturbed/config.json ]; do sleep 5; done; python .stage/diag/fp8diag.py /root/w/le/dense /root/w/le/dense-perturbed 1; python .stage/diag/fp8diag.py /root/w/le/dense /root/w/le/dense-perturbed 0' 2>&1 | grep DIAG"
+  )
+  BENCH=()
+fi
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> $RES/queue.log; }
 [ "${ENSURE_DEFAULT:-1}" = 1 ] && python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
 declare -A PIDS

@@ -39,7 +39,7 @@ def reload(
     work_dir: Path = typer.Option(None, "--work-dir", help="keep the perturbed checkpoint and the fresh "
                                   "engines' outputs here; a rerun with the same config and model reuses them"),
     inject_fault: str = typer.Option(None, "--inject-fault", hidden=True,
-                                     help="self-test: noop | wrong_layer | stale_scales | no_norm_rescale"),
+                                     help="self-test: a fault of runtime/faults.py (noop, wrong_layer, stale_scales, ...)"),
 ) -> None:
     """Push BF16 weights into an engine running the config (as a trainer does) and check it equals a
     fresh engine on the offline-quantized weights; then push updated weights, then restore."""

@@ -137,6 +137,10 @@ class WeightConverter:
         for name, tensor in weights:
             yield from self.convert(name, tensor)
 
+    def drop_device_cache(self) -> None:
+        """Forget the profile tensors copied to devices (after the engine freed their memory)."""
+        self._device_cache.clear()
+
     def _on(self, key: str, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         if t is None:
             return None

@@ -8,7 +8,8 @@ The runtime applies FLASHRL_CONFIG from the environment, as in a trainer's engin
                                                    forced logprobs (prompt_logprobs) of the sequences
              (+ "kv_scales" {layer: {q, k, v}} with an FP8 KV cache)
              {"op": "push", "path": dir}            the checkpoint's BF16 tensors via model.load_weights,
-                                                   one tensor per call (verl / TRL colocate)
+                                                   one tensor per call (verl / TRL colocate), each a
+                                                   view into one reused buffer poisoned after the call
              {"op": "sample", "prompts": [[ids]], "temperature", "top_p", "top_k", "max_tokens",
               "seed"}                              one sampled response per prompt, with the
                                                    engine's logprob of each sampled token]}
@@ -25,19 +26,45 @@ import time
 import traceback
 
 
-def push_checkpoint(path: str):
-    """A function for collective_rpc: stream a checkpoint into the worker's model."""
+def push_checkpoint(path: str, reuse_buffer: bool = True):
+    """A function for collective_rpc: stream a checkpoint into the worker's model, one tensor per
+    `model.load_weights` call. With `reuse_buffer` (default) every tensor is handed over as a view
+    into one staging buffer on the model's device that is overwritten with NaN right after the
+    call, as a trainer reuses its transfer buffer (verl's bucket buffer): a sync that kept a view
+    of what it was given instead of a copy serves NaN."""
 
     def push(worker):
+        import torch
+
         from flashrl_tools.safetensors_io import CheckpointReader
 
         model = worker.model_runner.model
+        reader = CheckpointReader(path)
+        staging = None
+        if reuse_buffer:
+            device = next(model.parameters()).device
+            size = max(reader.dtype(n).itemsize * _numel(reader.shape(n)) for n in reader.names())
+            staging = torch.empty(size, dtype=torch.uint8, device=device)
         t0 = time.perf_counter()
-        for name, tensor in CheckpointReader(path).iter_tensors():
-            model.load_weights([(name, tensor)])
+        for name, tensor in reader.iter_tensors():
+            if staging is None:
+                model.load_weights([(name, tensor)])
+                continue
+            used = staging[:tensor.numel() * tensor.element_size()]
+            view = used.view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+            model.load_weights([(name, view)])
+            used.fill_(255)  # all-ones bytes: NaN in bf16 / fp32
         return {"seconds": time.perf_counter() - t0}
 
     return push
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def observe(llm, step: dict) -> dict:
@@ -49,17 +76,17 @@ def observe(llm, step: dict) -> dict:
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]
                            for s, o in zip(step["sequences"], outs)]}
-    if fp8_kv_cache_from_env():  # the scales these logprobs were computed with (rank 0's)
+    if fp8_kv_cache(llm):  # the scales these logprobs were computed with (rank 0's)
         result["kv_scales"] = llm.collective_rpc("flashrl_kv_scales")[0]
     return result
 
 
-def fp8_kv_cache_from_env() -> bool:
-    """Whether the runtime of this process serves an FP8 KV cache (and calibrates its scales)."""
+def fp8_kv_cache(llm) -> bool:
+    """Whether the engine has an FP8 KV cache whose scales the runtime calibrates."""
     from flashrl_tools.runtime.config import from_env
 
-    rc = from_env()
-    return rc is not None and rc.entry.fp8_kv_cache
+    dtype = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
+    return from_env() is not None and dtype.startswith("fp8")
 
 
 def sample(llm, step: dict) -> dict:

@@ -14,6 +14,7 @@ FAULTS = {
     "stale_scales": "new INT8 weights are loaded with the scales the engine started with",
     "no_norm_rescale": "norm weights are loaded without dividing by the SmoothQuant factors",
     "skip_kv_recalibration": "FP8 KV scales stay those of the first calibration after syncs",
+    "keep_caller_views": "tensors waiting for the rest of their layer stay views of the trainer's reused buffer",
 }
 
 
@@ -25,6 +26,9 @@ def inject(fault: str) -> None:
 
     if fault == "skip_kv_recalibration":
         vllm_compat.KVCalibrator.stale = lambda self: self.calibrated_at is None
+        return
+    if fault == "keep_caller_views":
+        vllm_compat.WeightSync._own = lambda self, tensor, callers: tensor
         return
 
     if fault == "noop":

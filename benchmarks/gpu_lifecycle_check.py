@@ -1,0 +1,189 @@
+"""Real trainers' engine lifecycle on the GPU (issue 29): sleep mode, bucketed pushes, verl's own sync.
+
+For each case (FLASHRL_CONFIG x architecture x KV cache) two processes (examples/lifecycle_probe.py),
+both compiled (torch.compile + FULL_AND_PIECEWISE CUDA graphs) with `enable_sleep_mode=True`:
+  - fresh: the config on the perturbed BF16 weights (HF-initialised random Qwen2 / Qwen3-MoE);
+  - lifecycle: the config on the original weights, driven like verl (sleep(2), wake weights,
+    bucketed push from one reused buffer poisoned after each bucket, whole-model
+    process_weights_after_loading, reset prefix cache, wake kv_cache), like TRL (sleep(2), wake
+    weights, one load_weights per parameter), a level-1 cycle, a level-2 wake without a push
+    (must be refused), and with --verl verl 0.9.1's own update_weights_from_ipc + BucketedWeightSender
+    (CUDA IPC from a trainer process, fp32 tensors).
+Checks per case (max |Δ log p| over teacher-forced positions; 0.0 expected): synced vs fresh
+(no sleep, verl order, verl's code), restore vs start (TRL order), level 1, FP8 KV scales
+bit-equal to the fresh engine's, the refusal, and which tensors (parameters, buffers, kernel-held
+tensors) differ from the fresh engine's after the last sync.
+Usage: python benchmarks/gpu_lifecycle_check.py --json OUT [--cases dense-int8,moe-fp8,...] [--kv off,on]
+       [--verl] [--jobs N] [--engine-args JSON] [--eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROBE = HERE.parent / "examples" / "lifecycle_probe.py"
+SEQS = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
+# config name -> FLASHRL_CONFIG (a shortcut, or a YAML written into the work dir)
+YAMLS = {
+    "fp8_channel": "- fn: fp8_channel\n  logprobs_mode: processed_logprobs\n",
+    "fp8_block": "- fn: fp8_block\n  logprobs_mode: processed_logprobs\n",
+    "int8_keep": "- fn: int8\n  logprobs_mode: processed_logprobs\n  first_layers_bf16: 1\n  keep_bf16: ['*.down_proj']\n",
+}
+CASES = ["dense-bf16", "dense-int8", "dense-fp8", "dense-fp8_channel", "dense-fp8_block", "dense-int8_keep",
+         "moe-int8", "moe-fp8"]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_models(work: Path) -> dict[str, tuple[Path, Path]]:
+    grc, moe = _load("gpu_runtime_check"), _load("gpu_moe_check")
+    out = {}
+    dense, moe_dir = work / "dense", work / "moe"
+    if not (dense / "config.json").is_file():
+        grc.make_model(dense, dict(vocab_size=384, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                   num_attention_heads=16, num_key_value_heads=4), 0, True)
+        grc.perturb(dense, work / "dense-perturbed")
+    if not (moe_dir / "config.json").is_file():
+        moe.make_model(moe_dir, "qwen3_moe")
+        grc.perturb(moe_dir, work / "moe-perturbed")
+    out["dense"] = (dense, work / "dense-perturbed")
+    out["moe"] = (moe_dir, work / "moe-perturbed")
+    return out
+
+
+def run_probe(work: Path, tag: str, env: dict, req: dict, timeout: float) -> dict:
+    rq, out, log = work / f"{tag}-req.json", work / f"{tag}.json", work / f"{tag}.log"
+    rq.write_text(json.dumps({"sequences": SEQS, "max_tokens": 8, **req}))
+    full = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    with open(log, "w") as f:
+        res = subprocess.run([sys.executable, str(PROBE), str(rq), str(out)], stdout=f, stderr=subprocess.STDOUT,
+                             env={**full, **env}, timeout=timeout)
+    if res.returncode != 0 or not out.is_file():
+        tail = log.read_text()[-4000:]
+        return {"error": f"exit {res.returncode}", "log_tail": tail}
+    return json.loads(out.read_text())
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(abs(x - y) for la, lb in zip(a["logprobs"], b["logprobs"]) for x, y in zip(la, lb))
+
+
+def same(a: dict, b: dict) -> dict:
+    return {"max_dlogp": max_diff(a, b), "tokens_equal": a["tokens"] == b["tokens"],
+            **({"kv_scales_equal": a["kv_scales"] == b["kv_scales"]} if "kv_scales" in a else {})}
+
+
+def run_case(case: str, kv: str, models: dict, work: Path, args) -> dict:
+    arch, config = case.split("-", 1)
+    tag = f"{case}-kv{kv}"
+    flashrl = config
+    if config in YAMLS:
+        y = work / f"{config}.yaml"
+        y.write_text("version: 1\nconfigs:\n" + YAMLS[config])
+        flashrl = str(y)
+    env = {"FLASHRL_CONFIG": flashrl, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv == "on" else {})}
+    orig, pert = models[arch]
+    ekw = {"gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30, **args.engine_args}
+    if args.eager:
+        ekw["enforce_eager"] = True
+    t0 = time.perf_counter()
+    fresh = run_probe(work, f"{tag}-fresh", {**env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{tag}-f")},
+                      {"model": str(pert), "fresh": True, "engine_kwargs": ekw, "sleep": not args.no_sleep},
+                      args.timeout)
+    life = run_probe(work, f"{tag}-life", {**env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{tag}-l")},
+                     {"model": str(orig), "original": str(orig), "perturbed": str(pert), "verl": args.verl,
+                      "engine_kwargs": ekw, "bucket_mb": args.bucket_mb, "sleep": not args.no_sleep},
+                     args.timeout)
+    row = {"case": case, "kv": kv, "config": flashrl, "wall_s": round(time.perf_counter() - t0, 1)}
+    if "error" in fresh or "error" in life:
+        row["error"] = {"fresh": fresh.get("log_tail"), "lifecycle": life.get("log_tail")}
+        return row
+    f, st = fresh["stages"]["fresh"], life["stages"]
+    fd, ld = fresh["digest"], life["digest"]
+    row["tensors_differing_from_fresh"] = sorted(n for n in fd.keys() & ld.keys() if fd[n] != ld[n])
+    if args.no_sleep:  # the baseline: no sleep mode, pushes only
+        row.update({"push_nosleep_vs_fresh": same(st["push_nosleep"], f),
+                    "back_nosleep_vs_start": same(st["back_nosleep"], st["start"])})
+        row["passed"] = all(row[k]["max_dlogp"] == 0.0 for k in ("push_nosleep_vs_fresh", "back_nosleep_vs_start"))
+        return row
+    row.update({
+        "push_nosleep_vs_fresh": same(st["push_nosleep"], f),
+        "back_nosleep_vs_start": same(st["back_nosleep"], st["start"]),
+        "verl_order_vs_fresh": same(st["verl_replica"], f),
+        "level1_vs_before": same(st["level1"], st["verl_replica"]),
+        "trl_order_restore_vs_start": same(st["trl"], st["start"]),
+        ("verl_code_vs_fresh" if args.verl else "verl_order_again_vs_fresh"): same(st["verl"], f),
+        "changed_by_sync": max_diff(st["start"], st["push_nosleep"]),
+        "refused": life["refused"],
+        "verl_fp8_path_taken": st.get("verl_fp8_path"),
+        "inplace_layers": life.get("inplace_layers"), "timing": life.get("timing"),
+    })
+    row["tensors_only_in_one"] = sorted(fd.keys() ^ ld.keys())[:20]
+    checks = [v for k, v in row.items() if isinstance(v, dict) and "max_dlogp" in v]
+    row["passed"] = (all(c["max_dlogp"] == 0.0 and c["tokens_equal"] and c.get("kv_scales_equal", True)
+                         for c in checks) and row["changed_by_sync"] > 0.01
+                     and "full weight sync" in (row["refused"] or "") and not row["verl_fp8_path_taken"])
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path, default=Path("gpu_lifecycle_check.json"))
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--kv", default="off,on", help="off, on or off,on: without / with FLASHRL_KV_CACHE_DTYPE=fp8")
+    ap.add_argument("--verl", action="store_true", help="also verl 0.9.1's own sync code (needs verl)")
+    ap.add_argument("--jobs", type=int, default=6, help="cases side by side on the GPU")
+    ap.add_argument("--bucket-mb", type=int, default=4)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager engines (default: compiled)")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--no-sleep", action="store_true", help="baseline: engines without sleep mode, pushes only")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--engine-args", type=json.loads, default={})
+    args = ap.parse_args()
+    import torch
+    import vllm
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-lifecycle-"))
+    work.mkdir(parents=True, exist_ok=True)
+    models = make_models(work)
+    todo = [(c, kv) for c in args.cases.split(",") for kv in args.kv.split(",")]
+    result = {"device": torch.cuda.get_device_name(), "vllm": vllm.__version__, "verl": args.verl,
+              "sleep_mode": not args.no_sleep,
+              "engines": "eager" if args.eager else "compiled (FULL_AND_PIECEWISE)", "cases": []}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(args.jobs) as pool:  # the JSON is rewritten as each case finishes
+        for row in as_completed([pool.submit(run_case, c, kv, models, work, args) for c, kv in todo]):
+            result["cases"].append(row.result())
+            args.json.write_text(json.dumps(result, indent=2))
+    rows = sorted(result["cases"], key=lambda r: todo.index((r["case"], r["kv"])))
+    print(f"\nengine lifecycle on {result['device']}, vLLM {result['vllm']}, {result['engines']}, sleep mode")
+    keys = ["push_nosleep_vs_fresh", "back_nosleep_vs_start"] if args.no_sleep else \
+        ["push_nosleep_vs_fresh", "verl_order_vs_fresh", "level1_vs_before", "trl_order_restore_vs_start",
+         "verl_code_vs_fresh" if args.verl else "verl_order_again_vs_fresh"]
+    print(f"{'case':22} {'kv':3} " + " ".join(f"{k[:14]:>14}" for k in keys) + "  refused  differ  pass")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:22} {r['kv']:3} ERROR")
+            continue
+        cells = " ".join(f"{r[k]['max_dlogp']:14.2e}" for k in keys)
+        print(f"{r['case']:22} {r['kv']:3} {cells}  {'yes' if r.get('refused') else '-':7} "
+              f"{len(r['tensors_differing_from_fresh']):6}  {'ok' if r['passed'] else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
