@@ -109,36 +109,65 @@ def run_case(case: str, kv: str, models: dict, work: Path, args) -> dict:
                      {"model": str(orig), "original": str(orig), "perturbed": str(pert), "verl": args.verl,
                       "engine_kwargs": ekw, "bucket_mb": args.bucket_mb, "sleep": not args.no_sleep},
                      args.timeout)
-    row = {"case": case, "kv": kv, "config": flashrl, "wall_s": round(time.perf_counter() - t0, 1)}
+    row = {"case": case, "kv": kv, "config": config, "wall_s": round(time.perf_counter() - t0, 1)}
     if "error" in fresh or "error" in life:
         row["error"] = {"fresh": fresh.get("log_tail"), "lifecycle": life.get("log_tail")}
         return row
+    return {**row, **compare(fresh, life, args.verl, args.no_sleep)}
+
+
+def compare(fresh: dict, life: dict, verl: bool, no_sleep: bool) -> dict:
+    """One case's checks from the two probes' results."""
     f, st = fresh["stages"]["fresh"], life["stages"]
     fd, ld = fresh["digest"], life["digest"]
-    row["tensors_differing_from_fresh"] = sorted(n for n in fd.keys() & ld.keys() if fd[n] != ld[n])
-    if args.no_sleep:  # the baseline: no sleep mode, pushes only
-        row.update({"push_nosleep_vs_fresh": same(st["push_nosleep"], f),
-                    "back_nosleep_vs_start": same(st["back_nosleep"], st["start"])})
-        row["passed"] = all(row[k]["max_dlogp"] == 0.0 for k in ("push_nosleep_vs_fresh", "back_nosleep_vs_start"))
-        return row
-    row.update({
-        "push_nosleep_vs_fresh": same(st["push_nosleep"], f),
-        "back_nosleep_vs_start": same(st["back_nosleep"], st["start"]),
-        "verl_order_vs_fresh": same(st["verl_replica"], f),
-        "level1_vs_before": same(st["level1"], st["verl_replica"]),
-        "trl_order_restore_vs_start": same(st["trl"], st["start"]),
-        ("verl_code_vs_fresh" if args.verl else "verl_order_again_vs_fresh"): same(st["verl"], f),
-        "changed_by_sync": max_diff(st["start"], st["push_nosleep"]),
-        "refused": life["refused"],
-        "verl_fp8_path_taken": st.get("verl_fp8_path"),
-        "inplace_layers": life.get("inplace_layers"), "timing": life.get("timing"),
-    })
-    row["tensors_only_in_one"] = sorted(fd.keys() ^ ld.keys())[:20]
-    checks = [v for k, v in row.items() if isinstance(v, dict) and "max_dlogp" in v]
+    row = {"tensors_differing_from_fresh": sorted(n for n in fd.keys() & ld.keys() if fd[n] != ld[n]),
+           "tensors_only_in_one": sorted(fd.keys() ^ ld.keys())[:20],
+           "push_nosleep_vs_fresh": same(st["push_nosleep"], f),
+           "back_nosleep_vs_start": same(st["back_nosleep"], st["start"]),
+           "changed_by_sync": max_diff(st["start"], st["push_nosleep"]),
+           "inplace_layers": life.get("inplace_layers"), "timing": life.get("timing")}
+    if not no_sleep:
+        row.update({
+            "verl_order_vs_fresh": same(st["verl_replica"], f),
+            "level1_vs_before": same(st["level1"], st["verl_replica"]),
+            "trl_order_restore_vs_start": same(st["trl"], st["start"]),
+            ("verl_code_vs_fresh" if verl else "verl_order_again_vs_fresh"): same(st["verl"], f),
+            "refused": life["refused"], "verl_fp8_path_taken": st.get("verl_fp8_path")})
+    checks = [v for v in row.values() if isinstance(v, dict) and "max_dlogp" in v]
     row["passed"] = (all(c["max_dlogp"] == 0.0 and c["tokens_equal"] and c.get("kv_scales_equal", True)
-                         for c in checks) and row["changed_by_sync"] > 0.01
-                     and "full weight sync" in (row["refused"] or "") and not row["verl_fp8_path_taken"])
+                         for c in checks) and row["changed_by_sync"] > 0.01 and not row["tensors_differing_from_fresh"]
+                     and (no_sleep or ("full weight sync" in (row["refused"] or "") and not row["verl_fp8_path_taken"])))
     return row
+
+
+def from_dir(work: Path, verl: bool, no_sleep: bool) -> list[dict]:
+    """Rows for every case whose two probes finished in `work` (a run in progress, or results
+    copied back from the GPU host)."""
+    rows = []
+    for life in sorted(work.glob("*-life.json")):
+        tag = life.name.removesuffix("-life.json")
+        fresh = work / f"{tag}-fresh.json"
+        if fresh.is_file():
+            case, kv = tag.rsplit("-kv", 1)
+            rows.append({"case": case, "kv": kv, **compare(json.loads(fresh.read_text()), json.loads(life.read_text()),
+                                                           verl, no_sleep)})
+    return rows
+
+
+def print_table(result: dict, verl: bool, no_sleep: bool) -> None:
+    print(f"\nengine lifecycle on {result['device']}, vLLM {result['vllm']}, {result['engines']}, "
+          f"{'no sleep mode' if no_sleep else 'sleep mode'}")
+    keys = ["push_nosleep_vs_fresh", "back_nosleep_vs_start"] if no_sleep else \
+        ["push_nosleep_vs_fresh", "verl_order_vs_fresh", "level1_vs_before", "trl_order_restore_vs_start",
+         "verl_code_vs_fresh" if verl else "verl_order_again_vs_fresh"]
+    print(f"{'case':22} {'kv':3} " + " ".join(f"{k[:14]:>14}" for k in keys) + "  refused  differ  pass")
+    for r in result["cases"]:
+        if "error" in r:
+            print(f"{r['case']:22} {r['kv']:3} ERROR")
+            continue
+        cells = " ".join(f"{r[k]['max_dlogp']:14.2e}" for k in keys)
+        print(f"{r['case']:22} {r['kv']:3} {cells}  {'yes' if r.get('refused') else '-':7} "
+              f"{len(r['tensors_differing_from_fresh']):6}  {'ok' if r['passed'] else 'FAIL'}")
 
 
 def main() -> None:
@@ -154,7 +183,17 @@ def main() -> None:
     ap.add_argument("--no-sleep", action="store_true", help="baseline: engines without sleep mode, pushes only")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--engine-args", type=json.loads, default={})
+    ap.add_argument("--report-dir", type=Path, default=None,
+                    help="no engines: the table (and --json) of the probes finished in this work dir")
+    ap.add_argument("--device", default=None, help="with --report-dir: the GPU the probes ran on")
     args = ap.parse_args()
+    if args.report_dir is not None:
+        result = {"device": args.device or "?", "vllm": "0.26.0", "verl": args.verl, "sleep_mode": not args.no_sleep,
+                  "engines": "eager" if args.eager else "compiled (FULL_AND_PIECEWISE)",
+                  "cases": from_dir(args.report_dir, args.verl, args.no_sleep)}
+        args.json.write_text(json.dumps(result, indent=2))
+        print_table(result, args.verl, args.no_sleep)
+        return
     import torch
     import vllm
 
@@ -170,19 +209,9 @@ def main() -> None:
         for row in as_completed([pool.submit(run_case, c, kv, models, work, args) for c, kv in todo]):
             result["cases"].append(row.result())
             args.json.write_text(json.dumps(result, indent=2))
-    rows = sorted(result["cases"], key=lambda r: todo.index((r["case"], r["kv"])))
-    print(f"\nengine lifecycle on {result['device']}, vLLM {result['vllm']}, {result['engines']}, sleep mode")
-    keys = ["push_nosleep_vs_fresh", "back_nosleep_vs_start"] if args.no_sleep else \
-        ["push_nosleep_vs_fresh", "verl_order_vs_fresh", "level1_vs_before", "trl_order_restore_vs_start",
-         "verl_code_vs_fresh" if args.verl else "verl_order_again_vs_fresh"]
-    print(f"{'case':22} {'kv':3} " + " ".join(f"{k[:14]:>14}" for k in keys) + "  refused  differ  pass")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['case']:22} {r['kv']:3} ERROR")
-            continue
-        cells = " ".join(f"{r[k]['max_dlogp']:14.2e}" for k in keys)
-        print(f"{r['case']:22} {r['kv']:3} {cells}  {'yes' if r.get('refused') else '-':7} "
-              f"{len(r['tensors_differing_from_fresh']):6}  {'ok' if r['passed'] else 'FAIL'}")
+    result["cases"].sort(key=lambda r: todo.index((r["case"], r["kv"])))
+    args.json.write_text(json.dumps(result, indent=2))
+    print_table(result, args.verl, args.no_sleep)
 
 
 if __name__ == "__main__":
