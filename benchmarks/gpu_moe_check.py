@@ -114,7 +114,7 @@ def main() -> None:
                 continue
             fresh = grc.probe(tmp, f"{tag}-fresh", env, model=str(mp), **eng)["stages"][0]
             r = grc.probe(tmp, f"{tag}-sync", env, model=str(m), push=[str(mp), str(m)], push_trainer=[str(mp)],
-                          reload=[str(mp)], **eng)
+                          reload=[str(mp)], **eng, push_device="cuda" if gpu else None)
             start, pushed, restored, trainer, reloaded = r["stages"]
             if cfg != "bf16" and bf16 is not None:
                 mean, mx = diffs(start, bf16)

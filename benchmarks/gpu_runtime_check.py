@@ -149,7 +149,8 @@ def main() -> None:
         paths = {"push": [str(tmp / "mp"), str(tmp / "m")]}
         if args.reload:
             paths["reload"] = [str(tmp / "mp"), str(tmp / "m")]
-        r = probe(tmp, f"sync-{name.split()[0]}", env, model=str(tmp / "m"), **paths, **eng)
+        # GPU tensors, as a trainer pushes them (CPU-quantized references: device-independent math)
+        r = probe(tmp, f"sync-{name.split()[0]}", env, model=str(tmp / "m"), **paths, **eng, push_device="cuda")
         start, after, back = r["stages"][:3]
         row = {"config": name, "tokens_equal": after["tokens"] == fresh["tokens"],
                "max_dlogp_vs_fresh": max_diff(after, fresh), "changed_by_sync": max_diff(start, after),
