@@ -66,7 +66,7 @@ def sync_in_worker(model_path: str, native: bool, repeats: int, inplace: bool = 
         sync = getattr(model, "flashrl_sync", None)
         plan = sync.inplace if sync is not None else None
         if sync is not None and not inplace:
-            from flashrl_tools.runtime.vllm_inplace import InPlacePlan
+            from flashrl_tools.runtime.vllm.inplace import InPlacePlan
 
             sync.inplace = InPlacePlan()
         for _ in range(repeats):

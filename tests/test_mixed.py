@@ -97,7 +97,7 @@ def test_runtime_serves_an_online_checkpoint_with_the_kept_layers(tiny_models, t
     are BF16; the sync converter quantizes exactly the others. Bad patterns stop it with one error."""
     from flashrl_tools.runtime.config import resolve
     from flashrl_tools.runtime.convert import WeightConverter
-    from flashrl_tools.runtime.vllm_compat import engine_overrides
+    from flashrl_tools.runtime.vllm.engine_args import engine_overrides
 
     monkeypatch.setenv("FLASHRL_HOME", str(tmp_path / "home"))
     src = tiny_models["llama-untied"]

@@ -160,12 +160,12 @@ def test_cpu_engine_refuses_8bit_moe_at_start(moe_models):
     (not vLLM's kernel-selection traceback); every 8-bit config takes the same check."""
     from flashrl_tools.errors import FlashRLError
     from flashrl_tools.runtime.config import resolve
-    from flashrl_tools.runtime.vllm_compat import _refuse_8bit_moe_on_cpu
+    from flashrl_tools.runtime.vllm.engine_args import refuse_8bit_moe_on_cpu
 
     for config in ("fp8", "int8"):
         with pytest.raises(FlashRLError, match="cannot serve 8-bit"):
-            _refuse_8bit_moe_on_cpu(resolve(config), str(moe_models["mixtral"]))
-    _refuse_8bit_moe_on_cpu(resolve("bf16"), str(moe_models["mixtral"]))  # BF16 MoE is served
+            refuse_8bit_moe_on_cpu(resolve(config), str(moe_models["mixtral"]))
+    refuse_8bit_moe_on_cpu(resolve("bf16"), str(moe_models["mixtral"]))  # BF16 MoE is served
     config = "int8"
     code = ("from vllm import LLM\n"
             "try:\n"
@@ -184,7 +184,7 @@ def test_fp8_on_a_moe_model_serves_per_channel_experts(moe_models, tmp_path, mon
     in-place sync writes; per-tensor ones go to Marlin): every expert weight has one scale per
     output row, routers stay BF16. Dense models keep vLLM's online FP8."""
     from flashrl_tools.runtime.config import resolve
-    from flashrl_tools.runtime.vllm_compat import engine_overrides
+    from flashrl_tools.runtime.vllm.engine_args import engine_overrides
 
     monkeypatch.setenv("FLASHRL_HOME", str(tmp_path))
     served = engine_overrides(resolve("fp8"), str(moe_models["qwen3_moe"]))

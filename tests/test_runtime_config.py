@@ -28,7 +28,7 @@ def test_shortcuts_and_unset(monkeypatch):
 def test_lmhead_fp32_sets_vllms_head_dtype_and_keeps_user_overrides(monkeypatch):
     from types import SimpleNamespace
 
-    from flashrl_tools.runtime.vllm_compat import _merge_hf_overrides, engine_overrides
+    from flashrl_tools.runtime.vllm.engine_args import engine_overrides, merge_hf_overrides
 
     monkeypatch.delenv("FLASHRL_LMHEAD_FP32", raising=False)
     assert "hf_overrides" not in engine_overrides(resolve("bf16"), "unused")
@@ -36,8 +36,8 @@ def test_lmhead_fp32_sets_vllms_head_dtype_and_keeps_user_overrides(monkeypatch)
     rc = resolve("bf16")
     assert rc.lmhead_fp32 and engine_overrides(rc, "unused")["hf_overrides"] == {"head_dtype": "float32"}
     extra = {"head_dtype": "float32"}
-    assert _merge_hf_overrides({"rope_theta": 1.0}, extra) == {"rope_theta": 1.0, "head_dtype": "float32"}
-    cfg = _merge_hf_overrides(lambda c: SimpleNamespace(**vars(c), seen=True), extra)(SimpleNamespace(a=1))
+    assert merge_hf_overrides({"rope_theta": 1.0}, extra) == {"rope_theta": 1.0, "head_dtype": "float32"}
+    cfg = merge_hf_overrides(lambda c: SimpleNamespace(**vars(c), seen=True), extra)(SimpleNamespace(a=1))
     assert (cfg.a, cfg.seen, cfg.head_dtype) == (1, True, "float32")
 
 

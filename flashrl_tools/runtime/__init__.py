@@ -12,7 +12,7 @@ def apply(config: str | RuntimeConfig | None = None) -> RuntimeConfig | None:
     """Install the runtime hooks for `config` (default: FLASHRL_CONFIG). Returns the active
     config, or None when FLASHRL_CONFIG is unset (vLLM left untouched)."""
     from flashrl_tools.runtime.logs import configure_logging
-    from flashrl_tools.runtime.vllm_compat import install
+    from flashrl_tools.runtime.vllm import install
 
     rc = resolve(config) if isinstance(config, str) else (config or from_env())
     if rc is None:

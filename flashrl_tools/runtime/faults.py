@@ -21,14 +21,14 @@ FAULTS = {
 def inject(fault: str) -> None:
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
-    from flashrl_tools.runtime import vllm_compat
+    from flashrl_tools.runtime.vllm import kv_scales, weight_sync
     from flashrl_tools.runtime.convert import WeightConverter
 
     if fault == "skip_kv_recalibration":
-        vllm_compat.KVCalibrator.stale = lambda self: self.calibrated_at is None
+        kv_scales.KVCalibrator.stale = lambda self: self.calibrated_at is None
         return
     if fault == "keep_caller_views":
-        vllm_compat.WeightSync._own = lambda self, tensor, callers: tensor
+        weight_sync.WeightSync._own = lambda self, tensor, callers: tensor
         return
 
     if fault == "noop":
@@ -37,7 +37,7 @@ def inject(fault: str) -> None:
                 pass
             return set()
 
-        vllm_compat.WeightSync.load_weights = load_weights
+        weight_sync.WeightSync.load_weights = load_weights
         return
 
     convert = WeightConverter.convert

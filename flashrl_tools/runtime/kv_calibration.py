@@ -11,7 +11,7 @@ attention layer's absolute maximum of q, k and v over all their tokens, and sets
 
 A fresh engine started on the same weights runs the same sequences through the same kernels,
 so it gets the same scales; whichever sync path delivered the weights does not enter. Pure
-torch here; the engine side (hooks, writing the scales) is in vllm_compat.py.
+torch here; the engine side (hooks, writing the scales) is in runtime/vllm/kv_scales.py.
 """
 
 from __future__ import annotations

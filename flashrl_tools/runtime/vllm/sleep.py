@@ -123,6 +123,13 @@ class KernelTensorBackup:
         return restored
 
 
+def hook_sleep_mode(rc) -> None:
+    """Sleep levels 1 and 2 under the runtime (the kept MoE kernels are roots of the backup)."""
+    from flashrl_tools.runtime.vllm.fixes import first_moe_kernels
+
+    install_sleep_hooks(lambda: list(first_moe_kernels.values()))
+
+
 def install_sleep_hooks(kept_kernels) -> None:
     """Wrap vLLM's GPU worker `sleep` / `wake_up` (CPU workers have no sleep mode: nothing to do).
     `kept_kernels()`: the MoE kernels the runtime keeps alive for captured CUDA graphs."""
