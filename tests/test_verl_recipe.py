@@ -15,17 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, prepare_verl
 
 HAVE_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (scripts/install.sh installs it)")
-
-
-def _prepare_verl():
-    spec = importlib.util.spec_from_file_location("sync_probe", REPO / "examples" / "sync_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    probe.prepare_verl()
 
 
 def _data_module():
@@ -37,7 +30,7 @@ def _data_module():
 
 @needs_verl
 def test_verl_reads_the_dataset_and_scores_with_our_reward(default_model, tmp_path):
-    _prepare_verl()
+    prepare_verl()
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from verl.trainer.ppo.reward import get_custom_reward_fn

@@ -20,16 +20,16 @@ step failed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
 import traceback
 
 
-def push_checkpoint(path: str, reuse_buffer: bool = True):
+def push_checkpoint(path: str):
     """A function for collective_rpc: stream a checkpoint into the worker's model, one tensor per
-    `model.load_weights` call. With `reuse_buffer` (default) every tensor is handed over as a view
-    into one staging buffer on the model's device that is overwritten with NaN right after the
+    `model.load_weights` call. Every tensor is handed over as a view into one staging buffer on the model's device that is overwritten with NaN right after the
     call, as a trainer reuses its transfer buffer (verl's bucket buffer): a sync that kept a view
     of what it was given instead of a copy serves NaN."""
 
@@ -40,16 +40,10 @@ def push_checkpoint(path: str, reuse_buffer: bool = True):
 
         model = worker.model_runner.model
         reader = CheckpointReader(path)
-        staging = None
-        if reuse_buffer:
-            device = next(model.parameters()).device
-            size = max(reader.dtype(n).itemsize * _numel(reader.shape(n)) for n in reader.names())
-            staging = torch.empty(size, dtype=torch.uint8, device=device)
+        size = max(reader.dtype(n).itemsize * math.prod(reader.shape(n)) for n in reader.names())
+        staging = torch.empty(size, dtype=torch.uint8, device=next(model.parameters()).device)
         t0 = time.perf_counter()
         for name, tensor in reader.iter_tensors():
-            if staging is None:
-                model.load_weights([(name, tensor)])
-                continue
             used = staging[:tensor.numel() * tensor.element_size()]
             view = used.view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
@@ -58,13 +52,6 @@ def push_checkpoint(path: str, reuse_buffer: bool = True):
         return {"seconds": time.perf_counter() - t0}
 
     return push
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def observe(llm, step: dict) -> dict:
