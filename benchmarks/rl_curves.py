@@ -17,8 +17,8 @@ recognised per line. Per step it reads:
 
 Writes OUT.png (reward, mismatch, rollout seconds vs step; one line per run, one colour per
 config) and OUT.json: per run the final reward (mean of the last `--last` steps), mean mismatch
-and rollout seconds, the final engine check when the log has one; per config the seeds' mean and
-spread, and for every config but bf16 whether its final reward lies within the bf16 seeds'
+and rollout seconds (over steps <= `--until` when given), the final engine check when the log has one;
+per config the seeds' mean and spread, and for every config but bf16 whether its final reward lies within the bf16 seeds'
 spread (or how far outside).
 """
 
@@ -148,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.png and OUT.json")
     ap.add_argument("--title", default="")
     ap.add_argument("--last", type=int, default=10, help="steps averaged for the final reward")
+    ap.add_argument("--until", type=int, default=None,
+                    help="the table reads steps <= UNTIL only (runs that stopped at different steps "
+                         "compared at the same step); the plot shows every step")
     args = ap.parse_args(argv)
     runs, finals = {}, {}
     try:
@@ -159,7 +162,8 @@ def main(argv=None) -> int:
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    table = summarize(runs, finals, args.last)
+    upto = {lb: [r for r in steps if args.until is None or r["step"] <= args.until] for lb, steps in runs.items()}
+    table = {**summarize(upto, finals, args.last), "until_step": args.until}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, args.out.with_suffix(".png"), args.title)
     tmp = args.out.with_suffix(".tmp.json")

@@ -27,7 +27,6 @@ RESULT: {"stages": {name: observation}, "refused": message or null, "digest": {t
 (`digest`: every parameter and buffer, and every tensor kernel objects hold, after the last stage.)
 """
 
-import hashlib
 import json
 import os
 import subprocess
@@ -118,22 +117,10 @@ def push_checkpoint(path):
 
 
 def digest(worker):
-    """sha1 of every parameter and buffer and of every CUDA tensor kernel objects hold (paths in
-    the model; KV-cache tensors and anything over 256 MiB left out)."""
-    import torch
+    """sha1 of every parameter and buffer and of every tensor kernel objects hold."""
+    from flashrl_tools.runtime.vllm.digest import worker_digest
 
-    from flashrl_tools.runtime.vllm.sleep import kernel_held_tensors
-
-    model = worker.model_runner.model
-    out = {}
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    tensors.update({f"kernel:{p}": t for p, t in kernel_held_tensors(model).items()
-                    if "kv_cache" not in p and t.numel() * t.element_size() < 256 << 20})
-    for name, t in tensors.items():
-        data = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
-        out[name] = hashlib.sha1(data).hexdigest()[:16]
-    return out
+    return worker_digest(worker)
 
 
 def verl_handle():

@@ -23,6 +23,7 @@ REQUEST: {"model": dir, "sequences": [[ids]], "max_tokens": n, "push": [dir, ...
                   BucketedWeightSender (shared-memory buckets over ZMQ) in the trainer; needs verl),
           "sample": {"prompt": [ids], "temperature", "top_k", "max_tokens", "seed"} | null
                     (sampled tokens with the engine's logprobs of them and of its top-k),
+          "digest": bool (the workers' weight digest at start, runtime/vllm/digest.py),
           "engine_kwargs": {...} (extra vllm.LLM arguments)}
 """
 
@@ -274,6 +275,11 @@ def main():
                 "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                 **({"kv_scales": llm.collective_rpc("flashrl_kv_scales")[0]} if fp8_kv else {}), **(extra or {})}
 
+    start_digest = None
+    if req.get("digest"):
+        from flashrl_tools.runtime.vllm.digest import worker_digest
+
+        start_digest = llm.collective_rpc(worker_digest)[0]
     stages = [observe("start")]
     for path in req.get("push", []):
         info = llm.collective_rpc(push_checkpoint(path, device=req.get("push_device")))[0]
@@ -335,7 +341,7 @@ def main():
         stages.append(observe("after-repeat"))
     with open(sys.argv[2], "w") as f:
         json.dump({"stages": stages, "refused": refused, "discarded": discarded, "memory": memory, "sampled": sampled,
-                   "inplace_layers": _inplace_layers(llm),
+                   "inplace_layers": _inplace_layers(llm), "start_digest": start_digest,
                    "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}, f)
 
 

@@ -22,7 +22,7 @@ from flashrl_tools.fsutil import atomic_output_dir, check_output_dir
 from flashrl_tools.mixed import KeepSpec, kept_modules, kept_weights
 from flashrl_tools.model_structure import model_layout, read_config
 from flashrl_tools.quant_config import FP8_POW2_KEY, quantization_config
-from flashrl_tools.quantizer import QuantFn, output_specs, quantize_weight
+from flashrl_tools.quantizer import QuantFn, as_served, output_specs, quantize_weight, served_dtype
 from flashrl_tools.safetensors_io import INDEX_NAME, CheckpointReader, PlannedTensor, write_checkpoint
 
 # Files beside the weights that a serving engine needs (tokenizer, chat template, generation).
@@ -68,7 +68,7 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
     plan: list[PlannedTensor] = []
     for name in reader.names():
         if name in target_set:
-            specs = output_specs(fn, reader.shape(name), reader.dtype(name))
+            specs = output_specs(fn, reader.shape(name), served_dtype(reader.dtype(name)))
             plan.append(PlannedTensor(name, specs["weight"].shape, specs["weight"].dtype))
             plan.append(PlannedTensor(f"{name}_scale", specs["weight_scale"].shape,
                                       specs["weight_scale"].dtype))
@@ -78,7 +78,7 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in reader.iter_tensors():
             if name in target_set:
-                q = quantize_weight(fn, tensor, pow2)
+                q = quantize_weight(fn, as_served(tensor), pow2)
                 yield name, q.weight
                 yield f"{name}_scale", q.weight_scale
             else:

@@ -49,6 +49,19 @@ class QuantizedWeight:
     weight_scale: torch.Tensor  # [out, 1] (channel), [1] (tensor), [ceil(out/128), ceil(in/128)] (block)
 
 
+def served_dtype(dtype: torch.dtype) -> torch.dtype:
+    """8-bit weights serve a BF16 engine: an FP32/FP64 weight (a trainer's master weights, verl's
+    FP32 `hf_model` checkpoint) is quantized from its BF16 rounding -- the rounding the engine
+    gives every tensor it keeps in BF16 -- so quantizing a checkpoint and syncing the same tensors
+    give the same bytes. Other dtypes are quantized as they are."""
+    return torch.bfloat16 if dtype in (torch.float32, torch.float64) else dtype
+
+
+def as_served(w: torch.Tensor) -> torch.Tensor:
+    """`w` in `served_dtype`: what `quantize_weight(s)` should be given."""
+    return w.to(served_dtype(w.dtype))
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of a tensor, known before it is computed (lets writers plan ahead)."""

@@ -11,11 +11,15 @@ mkdir -p "$DEST"
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 python3 -m pip download -q --no-deps $PLAT -d "$DEST" \
   verl==0.9.1 tensordict==0.10.0 omegaconf==2.3.0 hydra-core==1.3.8 codetiming==1.4.0 pyvers==0.1.0 \
-  orjson==3.13.0 importlib_metadata zipp uvicorn
+  orjson==3.13.0 importlib_metadata zipp uvicorn accelerate
 # the trainers themselves (issue 30: verl's GRPO trainer, TRL's GRPOTrainer; not run on the GPU yet,
 # so this list is what they import on the CPU machine minus what the GPU image has)
 python3 -m pip download -q --no-deps $PLAT -d "$DEST" \
   datasets multiprocess dill torchdata pylatexenc trl==1.16.0
+# verl 0.9.1's trainer (trainer.use_v1, its default) imports TransferQueue
+# and vLLM's OpenAI server (verl's rollout server) imports model-hosting-container-standards (not in the bundle)
+python3 -m pip download -q --no-deps $PLAT -d "$(dirname "$DEST")/t2" TransferQueue==0.1.11 \
+  model-hosting-container-standards==0.1.16 jmespath supervisor
 # antlr4 4.9.3 (omegaconf's pin) is published as an sdist only: build its pure-Python wheel here
 python3 -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w "$DEST"
 ls -la "$DEST"

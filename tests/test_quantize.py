@@ -220,3 +220,39 @@ print(json.dumps({{"base": base, "peak": hwm(), "model": sum(PlannedTensor(n, s,
     # one 2 MiB tensor in, its fp32 temporaries and int8 out: a few tensors' worth, not the model
     print(f"peak RSS grew {extra / 2**20:.1f} MiB quantizing a {m['model'] / 2**20:.0f} MiB model")
     assert extra < 40 * 2**20, f"peak grew by {extra / 2**20:.1f} MiB for a {m['model'] / 2**20:.0f} MiB model"
+
+
+@pytest.mark.parametrize("fn", [QuantFn.int8, QuantFn.fp8_channel])
+def test_fp32_checkpoint_quantizes_as_the_sync_of_its_tensors(fn, tiny_models, tmp_path):
+    """verl saves the trainer's FP32 master weights (`hf_model`) and pushes the same FP32 tensors to
+    the rollout engine. A fresh engine on that checkpoint must hold the bytes the sync wrote:
+    `quantize` and the sync both quantize the BF16 rounding (quantizer.served_dtype). Measured on
+    the H100 before this rule: a verl int8 run's engine differed from a fresh one in 420 tensors."""
+    from safetensors.torch import save_file
+
+    from flashrl_tools.runtime.convert import WeightConverter
+    from flashrl_tools.setup.schema import ConfigFn
+
+    src = tiny_models["qwen3-untied"]
+    fp32 = tmp_path / "fp32"
+    fp32.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
+            (fp32 / f.name).write_bytes(f.read_bytes())
+    reader = CheckpointReader(src)
+    gen = torch.Generator().manual_seed(0)
+    master = {n: (t.float() + 1e-4 * torch.randn(t.shape, generator=gen)) if PROJ.search(n) else t.float()
+              for n, t in reader.iter_tensors()}  # not representable in BF16, as trained weights
+    save_file(master, fp32 / "model.safetensors")
+    out = quantize(fp32, tmp_path / "q", fn).out
+    after = CheckpointReader(out)
+    converter = WeightConverter.for_checkpoint(ConfigFn(fn.value), out, None)
+    synced = dict(pair for name in master if PROJ.search(name) for pair in converter.convert(name, master[name]))
+    assert len(synced) == 2 * 14
+    for name, tensor in synced.items():
+        assert tensor.dtype == after.dtype(name) and torch.equal(tensor, after.get(name)), name
+    # the same bytes as quantizing the BF16 rounding of the checkpoint
+    from flashrl_tools.quantizer import quantize_weight
+
+    name = next(n for n in master if PROJ.search(n))
+    assert torch.equal(quantize_weight(fn, master[name].to(torch.bfloat16)).weight, after.get(name))

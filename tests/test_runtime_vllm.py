@@ -78,13 +78,18 @@ def multiprocess_int8(default_model, perturbed, tmp_path_factory) -> dict:
     """One multiprocess engine (vLLM's default) with FLASHRL_CONFIG=int8 and verl's worker
     extension, synced by every trainer path in turn: one tensor per call (perturbed, original),
     vLLM's reload_weights (perturbed, original), verl's own bucketed sync (perturbed, original),
-    then an interrupted push and a full one. (One engine start for what two tests check.)"""
+    then an interrupted push and a full one. (One engine start for what two tests check.) The
+    runtime writes the weight digest after every sync (FLASHRL_SYNC_DIGEST)."""
     req = dict(model=str(default_model), push=[str(perturbed), str(default_model)],
                reload=[str(perturbed), str(default_model)], partial_push=str(default_model),
-               discard=str(default_model))
+               discard=str(default_model), digest=True)
     if HAVE_VERL:
         req["verl"] = [str(perturbed), str(default_model)]
-    r = probe(tmp_path_factory.mktemp("mp"), "synced", {"FLASHRL_CONFIG": "int8"}, **req)
+    tmp = tmp_path_factory.mktemp("mp")
+    r = probe(tmp, "synced", {"FLASHRL_CONFIG": "int8", "FLASHRL_SYNC_DIGEST": str(tmp / "digest")}, **req)
+    files = sorted((tmp / "digest").glob("tp0-sync*.json"), key=lambda f: int(f.stem.split("sync")[1]))
+    r["sync_digests"] = [int(f.stem.split("sync")[1]) for f in files]
+    r["sync_digest"] = json.loads(files[-1].read_text())
     names = ["start", "after_pert", "after_orig", "reload_pert", "reload_orig"] + \
         (["verl_pert", "verl_orig"] if HAVE_VERL else []) + ["after_retry", "after_discard"]
     assert len(r["stages"]) == len(names)
@@ -107,6 +112,16 @@ def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(multiprocess_int8,
     # multiprocess engine core survives, a full push serves the weights again
     assert r["discarded"] and "full weight sync" in r["discarded"]
     assert_same(st["after_discard"], st["start"], "full sync after the weights were discarded")
+    # the last sync pushed the original weights: its digest (every parameter, buffer and
+    # kernel-held tensor) is the start-up engine's, which is a fresh engine on those weights
+    from flashrl_tools.runtime.vllm.digest import compare
+
+    last, start = r["sync_digest"], r["start_digest"]
+    assert r["sync_digests"] == list(range(1, last["sync"] + 1)) and last["sync"] >= 6  # one file per sync
+    assert last["tensors"] == len(start) > 100
+    assert compare(last["digest"], start) == {"tensors": len(start), "only_first": [], "only_second": [], "differ": []}
+    before_last = {**start, next(iter(start)): "0" * 16}
+    assert compare(before_last, start)["differ"] == [next(iter(start))]  # the comparison can fail
     print(f"\nint8 sync: {st['after_pert']['seconds']:.2f} s for {len(st['after_pert']['tokens'])} prompts' model; "
           f"max |Δ logp| vs fresh engine {d:.2e}")
 

@@ -61,6 +61,7 @@ def test_recipe_composes_into_a_verl_config(default_model, tmp_path):
         "sys.argv = ['main_ppo', '--cfg', 'job'] + sys.argv[1:]\n"
         "runpy.run_module('verl.trainer.main_ppo', run_name='__main__')\n")
     env = {**os.environ, "FLASHRL_CONFIG": "int8", "SEED": "3", "STEPS": "4", "OUT": str(tmp_path / "run"),
+           "FINAL_CHECK": "1",
            "MODEL": str(default_model), "VERL_MAIN": f"{sys.executable} {wrapper}",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     res = subprocess.run(["bash", str(REPO / "examples" / "verl" / "run_grpo_smollm2.sh")], env=env,
@@ -75,8 +76,16 @@ def test_recipe_composes_into_a_verl_config(default_model, tmp_path):
     assert cfg["algorithm"]["rollout_correction"]["rollout_is"] == "token"
     assert cfg["algorithm"]["rollout_correction"]["rollout_is_threshold"] == 2.0
     assert cfg["trainer"]["total_training_steps"] == 4 and cfg["trainer"]["n_gpus_per_node"] == 1
-    assert cfg["reward"]["custom_reward_function"]["path"] == "examples/verl/arith_reward.py"
-    assert cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["FLASHRL_CONFIG"] == "int8"
+    assert cfg["reward"]["custom_reward_function"]["path"] == str(REPO / "examples" / "verl" / "arith_reward.py")
+    env_vars = cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+    assert env_vars["FLASHRL_CONFIG"] == "int8"
+    # FINAL_CHECK=1: what benchmarks/verl_final_check.py reads after the run, at absolute paths
+    run = tmp_path / "run"
+    assert env_vars["FLASHRL_SYNC_DIGEST"] == str(run / "digest-verl-int8-s3")
+    assert cfg["trainer"]["save_freq"] == 4 and cfg["trainer"]["test_freq"] == 4
+    assert cfg["trainer"]["default_local_dir"] == str(run / "ckpt-verl-int8-s3")
+    assert cfg["trainer"]["validation_data_dir"] == str(run / "val-verl-int8-s3")
+    assert cfg["actor_rollout_ref"]["actor"]["checkpoint"]["save_contents"] == ["hf_model"]
     assert (tmp_path / "run" / "data" / "train.parquet").is_file()
 
 

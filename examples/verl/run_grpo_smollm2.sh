@@ -8,26 +8,40 @@
 #   -> runs/verl/verl-int8-s0.jsonl (verl's file logger: reward, rollout_corr/*, timing_s/*)
 #   python benchmarks/rl_curves.py --out docs/rl/verl-smollm2 bf16/0=runs/verl/verl-bf16-s0.jsonl ...
 #
-# Extra arguments are verl (hydra) overrides. VERL_MAIN replaces `python3 -m verl.trainer.main_ppo`
-# (tests/test_verl_recipe.py composes the config with it on a machine without a GPU).
+# FINAL_CHECK=1 keeps what benchmarks/verl_final_check.py compares after the run: the actor's weights
+# (verl's hf_model checkpoint, OUT/ckpt-RUN, at the last step and every CHECK_EVERY steps, so a run
+# cut short can still be checked), the rollout engine's weight digest after every sync
+# (FLASHRL_SYNC_DIGEST=OUT/digest-RUN) and verl's greedy validation after the same syncs (OUT/val-RUN). Extra arguments are verl (hydra) overrides. VERL_MAIN replaces
+# `python3 -m verl.trainer.main_ppo` (tests/test_verl_recipe.py composes the config with it on a
+# machine without a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export FLASHRL_CONFIG=${FLASHRL_CONFIG:?set FLASHRL_CONFIG: bf16, int8, fp8 or a config YAML}
 SEED=${SEED:-0}
 STEPS=${STEPS:-100}
 BATCH=${BATCH:-32}       # prompts per step (x N=8 completions)
-OUT=${OUT:-runs/verl}
+OUT=$(realpath -m "${OUT:-runs/verl}")   # absolute: verl's driver and workers are Ray actors
 MODEL=${MODEL:-$(python3 -m flashrl_tools models default)}
 DATA=$OUT/data
 [ -f "$DATA/train.parquet" ] || python3 examples/verl/arith_data.py "$DATA" --train $((STEPS * BATCH)) --seed 0 >/dev/null
 TAG=$(basename "$FLASHRL_CONFIG" .yaml)
-export VERL_FILE_LOGGER_PATH=${VERL_FILE_LOGGER_PATH:-$OUT/verl-$TAG-s$SEED.jsonl}
+RUN=verl-$TAG-s$SEED
+export VERL_FILE_LOGGER_PATH=${VERL_FILE_LOGGER_PATH:-$OUT/$RUN.jsonl}
+CHECK=()
+if [ "${FINAL_CHECK:-0}" = 1 ]; then  # every CHECK_EVERY steps and at the last (only the latest kept)
+  CHECK=(trainer.save_freq="${CHECK_EVERY:-$STEPS}" "actor_rollout_ref.actor.checkpoint.save_contents=['hf_model']"
+         trainer.max_actor_ckpt_to_keep=1
+         trainer.default_local_dir="$OUT/ckpt-$RUN" trainer.test_freq="${CHECK_EVERY:-$STEPS}"
+         trainer.validation_data_dir="$OUT/val-$RUN"
+         +ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_SYNC_DIGEST="$OUT/digest-$RUN")
+fi
 MAIN=${VERL_MAIN:-python3 -m verl.trainer.main_ppo}
 $MAIN \
   algorithm.adv_estimator=grpo \
   data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
   data.train_batch_size="$BATCH" data.max_prompt_length=64 data.max_response_length=32 data.seed="$SEED" \
   actor_rollout_ref.model.path="$MODEL" \
+  +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False \
   actor_rollout_ref.actor.optim.lr=1e-5 \
   actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH" \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 \
@@ -43,8 +57,8 @@ $MAIN \
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64 \
   algorithm.rollout_correction.rollout_is=token \
   algorithm.rollout_correction.rollout_is_threshold=2.0 \
-  reward.custom_reward_function.path=examples/verl/arith_reward.py reward.custom_reward_function.name=compute_score \
+  reward.custom_reward_function.path="$PWD/examples/verl/arith_reward.py" reward.custom_reward_function.name=compute_score \
   +ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG="$FLASHRL_CONFIG" \
   trainer.logger='["console","file"]' trainer.project_name=flashrl trainer.experiment_name="grpo-$TAG-s$SEED" \
   trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_epochs=1 trainer.total_training_steps="$STEPS" \
-  trainer.val_before_train=False trainer.test_freq=-1 trainer.save_freq=-1 "$@"
+  trainer.val_before_train=False trainer.test_freq=-1 trainer.save_freq=-1 "${CHECK[@]}" "$@"

@@ -18,7 +18,7 @@ from flashrl_tools.model_structure import has_weights, meta_model, model_layout,
 from flashrl_tools.profile.apply import kept_bf16
 from flashrl_tools.profile.format import Profile, load_profile
 from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales
-from flashrl_tools.quantizer import QuantFn, quantize_weight, quantize_weights, requantize_int8, smooth_norm
+from flashrl_tools.quantizer import QuantFn, as_served, quantize_weight, quantize_weights, requantize_int8, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.setup.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
@@ -79,10 +79,8 @@ class WeightConverter:
         return self._names.translate(name, tensor)
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if name in self.quantized and tensor.dtype in (torch.float32, torch.float64):
-            # verl and TRL push fp32 master weights: round to BF16 first, as a BF16 checkpoint of
-            # them would be, so scale and quotient are those of `quantize` of that checkpoint.
-            tensor = tensor.to(torch.bfloat16)
+        if name in self.quantized:  # verl and TRL push fp32 master weights (quantizer.served_dtype)
+            tensor = as_served(tensor)
         if self.served is None:  # vLLM itself handles BF16 / online FP8
             return [(name, tensor)]
         if name in self.quantized:
@@ -98,8 +96,7 @@ class WeightConverter:
             return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
         if self.profile is not None:
             if self.profile.linear(name) is not None:  # a linear kept in BF16 (mixed precision)
-                if tensor.dtype in (torch.float32, torch.float64):
-                    tensor = tensor.to(torch.bfloat16)  # as the checkpoint the engine started from
+                tensor = as_served(tensor)  # as the checkpoint the engine started from
                 return [(name, kept_bf16(self.profile, name, tensor, lambda k, t: self._on(k, t, tensor.device)))]
             divisor = self.profile.norm_divisor(name)
             if divisor is not None:
@@ -118,9 +115,7 @@ class WeightConverter:
         step = max(1, _CHUNK_ELEMENTS // (rows * cols))
         for start in range(0, len(group), step):
             chunk = group[start:start + step]
-            stacked = torch.stack([t for _, t in chunk])
-            if stacked.dtype in (torch.float32, torch.float64):
-                stacked = stacked.to(torch.bfloat16)  # as `convert` does for fp32 master weights
+            stacked = as_served(torch.stack([t for _, t in chunk]))
             for (name, _), q in zip(chunk, quantize_weights(self.served, stacked, self.pow2)):
                 out += [(name, q.weight), (f"{name}_scale", q.weight_scale)]
         return out

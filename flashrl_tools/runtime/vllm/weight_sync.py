@@ -22,6 +22,7 @@ from flashrl_tools.runtime.config import RuntimeConfig, env_flag
 from flashrl_tools.runtime.convert import WeightConverter
 from flashrl_tools.runtime.sync_state import SyncState
 from flashrl_tools.runtime.vllm import inplace
+from flashrl_tools.runtime.vllm.digest import write_after_sync
 from flashrl_tools.runtime.vllm.engine_args import fp8_kv
 from flashrl_tools.runtime.vllm.inplace import InPlacePlan
 
@@ -164,6 +165,7 @@ class WeightSync:
             module.quant_method.process_weights_after_loading(module)
         self.state.complete()
         log.info("flashrl: weight sync %d complete (%d tensors)", self.state.completed, len(self.state.seen))
+        write_after_sync(self.model, self.state.completed)  # FLASHRL_SYNC_DIGEST (a no-op unless set)
 
 
 def _device_sync(tensor: torch.Tensor) -> None:

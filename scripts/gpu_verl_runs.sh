@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 30's verl runs on one lent GPU, side by side (DEVELOPERS.md "GPU (device tool)"): every RUN
+# (CONFIG:SEED) is examples/verl/run_grpo_smollm2.sh with FINAL_CHECK=1 in its own Ray cluster and
+# its own /tmp (scripts/private_tmp.sh: verl's sync socket path is the same for every cluster),
+# then benchmarks/verl_final_check.py with the same FLASHRL_CONFIG. Started under setsid after
+# scripts/gpu_install.sh:
+#   STEPS=100 setsid nohup bash scripts/gpu_verl_runs.sh /root/res/verl bf16:0 int8:0 fp8:0 ... &
+# Per run: OUT/verl-CONFIG-sSEED.jsonl (verl's file logger + the final check), OUT/RUN.log, and
+# OUT/RUN.done when both finished. Many runs share the GPU: each vLLM engine gets a fixed 1 GiB KV
+# cache (kv_cache_memory_bytes skips vLLM's memory profiling, which other processes trip) and
+# verl's helper-process pools are cut to what one small model needs.
+set -uo pipefail
+OUT=${1:?usage: gpu_verl_runs.sh OUT CONFIG:SEED ...}; shift
+cd "$(dirname "$0")/.." || exit 1
+source scripts/gpu_env.sh
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=2
+unset VLLM_ENABLE_V1_MULTIPROCESSING   # verl runs vLLM's engine core as its own process
+mkdir -p "$OUT"
+MODEL=$(python3 -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())"); export MODEL
+python3 examples/verl/arith_data.py "$OUT/data" --train $(( ${STEPS:-100} * ${BATCH:-32} )) --seed 0 >/dev/null
+for spec in "$@"; do
+  cfg=${spec%%:*} seed=${spec##*:} run=verl-${spec%%:*}-s${spec##*:}
+  (
+    FLASHRL_CONFIG=$cfg SEED=$seed OUT=$OUT FINAL_CHECK=1 VLLM_CACHE_ROOT=/root/vc/$run \
+      CHECK_EVERY=${CHECK_EVERY:-10} bash scripts/private_tmp.sh "/root/tmp/$run" \
+      bash examples/verl/run_grpo_smollm2.sh \
+      +ray_kwargs.ray_init._temp_dir=/tmp/ray_$run +ray_kwargs.ray_init.include_dashboard=False \
+      +ray_kwargs.ray_init.object_store_memory=2000000000 \
+      actor_rollout_ref.rollout.gpu_memory_utilization=${GPU_UTIL:-0.08} \
+      +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=1073741824 \
+      actor_rollout_ref.rollout.agent.num_workers=2 reward.num_workers=2 data.dataloader_num_workers=0 \
+      transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
+      ${VERL_EXTRA:-} > "$OUT/$run.log" 2>&1
+    echo "train exit $?" >> "$OUT/$run.log"
+    FLASHRL_CONFIG=$cfg VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
+      python3 benchmarks/verl_final_check.py "$OUT" "$run" > "$OUT/$run.check.log" 2>&1
+    echo "check exit $?" >> "$OUT/$run.log"
+    touch "$OUT/$run.done"
+  ) &
+  sleep "${STAGGER:-20}"   # start-ups one after another (compile, memory checks)
+done
+wait
+touch "$OUT/ALLDONE"
