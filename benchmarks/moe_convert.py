@@ -25,7 +25,7 @@ from shapes import QWEN3_MOE  # noqa: E402
 
 from flashrl_tools.quantizer import QuantFn  # noqa: E402
 from flashrl_tools.runtime.convert import WeightConverter  # noqa: E402
-from flashrl_tools.setup.schema import ConfigFn  # noqa: E402
+from flashrl_tools.config.schema import ConfigFn  # noqa: E402
 
 
 def layer_groups(cfg: dict, device: str) -> list[list[tuple[str, torch.Tensor]]]:

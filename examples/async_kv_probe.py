@@ -33,7 +33,7 @@ async def main(original: str, perturbed: str, eager: bool, engine_args: dict) ->
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from flashrl_tools.runtime.engine_job import push_checkpoint
+    from flashrl_tools.verify.engine_job import push_checkpoint
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=perturbed, enforce_eager=eager, max_model_len=512,
                                                        **engine_args))
@@ -93,6 +93,6 @@ if __name__ == "__main__":
         subprocess.run([sys.executable, "-c", "import sys; from flashrl_tools.verify.perturb import perturb; "
                         "perturb(sys.argv[1], sys.argv[2])", a.original, a.perturbed], check=True)
     print("RESULT" + json.dumps(asyncio.run(main(a.original, a.perturbed, a.eager, a.engine_args))), flush=True)
-    from flashrl_tools.runtime.engine_job import exit_engine_process
+    from flashrl_tools.verify.engine_job import exit_engine_process
 
     exit_engine_process(0)

@@ -258,7 +258,7 @@ def _verl_fp8_detected(worker):
 
 
 if __name__ == "__main__":
-    from flashrl_tools.runtime.engine_job import exit_engine_process
+    from flashrl_tools.verify.engine_job import exit_engine_process
 
     main()
     exit_engine_process()

@@ -260,7 +260,7 @@ def main():
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
     n_top = req.get("prompt_logprobs", 0)
 
-    from flashrl_tools.runtime.engine_job import fp8_kv_cache
+    from flashrl_tools.verify.engine_job import fp8_kv_cache
 
     fp8_kv = fp8_kv_cache(llm)  # the runtime's recalibrated FP8 KV scales are recorded too
 
@@ -354,7 +354,7 @@ def _inplace_layers(llm) -> dict | None:
 
 
 if __name__ == "__main__":
-    from flashrl_tools.runtime.engine_job import exit_engine_process
+    from flashrl_tools.verify.engine_job import exit_engine_process
 
     main()
     exit_engine_process()

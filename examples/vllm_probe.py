@@ -40,6 +40,6 @@ if req.get("score"):
 with open(out_path, "w") as f:
     json.dump({"prompt_ids": prompt_ids, "greedy": greedy, "scored": scored}, f)
 
-from flashrl_tools.runtime.engine_job import exit_engine_process  # noqa: E402
+from flashrl_tools.verify.engine_job import exit_engine_process  # noqa: E402
 
 exit_engine_process()

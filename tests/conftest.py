@@ -59,7 +59,7 @@ def smoothquant_checkpoint(default_model) -> Path:
     under $FLASHRL_HOME keyed by the generating scripts' hash)."""
     import hashlib
 
-    from flashrl_tools.models.default import flashrl_home
+    from flashrl_tools.config.settings import flashrl_home
 
     scripts = [REPO / "scripts" / n for n in ("llmcompressor_smoothquant.py", "make_smoothquant_fixture.sh")]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in scripts)).hexdigest()[:12]

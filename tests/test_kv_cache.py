@@ -14,9 +14,9 @@ import torch
 
 from conftest import run_cli
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.runtime.config import resolve
+from flashrl_tools.config.resolve import resolve
 from flashrl_tools.runtime.kv_calibration import MIN_SCALE, RANGES, AbsMax, calibration_sequences, scale_for
-from flashrl_tools.setup.schema import load_config
+from flashrl_tools.config.schema import load_config
 
 ASYNC_PROBE = Path(__file__).resolve().parents[1] / "examples" / "async_kv_probe.py"
 FP8_KV_ON_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()

@@ -122,7 +122,7 @@ def _engine_config(config: str, model: Path, monkeypatch, **engine_args):
     runtime's engine-arguments hook does, applied here without installing hooks)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.config.resolve import resolve
     from flashrl_tools.runtime.vllm.engine_args import configure_engine
 
     monkeypatch.setenv("FLASHRL_HOME", str(model.parent / "home"))

@@ -95,7 +95,7 @@ def test_setup_writes_keys_and_refuses_bad_values(tmp_path):
 def test_runtime_serves_an_online_checkpoint_with_the_kept_layers(tiny_models, tmp_path, monkeypatch):
     """FLASHRL_CONFIG=<mixed yaml>: the engine is pointed at an online checkpoint whose kept layers
     are BF16; the sync converter quantizes exactly the others. Bad patterns stop it with one error."""
-    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.config.resolve import resolve
     from flashrl_tools.runtime.convert import WeightConverter
     from flashrl_tools.runtime.vllm.engine_args import engine_overrides
 

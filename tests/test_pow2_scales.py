@@ -76,7 +76,7 @@ def test_sync_converter_requantizes_with_pow2_scales(tiny_models, tmp_path):
     """The runtime reads the checkpoint's mark: a synced weight gets exactly the tensors `quantize
     --pow2-scales` writes (what a fresh engine on the updated weights would load)."""
     from flashrl_tools.runtime.convert import WeightConverter
-    from flashrl_tools.setup.schema import ConfigFn
+    from flashrl_tools.config.schema import ConfigFn
     from flashrl_tools.verify.perturb import perturb
 
     src = tiny_models["llama-untied"]
@@ -94,7 +94,7 @@ def test_sync_converter_requantizes_with_pow2_scales(tiny_models, tmp_path):
 
 
 def test_config_key_is_for_online_fp8_formats_only(tmp_path):
-    from flashrl_tools.setup.schema import parse_config
+    from flashrl_tools.config.schema import parse_config
 
     ok = parse_config({"configs": [{"fn": "fp8_channel", "fp8_scale_pow2": True}]}, "t").configs[0]
     assert ok.fp8_scale_pow2

@@ -30,7 +30,7 @@ from flashrl_tools.setup.write import build_entry, setup
 RESOLVE = """
 import json, os, sys
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.runtime.config import resolve
+from flashrl_tools.config.resolve import resolve
 try:
     rc = resolve(os.environ["FLASHRL_CONFIG"])
 except FlashRLError as e:

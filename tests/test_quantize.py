@@ -231,7 +231,7 @@ def test_fp32_checkpoint_quantizes_as_the_sync_of_its_tensors(fn, tiny_models, t
     from safetensors.torch import save_file
 
     from flashrl_tools.runtime.convert import WeightConverter
-    from flashrl_tools.setup.schema import ConfigFn
+    from flashrl_tools.config.schema import ConfigFn
 
     src = tiny_models["qwen3-untied"]
     fp32 = tmp_path / "fp32"

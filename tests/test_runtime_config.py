@@ -10,10 +10,10 @@ from flashrl_tools.profile.apply import requantize_tensor
 from flashrl_tools.profile.build import build_profile
 from flashrl_tools.quantize import quantize
 from flashrl_tools.runtime import apply
-from flashrl_tools.runtime.config import resolve
+from flashrl_tools.config.resolve import resolve
 from flashrl_tools.runtime.convert import WeightConverter
 from flashrl_tools.safetensors_io import CheckpointReader
-from flashrl_tools.setup.schema import ConfigFn
+from flashrl_tools.config.schema import ConfigFn
 
 
 def test_shortcuts_and_unset(monkeypatch):

@@ -9,8 +9,9 @@ import yaml
 
 from conftest import REPO, run_cli
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.setup.schema import ConfigFn, load_config, parse_config
-from flashrl_tools.setup.write import DEFAULTS, build_entry
+from flashrl_tools.config.schema import ConfigFn, load_config, parse_config
+from flashrl_tools.config.defaults import DEFAULTS
+from flashrl_tools.setup.write import build_entry
 
 
 @pytest.fixture(scope="module")

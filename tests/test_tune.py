@@ -167,7 +167,7 @@ def test_tune_end_to_end_on_a_tiny_model(tiny_models, tmp_path):
     """Ranking of the 8 units of a 2-layer model, the curve, a budget met by the verified pick
     (engine drift on the odd prompts), config + report + PNG; the written config is a mixed one
     that the runtime's schema accepts."""
-    from flashrl_tools.setup.schema import load_config
+    from flashrl_tools.config.schema import load_config
 
     cfg, report = tmp_path / "c.yaml", tmp_path / "r.json"
     res = run_cli("tune", "-m", tiny_models["llama-untied"], "--fn", "int8", "-o", cfg, "--report", report,

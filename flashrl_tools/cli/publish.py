@@ -36,7 +36,7 @@ def command(
         table.add_row(u.path_in_repo, str(u.size), u.sha256[:16])
     out.print(table)
     if dry_run:
-        from flashrl_tools.setup.schema import dump_config
+        from flashrl_tools.config.schema import dump_config
 
         out.print(f"# {res.bundle.config_path}\n{dump_config(res.bundle.config)}", highlight=False, markup=False,
                   soft_wrap=True)

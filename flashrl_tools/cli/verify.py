@@ -11,7 +11,7 @@ from rich.table import Table
 
 from flashrl_tools.cli.common import MODEL_HELP, err, model_path, out
 from flashrl_tools.fsutil import atomic_write_text
-from flashrl_tools.runtime.config import RuntimeConfig, resolve
+from flashrl_tools.config.resolve import RuntimeConfig, resolve
 
 app = typer.Typer(help="Check an 8-bit rollout config: weight-sync consistency and logprob drift.",
                   no_args_is_help=True)
@@ -39,7 +39,7 @@ def reload(
     work_dir: Path = typer.Option(None, "--work-dir", help="keep the perturbed checkpoint and the fresh "
                                   "engines' outputs here; a rerun with the same config and model reuses them"),
     inject_fault: str = typer.Option(None, "--inject-fault", hidden=True,
-                                     help="self-test: a fault of runtime/faults.py (noop, wrong_layer, stale_scales, ...)"),
+                                     help="self-test: a fault of verify/faults.py (noop, wrong_layer, stale_scales, ...)"),
 ) -> None:
     """Push BF16 weights into an engine running the config (as a trainer does) and check it equals a
     fresh engine on the offline-quantized weights; then push updated weights, then restore."""

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flashrl_tools import __version__
+from flashrl_tools.config.settings import flashrl_home
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_output_dir, sha256_file
 
@@ -33,10 +34,6 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 MANIFEST = "flashrl_manifest.json"
 
 Step = Callable[[str], None]  # progress callback: called with a description of each step
-
-
-def flashrl_home() -> Path:
-    return Path(os.environ.get("FLASHRL_HOME", Path.home() / ".cache" / "flashrl")).expanduser()
 
 
 def default_model_dir() -> Path:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from flashrl_tools import __version__
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.publish.hubref import is_repo_id, parse_model_ref
-from flashrl_tools.setup.schema import ConfigFile, RolloutConfig, dump_config, load_config
+from flashrl_tools.config.hubref import is_repo_id, parse_model_ref
+from flashrl_tools.config.schema import ConfigFile, RolloutConfig, dump_config, load_config
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def _check_dir(path_in_repo: str) -> str:
 
 def build_bundle(config_path: Path, repo_id: str, path_in_repo: str = "", model_repo: str | None = None) -> Bundle:
     """Validate the local config (files exist, hashes match) and lay out the upload."""
-    from flashrl_tools.runtime.config import check_entry, resolve_relative
+    from flashrl_tools.config.resolve import check_entry, resolve_relative
 
     if not is_repo_id(repo_id):
         raise FlashRLError(f"invalid --repo {repo_id!r}", None, "expected USER/NAME")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashrl_tools.publish.bundle import Bundle, build_bundle
-from flashrl_tools.publish.hub_errors import hub_errors, missing_token
+from flashrl_tools.config.hub_errors import hub_errors, missing_token
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ with `apply()`. Importing this package changes nothing."""
 
 from __future__ import annotations
 
-from flashrl_tools.runtime.config import RuntimeConfig, from_env, resolve
+from flashrl_tools.config.resolve import RuntimeConfig, from_env, resolve
 
 
 def apply(config: str | RuntimeConfig | None = None) -> RuntimeConfig | None:

@@ -20,7 +20,7 @@ from flashrl_tools.profile.format import Profile, load_profile
 from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales
 from flashrl_tools.quantizer import QuantFn, as_served, quantize_weight, quantize_weights, requantize_int8, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
-from flashrl_tools.setup.schema import ConfigFn
+from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
 
 QUANTIZED = {f.value for f in QuantFn}

@@ -53,7 +53,7 @@ def calibration_sequences(tokenizer, vocab_size: int | None = None) -> list[list
     """The fixed token sequences every calibration runs (built-in prompts, same tokenizer as the
     rollouts; an engine without a tokenizer gets seeded token ids below `vocab_size`):
     deterministic, so equal weights give equal scales."""
-    from flashrl_tools.verify.prompts import load_prompts
+    from flashrl_tools.prompts import load_prompts
 
     if tokenizer is None:
         import random

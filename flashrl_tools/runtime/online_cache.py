@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from flashrl_tools import __version__
-from flashrl_tools.models.default import flashrl_home
+from flashrl_tools.config.settings import flashrl_home
 from flashrl_tools.model_structure import has_weights
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import sha256_file

@@ -6,20 +6,10 @@ from pathlib import Path
 
 import yaml
 
+from flashrl_tools.config.defaults import DEFAULTS
+from flashrl_tools.config.schema import ConfigFile, RolloutConfig, dump_config, load_config, parse_config
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_write_text, sha256_file
-from flashrl_tools.setup.schema import ConfigFile, RolloutConfig, dump_config, load_config, parse_config
-
-# What each fn means when nothing else is given (the `bf16` / `fp8` / `int8` shortcuts).
-_LOGPROBS = {"logprobs_mode": "processed_logprobs"}  # TIS needs the distribution actually sampled
-DEFAULTS: dict[str, dict] = {
-    "bf16": {"fn": "bf16", **_LOGPROBS},
-    "fp8": {"fn": "fp8", "quantization": "fp8", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
-    "int8": {"fn": "int8", **_LOGPROBS},
-    "fp8_channel": {"fn": "fp8_channel", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
-    "fp8_tensor": {"fn": "fp8_tensor", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
-    "fp8_block": {"fn": "fp8_block", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
-}
 
 
 def parse_assignments(items: list[str]) -> dict:
@@ -39,7 +29,7 @@ def parse_assignments(items: list[str]) -> dict:
 
 
 def build_entry(fn: str, model: Path | None, profile: Path | None, extra: dict) -> RolloutConfig:
-    from flashrl_tools.setup.schema import FN_ALIASES
+    from flashrl_tools.config.schema import FN_ALIASES
 
     fn = FN_ALIASES.get(fn, fn)
     entry = dict(DEFAULTS.get(fn, {"fn": fn}))

@@ -26,7 +26,7 @@ from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_write_text
 from flashrl_tools.mixed import fp8_block_unservable, kept_modules, layer_index
 from flashrl_tools.quantizer import QuantFn
-from flashrl_tools.setup.schema import RolloutConfig
+from flashrl_tools.config.schema import RolloutConfig
 from flashrl_tools.tune import search
 
 DEFAULT_RATIO = 3.0  # the issue's goal: token KL <= 3x the BF16 engine's own floor
@@ -46,7 +46,7 @@ class TuneSettings:
 def base_entry(fn: QuantFn, config: Path | None, pow2: bool = False) -> RolloutConfig:
     """What to start from: the RTN format (FP8: power-of-two scales if asked), or a calibrated
     YAML (SmoothQuant profile)."""
-    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.config.resolve import resolve
     from flashrl_tools.setup.write import build_entry
 
     if config is None:
@@ -67,7 +67,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
     from flashrl_tools.model_structure import model_layout
     from flashrl_tools.profile.format import load_profile
     from flashrl_tools.tune.fakequant import FakeQuantModel, SequenceBatch, sample_responses, token_kl
-    from flashrl_tools.verify.prompts import load_prompts, tokenize
+    from flashrl_tools.prompts import load_prompts, tokenize
 
     if settings.max_kl is not None and settings.max_kl_ratio is not None:
         raise FlashRLError("give --max-kl or --max-kl-ratio, not both")
@@ -178,7 +178,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
 
 def _drift(entry: RolloutConfig, keep: list[str], bf16: Path, yaml_path: Path, prompts: Path,
            settings: TuneSettings, seed: int) -> dict:
-    from flashrl_tools.runtime.config import resolve
+    from flashrl_tools.config.resolve import resolve
     from flashrl_tools.setup.write import setup
     from flashrl_tools.verify.drift import Settings, run_drift
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.correction import log_ratio, mismatch_metrics
-from flashrl_tools.runtime.config import RuntimeConfig
+from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.verify.engines import run_engine
-from flashrl_tools.verify.prompts import load_prompts, tokenize
+from flashrl_tools.prompts import load_prompts, tokenize
 from flashrl_tools.verify.score import score_rollouts
 
 

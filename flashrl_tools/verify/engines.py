@@ -1,4 +1,4 @@
-"""Run one engine job (runtime/engine_job.py) in a subprocess with a given FLASHRL_CONFIG."""
+"""Run one engine job (verify/engine_job.py) in a subprocess with a given FLASHRL_CONFIG."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
         req.write_text(json.dumps({"model": str(model), "steps": steps, "fault": fault,
                                    "engine_kwargs": engine_kwargs}))
         try:
-            res = subprocess.run([sys.executable, "-m", "flashrl_tools.runtime.engine_job", str(req), str(out)],
+            res = subprocess.run([sys.executable, "-m", "flashrl_tools.verify.engine_job", str(req), str(out)],
                                  capture_output=True, text=True, env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise FlashRLError(f"the {label} engine did not finish within {timeout:.0f} s", str(model)) from None

@@ -20,11 +20,11 @@ from pathlib import Path
 from flashrl_tools.fsutil import atomic_write_text
 
 from flashrl_tools.mixed import KeepSpec
-from flashrl_tools.runtime.config import RuntimeConfig
-from flashrl_tools.setup.schema import ConfigFn
+from flashrl_tools.config.resolve import RuntimeConfig
+from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.verify.engines import run_engine
 from flashrl_tools.verify.perturb import ALL_TRAINED, perturb
-from flashrl_tools.verify.prompts import load_prompts, tokenize
+from flashrl_tools.prompts import load_prompts, tokenize
 
 DEFAULT_TOL = 1e-3  # nats; measured difference between a synced and a fresh engine: 0.0
 MAX_TOKENS = 8

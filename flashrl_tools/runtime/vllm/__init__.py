@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 
-from flashrl_tools.runtime.config import RuntimeConfig
+from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.vllm.engine_args import hook_engine_args
 from flashrl_tools.runtime.vllm.fixes import fix_cpu_int8_kernel, fix_moe_weight_update, keep_captured_moe_kernels
 from flashrl_tools.runtime.vllm.requests import hook_async_llm, hook_request_guard, hook_worker_methods

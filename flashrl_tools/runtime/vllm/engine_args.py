@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from flashrl_tools.runtime.config import RuntimeConfig
-from flashrl_tools.setup.schema import ConfigFn
+from flashrl_tools.config.resolve import RuntimeConfig
+from flashrl_tools.config.schema import ConfigFn
 
 log = logging.getLogger("flashrl_tools.runtime")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 
-from flashrl_tools.runtime.config import RuntimeConfig
+from flashrl_tools.config.resolve import RuntimeConfig
 
 
 def fix_cpu_int8_kernel(rc: RuntimeConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from flashrl_tools.runtime.config import RuntimeConfig
+from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.sync_state import SyncIncomplete
 from flashrl_tools.runtime.vllm.engine_args import fp8_kv
 from flashrl_tools.runtime.vllm.kv_scales import (

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from flashrl_tools.runtime.config import RuntimeConfig, env_flag
+from flashrl_tools.config.resolve import RuntimeConfig
+from flashrl_tools.config.settings import env_flag
 from flashrl_tools.runtime.convert import WeightConverter
 from flashrl_tools.runtime.sync_state import SyncState
 from flashrl_tools.runtime.vllm import inplace

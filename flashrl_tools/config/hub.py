@@ -25,10 +25,10 @@ from pathlib import Path, PurePosixPath
 
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_write_text, sha256_file
-from flashrl_tools.models.default import flashrl_home
-from flashrl_tools.publish.hub_errors import endpoint, hub_errors
-from flashrl_tools.publish.hubref import HubRef, parse_model_ref
-from flashrl_tools.setup.schema import ConfigFile, RolloutConfig, dump_config, load_config
+from flashrl_tools.config.settings import flashrl_home
+from flashrl_tools.config.hub_errors import endpoint, hub_errors
+from flashrl_tools.config.hubref import HubRef, parse_model_ref
+from flashrl_tools.config.schema import ConfigFile, RolloutConfig, dump_config, load_config
 
 log = logging.getLogger("flashrl_tools.runtime")
 REUSE_S = 600  # how long a node reuses an unpinned resolution (one run's processes start within it)
@@ -144,7 +144,7 @@ def _localize_model(model: str, source: str) -> Path:
 
 def _legacy_profile(entry: RolloutConfig, ref: HubRef, commit: str | None, model_dir: str | None,
                     out: Path, source: str) -> Path:
-    from flashrl_tools.runtime.config import env_flag
+    from flashrl_tools.config.settings import env_flag
 
     if not env_flag(LEGACY_ENV):
         raise FlashRLError(

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
 
+from flashrl_tools.config.defaults import DEFAULTS
+from flashrl_tools.config.hubref import parse_config_ref
+from flashrl_tools.config.schema import ConfigFn, RolloutConfig, load_config, parse_config
+from flashrl_tools.config.settings import env_flag
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import sha256_file
-from flashrl_tools.publish.hubref import parse_config_ref
-from flashrl_tools.setup.schema import ConfigFn, RolloutConfig, load_config, parse_config
-from flashrl_tools.setup.write import DEFAULTS
 
 ENV = "FLASHRL_CONFIG"
 SHORTCUTS = ("bf16", "fp8", "int8")
@@ -34,10 +35,6 @@ def from_env() -> RuntimeConfig | None:
     """The config FLASHRL_CONFIG asks for; None when it is unset or empty (vLLM untouched)."""
     value = os.environ.get(ENV, "").strip()
     return resolve(value) if value else None
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 KV_ENV = "FLASHRL_KV_CACHE_DTYPE"
@@ -65,7 +62,7 @@ def _resolve(value: str) -> RuntimeConfig:
         return RuntimeConfig(_entry_from_yaml(path, str(path)), value)
     ref = parse_config_ref(value)
     if ref is not None and not path.exists():
-        from flashrl_tools.runtime.hub_config import resolve_hub_config
+        from flashrl_tools.config.hub import resolve_hub_config
 
         return RuntimeConfig(_entry_from_yaml(resolve_hub_config(ref), value), value)
     raise FlashRLError(f"invalid {ENV}={value!r}" + (" (file not found)" if path.suffix in (".yaml", ".yml") else ""),

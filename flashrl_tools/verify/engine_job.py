@@ -1,9 +1,9 @@
 """One vLLM engine in its own process, driven by a JSON request (used by `flashrl verify`).
 
-    python -m flashrl_tools.runtime.engine_job REQUEST.json RESULT.json
+    python -m flashrl_tools.verify.engine_job REQUEST.json RESULT.json
 
 The runtime applies FLASHRL_CONFIG from the environment, as in a trainer's engine. REQUEST:
-  {"model": dir, "engine_kwargs": {...}, "fault": null | name (runtime/faults.py),
+  {"model": dir, "engine_kwargs": {...}, "fault": null | name (verify/faults.py),
    "steps": [{"op": "observe", "sequences": [[ids]], "max_tokens": n}  greedy tokens + teacher-
                                                    forced logprobs (prompt_logprobs) of the sequences
              (+ "kv_scales" {layer: {q, k, v}} with an FP8 KV cache)
@@ -70,7 +70,7 @@ def observe(llm, step: dict) -> dict:
 
 def fp8_kv_cache(llm) -> bool:
     """Whether the engine has an FP8 KV cache whose scales the runtime calibrates."""
-    from flashrl_tools.runtime.config import from_env
+    from flashrl_tools.config.resolve import from_env
 
     dtype = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
     return from_env() is not None and dtype.startswith("fp8")
@@ -97,7 +97,7 @@ def run(req: dict) -> dict:
     # pushes send a function to the workers; across processes vLLM requires this opt-in
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if req.get("fault"):
-        from flashrl_tools.runtime.faults import inject
+        from flashrl_tools.verify.faults import inject
 
         inject(req["fault"])
     from vllm import LLM

@@ -1,4 +1,5 @@
-"""Prompt sets for verify: the built-in math/code/chat prompts or a user file."""
+"""Prompt sets: the built-in math/code/chat prompts (data/prompts.jsonl) or a user file. Used by
+`verify`, `tune` and the runtime's FP8 KV-cache calibration."""
 
 from __future__ import annotations
 
