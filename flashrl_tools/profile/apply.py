@@ -23,22 +23,27 @@ from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_
 
 
 def requantize_tensor(profile: Profile, name: str, tensor: torch.Tensor,
-                      kept: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:
+                      kept: frozenset[str] = frozenset(), on=lambda key, t: t) -> list[tuple[str, torch.Tensor]]:
     """Checkpoint-format tensors for one BF16 tensor: (weight, scale) for a quantized linear,
     the rescaled weight for a smoothed norm, the tensor itself otherwise. A linear in `kept`
-    (mixed precision) stays BF16, smoothed as the profile says (its norm is divided)."""
+    (mixed precision) stays BF16, smoothed as the profile says (its norm is divided). The one
+    re-quantize-with-profile step: `profile apply` offline, every weight sync in the runtime
+    (`on(key, t)` puts the profile's tensors on the weight's device, cached by key)."""
     fn = QuantFn(profile.meta.fn)
     if name in kept:
-        return [(name, kept_bf16(profile, name, tensor))]
+        return [(name, kept_bf16(profile, name, tensor, on))]
     entry = profile.linear(name) if fn is QuantFn.int8 else None
     if entry is not None:
-        q = requantize_int8(tensor, entry.weight_scale, entry.smooth_in, entry.smooth_out)
-        return [(name, q), (f"{name}_scale", entry.weight_scale)]
-    if fn.is_fp8 and name in set(profile.meta.quantized):
+        scale = on(f"{name}:scale", entry.weight_scale)
+        q = requantize_int8(tensor, scale, on(f"{name}:in", entry.smooth_in), on(f"{name}:out", entry.smooth_out))
+        return [(name, q), (f"{name}_scale", scale)]
+    if name in profile.quantized_names:
+        if not fn.is_fp8:
+            raise KeyError(f"the profile has no entry for quantized weight {name}")
         q = quantize_weight(fn, tensor)
         return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
     divisor = profile.norm_divisor(name)
-    return [(name, smooth_norm(tensor, divisor) if divisor is not None else tensor)]
+    return [(name, smooth_norm(tensor, on(f"{name}:div", divisor)) if divisor is not None else tensor)]
 
 
 def kept_bf16(profile: Profile, name: str, tensor: torch.Tensor, on=lambda key, t: t) -> torch.Tensor:
@@ -60,7 +65,7 @@ def _planned(profile: Profile, name: str, shape: tuple[int, ...], dtype: torch.d
     if entry is not None:
         return [PlannedTensor(name, shape, torch.int8),
                 PlannedTensor(f"{name}_scale", tuple(entry.weight_scale.shape), entry.weight_scale.dtype)]
-    if fn.is_fp8 and name in set(profile.meta.quantized):
+    if fn.is_fp8 and name in profile.quantized_names:
         specs = output_specs(fn, shape, dtype)
         return [PlannedTensor(name, shape, specs["weight"].dtype),
                 PlannedTensor(f"{name}_scale", specs["weight_scale"].shape, specs["weight_scale"].dtype)]

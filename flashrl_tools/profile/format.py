@@ -15,6 +15,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -70,6 +71,10 @@ class Profile:
 
     def norm_divisor(self, weight_name: str) -> torch.Tensor | None:
         return self.tensors.get(f"{weight_name.removesuffix('.weight')}.smooth")
+
+    @cached_property
+    def quantized_names(self) -> frozenset[str]:
+        return frozenset(self.meta.quantized)
 
     @property
     def smoothing_is_identity(self) -> bool:

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.model_structure import has_weights, meta_model, model_layout, read_config, unquantized_names
-from flashrl_tools.profile.apply import kept_bf16
+from flashrl_tools.profile.apply import requantize_tensor
 from flashrl_tools.profile.format import Profile, load_profile
 from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales
-from flashrl_tools.quantizer import QuantFn, as_served, quantize_weight, quantize_weights, requantize_int8, smooth_norm
+from flashrl_tools.quantizer import QuantFn, as_served, quantize_weight, quantize_weights
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
@@ -43,6 +43,9 @@ class WeightConverter:
         self.served = served if served is not None else (QuantFn(fn.value) if fn.value in QUANTIZED else None)
         self.quantized = quantized  # checkpoint names of the linear weights the engine holds in 8 bit
         self.profile = profile
+        # linears the profile smooths but the engine keeps in BF16 (mixed precision)
+        self.kept = frozenset() if profile is None else frozenset(
+            k.removesuffix("_scale") for k in profile.tensors if k.endswith(".weight_scale")) - frozenset(quantized)
         self.model_dir, self.expected = model_dir, expected  # for trainer-name translation
         self._names: TrainerNames | None = None
         self._device_cache: dict[tuple[str, torch.device], torch.Tensor | None] = {}
@@ -79,28 +82,16 @@ class WeightConverter:
         return self._names.translate(name, tensor)
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if name in self.quantized:  # verl and TRL push fp32 master weights (quantizer.served_dtype)
+        if name in self.quantized or name in self.kept:  # trainers push fp32 masters: quantizer.served_dtype
             tensor = as_served(tensor)
         if self.served is None:  # vLLM itself handles BF16 / online FP8
             return [(name, tensor)]
+        if self.profile is not None:  # the same step as `profile apply`
+            return requantize_tensor(self.profile, name, tensor, self.kept,
+                                     on=lambda key, t: self._on(key, t, tensor.device))
         if name in self.quantized:
-            if self.profile is not None:
-                entry = self.profile.linear(name)
-                if entry is None:
-                    raise KeyError(f"the profile has no entry for quantized weight {name}")
-                scale = self._on(f"{name}:scale", entry.weight_scale, tensor.device)
-                q = requantize_int8(tensor, scale, self._on(f"{name}:in", entry.smooth_in, tensor.device),
-                                    self._on(f"{name}:out", entry.smooth_out, tensor.device))
-                return [(name, q), (f"{name}_scale", scale)]
             q = quantize_weight(self.served, tensor, self.pow2)
             return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
-        if self.profile is not None:
-            if self.profile.linear(name) is not None:  # a linear kept in BF16 (mixed precision)
-                tensor = as_served(tensor)  # as the checkpoint the engine started from
-                return [(name, kept_bf16(self.profile, name, tensor, lambda k, t: self._on(k, t, tensor.device)))]
-            divisor = self.profile.norm_divisor(name)
-            if divisor is not None:
-                return [(name, smooth_norm(tensor, self._on(f"{name}:div", divisor, tensor.device)))]
         return [(name, tensor)]
 
     def convert_group(self, group: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
