@@ -102,3 +102,29 @@ def test_no_runtime_module_over_300_lines():
     long = {str(f.relative_to(REPO)): n for f in (PKG / "runtime").rglob("*.py")
             if (n := len(f.read_text().splitlines())) > 300}
     assert long == {}
+
+
+def test_flashrl_variables_are_read_in_settings_only():
+    """Every FLASHRL_* variable goes through config/settings.py; the README's table lists them all."""
+    import re
+
+    from flashrl_tools.config.settings import VARIABLES
+
+    readers = {str(f.relative_to(REPO)) for f in PKG.rglob("*.py")
+               if re.search(r"(environ\.get|getenv|environ\[)\(?\s*[\"']FLASHRL_", f.read_text())}
+    assert readers <= {"flashrl_tools/config/settings.py"}
+    readme = (REPO / "README.md").read_text()
+    table = set(re.findall(r"^\| `(FLASHRL_[A-Z0-9_]+)", readme, re.M))
+    table |= set(re.findall(r"`, `(FLASHRL_[A-Z0-9_]+)`", readme))  # two in one row
+    assert table == set(VARIABLES)
+
+
+def test_settings_read_every_variable_once():
+    from flashrl_tools.config.settings import Settings
+
+    s = Settings.read({"FLASHRL_LMHEAD_FP32": "yes", "FLASHRL_TRITON": "off", "FLASHRL_INPLACE_SYNC": " TP ",
+                       "FLASHRL_LOGGING_LEVEL": "debug", "FLASHRL_HOME": "~/x", "FLASHRL_CONFIG": " int8 "})
+    assert s.lmhead_fp32 and not s.triton and s.inplace_sync == "tp" and s.logging_level == "DEBUG"
+    assert s.config == "int8" and s.home == Path("~/x").expanduser() and s.config_index == "0"
+    d = Settings.read({})
+    assert d.triton and not d.test_reload and d.home == Path.home() / ".cache" / "flashrl" and d.config == ""

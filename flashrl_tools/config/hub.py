@@ -144,9 +144,9 @@ def _localize_model(model: str, source: str) -> Path:
 
 def _legacy_profile(entry: RolloutConfig, ref: HubRef, commit: str | None, model_dir: str | None,
                     out: Path, source: str) -> Path:
-    from flashrl_tools.config.settings import env_flag
+    from flashrl_tools.config.settings import settings
 
-    if not env_flag(LEGACY_ENV):
+    if not settings().allow_legacy_pickle:
         raise FlashRLError(
             f"profile {entry.profile} is a flash-llm-rl pickle (.pt); unpickling a file downloaded from the Hub "
             "can run arbitrary code, so it is not loaded by default", source,

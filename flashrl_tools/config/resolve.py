@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
@@ -10,7 +9,7 @@ from typing import get_args
 from flashrl_tools.config.defaults import DEFAULTS
 from flashrl_tools.config.hubref import parse_config_ref
 from flashrl_tools.config.schema import ConfigFn, RolloutConfig, load_config, parse_config
-from flashrl_tools.config.settings import env_flag
+from flashrl_tools.config.settings import settings
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import sha256_file
 
@@ -33,7 +32,7 @@ class RuntimeConfig:
 
 def from_env() -> RuntimeConfig | None:
     """The config FLASHRL_CONFIG asks for; None when it is unset or empty (vLLM untouched)."""
-    value = os.environ.get(ENV, "").strip()
+    value = settings().config
     return resolve(value) if value else None
 
 
@@ -44,13 +43,14 @@ def resolve(value: str) -> RuntimeConfig:
     from dataclasses import replace
 
     rc = _resolve(value)
-    kv = os.environ.get(KV_ENV, "").strip()
+    s = settings()
+    kv = s.kv_cache_dtype
     if kv:  # adds the KV-cache dtype to any config (shortcut, YAML, Hub)
         allowed = get_args(get_args(RolloutConfig.model_fields["kv_cache_dtype"].annotation)[0])
         if kv not in allowed:
             raise FlashRLError(f"invalid {KV_ENV}={kv!r}", None, f"allowed: {' | '.join(allowed)}, or unset")
         rc = replace(rc, entry=rc.entry.model_copy(update={"kv_cache_dtype": kv}))
-    return replace(rc, lmhead_fp32=env_flag("FLASHRL_LMHEAD_FP32"))
+    return replace(rc, lmhead_fp32=s.lmhead_fp32)
 
 
 def _resolve(value: str) -> RuntimeConfig:
@@ -71,10 +71,12 @@ def _resolve(value: str) -> RuntimeConfig:
 
 def _entry_from_yaml(path: Path, source: str) -> RolloutConfig:
     config = load_config(path)
-    index = int(os.environ.get("FLASHRL_CONFIG_INDEX", "0"))
+    raw = settings().config_index
+    index = int(raw) if raw.isdigit() else -1
     if not 0 <= index < len(config.configs):
-        raise FlashRLError(f"FLASHRL_CONFIG_INDEX={index} but the config has "
-                           f"{len(config.configs)} entries", source)
+        raise FlashRLError(f"FLASHRL_CONFIG_INDEX={raw} but the config has "
+                           f"{len(config.configs)} entries", source,
+                           f"set it to 0..{len(config.configs) - 1}, or unset it")
     entry = resolve_relative(config.configs[index], path.parent)
     check_entry(entry, source)
     return entry

@@ -1,17 +1,71 @@
-"""Where the toolkit keeps its files, and how a FLASHRL_* switch is read."""
+"""Every FLASHRL_* environment variable, read in one place: `settings()` returns them as one object
+(read when called: a vLLM process's environment is fixed, tests change it between calls). The
+README's environment-variable table lists the same names (tests/test_architecture.py)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+
+# name -> (field, default)
+VARIABLES: dict[str, tuple[str, str]] = {
+    "FLASHRL_CONFIG": ("config", ""),
+    "FLASHRL_CONFIG_INDEX": ("config_index", "0"),
+    "FLASHRL_KV_CACHE_DTYPE": ("kv_cache_dtype", ""),
+    "FLASHRL_LMHEAD_FP32": ("lmhead_fp32", "0"),
+    "FLASHRL_INPLACE_SYNC": ("inplace_sync", "1"),
+    "FLASHRL_HOME": ("home", ""),
+    "FLASHRL_LOGGING_LEVEL": ("logging_level", "INFO"),
+    "FLASHRL_LOGGING_FILE": ("logging_file", ""),
+    "FLASHRL_TEST_RELOAD": ("test_reload", "0"),
+    "FLASHRL_SYNC_DIGEST": ("sync_digest", ""),
+    "FLASHRL_SYNC_TIMING": ("sync_timing", "0"),
+    "FLASHRL_TRITON": ("triton", "1"),
+    "FLASHRL_ALLOW_LEGACY_PICKLE": ("allow_legacy_pickle", "0"),
+    "FLASHRL_ENGINE_ARGS": ("engine_args", ""),
+}
+
+
+def _flag(value: str) -> bool:
+    """unset, empty, 0, false, no and off are off."""
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: str  # bf16 | fp8 | int8 | a YAML path | a Hub reference; "" leaves vLLM untouched
+    config_index: str  # which entry of a multi-config YAML (validated where it is used)
+    kv_cache_dtype: str  # "fp8" adds an FP8 KV cache to any config; "" / "auto": vLLM's default
+    lmhead_fp32: bool
+    inplace_sync: str  # "1" (default), "0" off, "tp" also for tensor-parallel layers
+    home: Path
+    logging_level: str
+    logging_file: str
+    test_reload: bool
+    sync_digest: str  # a directory: the engine's weight digest after every sync
+    sync_timing: bool
+    triton: bool  # the fused Triton INT8 quantizer on CUDA
+    allow_legacy_pickle: bool
+    engine_args: str  # JSON: extra vllm.LLM arguments for the engines `verify` starts
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
+        flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle"}
+        values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
+        values["inplace_sync"] = raw["inplace_sync"].lower()
+        values["logging_level"] = raw["logging_level"].upper()
+        values["home"] = Path(raw["home"] or Path.home() / ".cache" / "flashrl").expanduser()
+        return cls(**values)
+
+
+def settings() -> Settings:
+    return Settings.read()
 
 
 def flashrl_home() -> Path:
     """$FLASHRL_HOME (default ~/.cache/flashrl): the default model, online-quantized checkpoints,
     configs fetched from the Hub."""
-    return Path(os.environ.get("FLASHRL_HOME", Path.home() / ".cache" / "flashrl")).expanduser()
-
-
-def env_flag(name: str) -> bool:
-    """A boolean FLASHRL_* switch: unset, empty, 0, false, no and off are off."""
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+    return settings().home

@@ -11,7 +11,6 @@ Used on CUDA tensors of dtype bf16 when Triton is importable; `FLASHRL_TRITON=0`
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -53,7 +52,9 @@ def _kernel():
 
 
 def available(w: torch.Tensor) -> bool:
-    if os.environ.get("FLASHRL_TRITON", "1") == "0" or not w.is_cuda or w.dtype != torch.bfloat16 or w.dim() != 2:
+    from flashrl_tools.config.settings import settings
+
+    if not settings().triton or not w.is_cuda or w.dtype != torch.bfloat16 or w.dim() != 2:
         return False
     try:
         _kernel()

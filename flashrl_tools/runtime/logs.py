@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
+from flashrl_tools.config.settings import settings
+
 _configured = False
 
 
@@ -15,9 +17,9 @@ def configure_logging() -> logging.Logger:
     if _configured:
         return logger
     _configured = True
-    level = os.environ.get("FLASHRL_LOGGING_LEVEL", "INFO").upper()
-    logger.setLevel(getattr(logging, level, logging.INFO))
-    path = os.environ.get("FLASHRL_LOGGING_FILE")
+    s = settings()
+    logger.setLevel(getattr(logging, s.logging_level, logging.INFO))
+    path = s.logging_file
     handler = logging.FileHandler(path) if path else logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"[flashrl pid={os.getpid()}] %(levelname)s %(message)s"))
     logger.addHandler(handler)

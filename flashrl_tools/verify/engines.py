@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flashrl_tools.config.settings import settings
 from flashrl_tools.errors import FlashRLError
 
 
@@ -46,7 +47,7 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
 def extra_engine_args() -> dict:
     """FLASHRL_ENGINE_ARGS: a JSON object of extra vllm.LLM arguments for every engine the verify
     and tune commands start (e.g. '{"gpu_memory_utilization": 0.1}' on a GPU shared with others)."""
-    raw = os.environ.get("FLASHRL_ENGINE_ARGS", "").strip()
+    raw = settings().engine_args
     if not raw:
         return {}
     try:

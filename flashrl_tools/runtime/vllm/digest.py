@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("flashrl_tools.runtime")
-ENV = "FLASHRL_SYNC_DIGEST"
 _MAX_BYTES = 256 << 20
 _SKIP = ("kv_cache", "._flashrl", "dnnl_handler.handler_tensor")
 _writers: list[threading.Thread] = []
@@ -69,7 +68,9 @@ def _rank() -> int:
 
 def write_after_sync(model: torch.nn.Module, sync_number: int) -> None:
     """Called when sync `sync_number` is complete, when `FLASHRL_SYNC_DIGEST` is set."""
-    out_dir = os.environ.get(ENV, "").strip()
+    from flashrl_tools.config.settings import settings
+
+    out_dir = settings().sync_digest
     if not out_dir:
         return
     host = {name: _host_bytes(t) for name, t in state_tensors(model).items()}

@@ -17,7 +17,6 @@ compressed-tensors scheme / kernel attributes, the layerwise reload's per-layer 
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -105,7 +104,9 @@ def enabled() -> bool:
 
 
 def _setting() -> str:
-    return os.environ.get("FLASHRL_INPLACE_SYNC", "1").strip().lower()
+    from flashrl_tools.config.settings import settings
+
+    return settings().inplace_sync
 
 
 def build_plan(model: torch.nn.Module, quantized: set[str], expected: set[str]) -> InPlacePlan:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.config.resolve import RuntimeConfig
-from flashrl_tools.config.settings import env_flag
+from flashrl_tools.config.settings import settings
 from flashrl_tools.runtime.convert import WeightConverter
 from flashrl_tools.runtime.sync_state import SyncState
 from flashrl_tools.runtime.vllm import inplace
@@ -44,7 +44,7 @@ class WeightSync:
         self.ignored: set[str] = set()
         self.shared_modules = _modules_sharing_parameters(model)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.timing = env_flag("FLASHRL_SYNC_TIMING")
+        self.timing = settings().sync_timing
         self.convert_seconds = 0.0  # time spent converting (quantizing) tensors, all syncs
 
     @property
@@ -202,7 +202,7 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig, fp8_kv_
         from flashrl_tools.runtime.vllm.kv_scales import KVCalibrator, has_kv_scales
 
         model.flashrl_kv = KVCalibrator(model, sync, checkpoint_scales=has_kv_scales(loaded_dir))
-    if env_flag("FLASHRL_TEST_RELOAD"):
+    if settings().test_reload:
         test_reload(sync, policy_source(loaded_dir, rc))
     return sync
 
