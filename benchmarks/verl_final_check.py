@@ -66,12 +66,15 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    from flashrl_tools.runtime.vllm.digest import compare, worker_digest
+    from flashrl_tools.runtime.vllm.digest import compare, worker_digest, worker_small_values
 
     llm = LLM(model=str(ckpt), dtype="bfloat16", gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 30,
               max_model_len=256, seed=0)
     fresh = llm.collective_rpc(worker_digest)[0]
     diff = compare(run_digest["digest"], fresh)
+    fresh_small, run_small = llm.collective_rpc(worker_small_values)[0], run_digest.get("small", {})
+    values = {n: {"engine": run_small[n], "fresh": fresh_small[n]} for n in diff["differ"]
+              if n in run_small and n in fresh_small}
     print("digest:", {k: v if k == "tensors" else len(v) for k, v in diff.items()}, flush=True)
     tok = llm.get_tokenizer()
     prompts = val_prompts(tok, a.out / "data" / "test.parquet")
@@ -93,6 +96,7 @@ def main(argv=None) -> int:
               "tensors_only_in_one": len(diff["only_first"]) + len(diff["only_second"]),
               "first_differing": (diff["differ"] + diff["only_first"] + diff["only_second"])[:5],
               "differing_by_name": dict(Counter(n.rsplit(".", 1)[-1] for n in diff["differ"]).most_common()),
+              "differing_values": dict(list(values.items())[:12]),  # small tensors: engine vs fresh
               "greedy_identical": same, "greedy_prompts": len(matched), "verl_prompts": len(verl_outputs),
               "fresh_batch_vs_batches_of_5_identical": self_same, "fresh_prompts": len(prompts),
               # the invariant: the synced engine holds a fresh engine's bytes

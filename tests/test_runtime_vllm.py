@@ -119,6 +119,7 @@ def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(multiprocess_int8,
     last, start = r["sync_digest"], r["start_digest"]
     assert r["sync_digests"] == list(range(1, last["sync"] + 1)) and last["sync"] >= 6  # one file per sync
     assert last["tensors"] == len(start) > 100
+    assert last["small"] and all(1 <= len(v) <= 4 for v in last["small"].values())  # scales' values too
     assert compare(last["digest"], start) == {"tensors": len(start), "only_first": [], "only_second": [], "differ": []}
     before_last = {**start, next(iter(start)): "0" * 16}
     assert compare(before_last, start)["differ"] == [next(iter(start))]  # the comparison can fail

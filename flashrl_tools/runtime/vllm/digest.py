@@ -7,7 +7,8 @@ where the synced engine cannot be asked afterwards (a trainer's rollout engine i
 run ends).
 
 `FLASHRL_SYNC_DIGEST=DIR`: after complete weight sync n the worker writes
-`DIR/tp<rank>-sync<n>.json` (`{"sync": n, "tensors": N, "digest": {name: sha1}}`; ~20 KB per file).
+`DIR/tp<rank>-sync<n>.json` (`{"sync": n, "tensors": N, "digest": {name: sha1}, "small": {name:
+values}}` with the values of tensors of <= 4 elements, i.e. scales; ~40 KB per file).
 The tensors are copied to host memory in the sync; hashing and writing run in a thread, so the
 trainer's step does not wait for them. A fresh engine's digest: `collective_rpc(worker_digest)`.
 """
@@ -57,6 +58,18 @@ def worker_digest(worker) -> dict[str, str]:
     return model_digest(worker.model_runner.model)
 
 
+def small_values(model: torch.nn.Module, most: int = 4) -> dict[str, list[float]]:
+    """The values of the state's floating-point tensors of at most `most` elements (scales): a
+    digest says that they differ, these say how."""
+    return {name: [float(x) for x in t.detach().flatten().tolist()] for name, t in state_tensors(model).items()
+            if t.is_floating_point() and t.numel() <= most}
+
+
+def worker_small_values(worker) -> dict[str, list[float]]:
+    """For `LLM.collective_rpc`: `small_values` of the worker's model."""
+    return small_values(worker.model_runner.model)
+
+
 def _rank() -> int:
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -74,11 +87,12 @@ def write_after_sync(model: torch.nn.Module, sync_number: int) -> None:
     if not out_dir:
         return
     host = {name: _host_bytes(t) for name, t in state_tensors(model).items()}
+    small = small_values(model)
     path = Path(out_dir) / f"tp{_rank()}-sync{sync_number}.json"
 
     def write():
         try:
-            record = {"sync": sync_number, "tensors": len(host), "digest": _sha1(host)}
+            record = {"sync": sync_number, "tensors": len(host), "digest": _sha1(host), "small": small}
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(record))
