@@ -18,7 +18,7 @@ from flashrl_tools.mixed import KeepSpec, kept_modules, kept_weights
 from flashrl_tools.model_structure import read_config
 from flashrl_tools.profile.format import Profile
 from flashrl_tools.quantize import copy_side_files
-from flashrl_tools.quantizer import QuantFn, output_specs, quantize_weight, requantize_int8, smooth_norm, smooth_weight
+from flashrl_tools.quantizer import QuantFn, as_served, output_specs, quantize_weight, requantize_int8, smooth_norm, smooth_weight
 from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_checkpoint
 
 
@@ -30,6 +30,8 @@ def requantize_tensor(profile: Profile, name: str, tensor: torch.Tensor,
     re-quantize-with-profile step: `profile apply` offline, every weight sync in the runtime
     (`on(key, t)` puts the profile's tensors on the weight's device, cached by key)."""
     fn = QuantFn(profile.meta.fn)
+    if name in kept or name in profile.quantized_names:
+        tensor = as_served(tensor)  # trainers push fp32 masters (quantizer.served_dtype)
     if name in kept:
         return [(name, kept_bf16(profile, name, tensor, on))]
     entry = profile.linear(name) if fn is QuantFn.int8 else None

@@ -82,15 +82,13 @@ class WeightConverter:
         return self._names.translate(name, tensor)
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if name in self.quantized or name in self.kept:  # trainers push fp32 masters: quantizer.served_dtype
-            tensor = as_served(tensor)
         if self.served is None:  # vLLM itself handles BF16 / online FP8
             return [(name, tensor)]
         if self.profile is not None:  # the same step as `profile apply`
             return requantize_tensor(self.profile, name, tensor, self.kept,
                                      on=lambda key, t: self._on(key, t, tensor.device))
-        if name in self.quantized:
-            q = quantize_weight(self.served, tensor, self.pow2)
+        if name in self.quantized:  # trainers push fp32 masters (quantizer.served_dtype)
+            q = quantize_weight(self.served, as_served(tensor), self.pow2)
             return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
         return [(name, tensor)]
 
