@@ -4,7 +4,8 @@
 # its own /tmp (scripts/private_tmp.sh: verl's sync socket path is the same for every cluster),
 # then benchmarks/verl_final_check.py with the same FLASHRL_CONFIG. Started under setsid after
 # scripts/gpu_install.sh:
-#   STEPS=100 setsid nohup bash scripts/gpu_verl_runs.sh /root/res/verl bf16:0 int8:0 fp8:0 ... &
+#   STEPS=100 setsid nohup bash scripts/gpu_verl_runs.sh /root/res/verl bf16:0 int8:0 fp8:0 moe-int8:0 ... &
+# (moe-CONFIG:SEED: issue 30's MoE run, `flashrl models tiny --arch qwen3_moe`, MOE_STEPS=20 steps)
 # Per run: OUT/verl-CONFIG-sSEED.jsonl (verl's file logger + the final check), OUT/RUN.log, and
 # OUT/RUN.done when both finished. Many runs share the GPU: each vLLM engine gets a fixed 1 GiB KV
 # cache (kv_cache_memory_bytes skips vLLM's memory profiling, which other processes trip) and
@@ -19,10 +20,15 @@ mkdir -p "$OUT"
 MODEL=$(python3 -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())"); export MODEL
 python3 examples/verl/arith_data.py "$OUT/data" --train $(( ${STEPS:-100} * ${BATCH:-32} )) --seed 0 >/dev/null
 for spec in "$@"; do
-  cfg=${spec%%:*} seed=${spec##*:} run=verl-${spec%%:*}-s${spec##*:}
+  cfg=${spec%%:*} seed=${spec##*:} run=verl-${spec%%:*}-s${spec##*:} model=$MODEL steps=${STEPS:-100} plen=64
+  if [ "${cfg#moe-}" != "$cfg" ]; then  # moe-CONFIG:SEED: the tiny random Qwen3-MoE (byte tokenizer), MOE_STEPS
+    cfg=${cfg#moe-} steps=${MOE_STEPS:-20} plen=256
+    model=$OUT/tiny-qwen3-moe
+    [ -f "$model/config.json" ] || python3 -m flashrl_tools models tiny --arch qwen3_moe -o "$model" >/dev/null
+  fi
   (
-    FLASHRL_CONFIG=$cfg SEED=$seed OUT=$OUT FINAL_CHECK=1 VLLM_CACHE_ROOT=/root/vc/$run \
-      CHECK_EVERY=${CHECK_EVERY:-10} bash scripts/private_tmp.sh "/root/tmp/$run" \
+    FLASHRL_CONFIG=$cfg SEED=$seed OUT=$OUT FINAL_CHECK=1 VLLM_CACHE_ROOT=/root/vc/$run RUN=$run MODEL=$model \
+      STEPS=$steps PROMPT_LEN=$plen CHECK_EVERY=${CHECK_EVERY:-10} bash scripts/private_tmp.sh "/root/tmp/$run" \
       bash examples/verl/run_grpo_smollm2.sh \
       +ray_kwargs.ray_init._temp_dir=/tmp/ray_$run +ray_kwargs.ray_init.include_dashboard=False \
       +ray_kwargs.ray_init.object_store_memory=2000000000 \

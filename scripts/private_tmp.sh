@@ -11,5 +11,5 @@ exec unshare -m bash -c '
   for d in site site_trl flashrl_home; do
     if [ -d "/tmp/$d" ]; then mkdir -p "$dir/$d"; mount --bind "/tmp/$d" "$dir/$d"; fi
   done
-  mount --bind "$dir" /tmp
+  mount --rbind "$dir" /tmp
   exec "$@"' _ "$dir" "$@"

@@ -141,6 +141,24 @@ def test_verl_weight_sync_path(multiprocess_int8, fresh_perturbed_int8):
     assert_same(st["verl_orig"], st["start"], "verl sync of the original weights")
 
 
+def test_dummy_loaded_engine_equals_fresh_engine_after_its_first_sync(default_model, multiprocess_int8, tmp_path):
+    """verl starts its rollout engine with load_format="dummy" and pushes the weights before the first
+    rollout. vLLM's dummy loader also fills the attention scales (buffers no trainer pushes) with its
+    random values: after the first complete sync the engine must hold what a checkpoint load gives
+    (found by the digest after verl's GRPO on the H100: 180 attention-scale tensors at -0.00075)."""
+    from flashrl_tools.runtime.vllm.digest import compare
+
+    r = probe(tmp_path, "dummy", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "FLASHRL_CONFIG": "int8",
+                                  "FLASHRL_SYNC_DIGEST": str(tmp_path / "digest")},
+              model=str(default_model), push=[str(default_model)], engine_kwargs={"load_format": "dummy"})
+    synced = json.loads((tmp_path / "digest" / "tp0-sync1.json").read_text())
+    fresh = multiprocess_int8["start_digest"]  # an engine that loaded the same weights from disk
+    assert compare(synced["digest"], fresh)["differ"] == []
+    scales = {k: v for k, v in synced["small"].items() if "layers.0.self_attn.attn._" in k}
+    assert len(scales) == 6 and all(v == [1.0] for v in scales.values()), scales
+    assert_same(r["stages"][1], multiprocess_int8["stages"]["start"], "dummy-loaded engine after its first sync")
+
+
 @pytest.fixture(scope="module")
 def sq_config(smoothquant_checkpoint, sq_profile, tmp_path_factory) -> tuple[Path, Path]:
     """`flashrl profile` + `flashrl setup` of the SmoothQuant checkpoint: (profile, config.yaml)."""

@@ -25,7 +25,7 @@ MODEL=${MODEL:-$(python3 -m flashrl_tools models default)}
 DATA=$OUT/data
 [ -f "$DATA/train.parquet" ] || python3 examples/verl/arith_data.py "$DATA" --train $((STEPS * BATCH)) --seed 0 >/dev/null
 TAG=$(basename "$FLASHRL_CONFIG" .yaml)
-RUN=verl-$TAG-s$SEED
+RUN=${RUN:-verl-$TAG-s$SEED}
 export VERL_FILE_LOGGER_PATH=${VERL_FILE_LOGGER_PATH:-$OUT/$RUN.jsonl}
 CHECK=()
 if [ "${FINAL_CHECK:-0}" = 1 ]; then  # every CHECK_EVERY steps and at the last (only the latest kept)
@@ -39,7 +39,7 @@ MAIN=${VERL_MAIN:-python3 -m verl.trainer.main_ppo}
 $MAIN \
   algorithm.adv_estimator=grpo \
   data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
-  data.train_batch_size="$BATCH" data.max_prompt_length=64 data.max_response_length=32 data.seed="$SEED" \
+  data.train_batch_size="$BATCH" data.max_prompt_length="${PROMPT_LEN:-64}" data.max_response_length=32 data.seed="$SEED" \
   actor_rollout_ref.model.path="$MODEL" \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False \
   actor_rollout_ref.actor.optim.lr=1e-5 \

@@ -195,13 +195,35 @@ def set_kv_scales(layer, q: float, k: float, v: float) -> None:
     layer._q_scale_float, layer._k_scale_float, layer._v_scale_float = q, k, v
 
 
-def _fp8_kv_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def _attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     try:
         from vllm.model_executor.layers.attention.attention import Attention
     except ImportError:  # older layout
         from vllm.attention.layer import Attention
-    return {name: m for name, m in model.named_modules()
-            if type(m) is Attention and str(getattr(m, "kv_cache_dtype", "auto")).startswith("fp8")}
+    return {name: m for name, m in model.named_modules() if type(m) is Attention}
+
+
+def _fp8_kv_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in _attention_layers(model).items()
+            if str(getattr(m, "kv_cache_dtype", "auto")).startswith("fp8")}
+
+
+def default_attention_scales(model: torch.nn.Module) -> int:
+    """Give every attention layer the scales a checkpoint without attention scales loads (vLLM's
+    `set_default_quant_scales`: q, k, v and prob scales 1.0), in place (captured CUDA graphs keep
+    the addresses). For engines started with `load_format="dummy"` (verl's rollout: it waits for
+    the trainer's weights): the dummy loader fills every buffer with its seeded random values
+    (-0.00075 in every layer on the H100) and no trainer pushes attention scales, so without this
+    they would stay random for the engine's life (unused with a BF16 KV cache; an FP8 KV cache is
+    recalibrated after the sync). Returns the number of layers set."""
+    layers = _attention_layers(model)
+    for layer in layers.values():
+        set_kv_scales(layer, 1.0, 1.0, 1.0)
+        if hasattr(layer, "_prob_scale"):
+            with torch.no_grad():
+                layer._prob_scale.fill_(1.0)
+            layer._prob_scale_float = 1.0
+    return len(layers)
 
 
 def has_kv_scales(loaded_dir: Path) -> bool:

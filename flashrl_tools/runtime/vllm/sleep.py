@@ -123,6 +123,12 @@ class KernelTensorBackup:
         return restored
 
 
+# vLLM 0.26 (v1/worker/gpu_worker.py `sleep`) asserts, after it has suspended the pools, that the
+# device-wide free memory grew. Another process allocating on the same GPU meanwhile (several
+# colocated runs on one GPU) makes it fail after a complete sleep; verl's step then dies.
+SHARED_GPU_ASSERT = "Memory usage increased after sleeping."
+
+
 def hook_sleep_mode(rc) -> None:
     """Sleep levels 1 and 2 under the runtime (the kept MoE kernels are roots of the backup)."""
     from flashrl_tools.runtime.vllm.fixes import first_moe_kernels
@@ -139,7 +145,14 @@ def install_sleep_hooks(kept_kernels) -> None:
         return
     if getattr(Worker.sleep, "_flashrl", False):
         return
-    original_sleep, original_wake_up = Worker.sleep, Worker.wake_up
+    sleep, wake_up = wrap_sleep(Worker.sleep, kept_kernels), wrap_wake_up(Worker.wake_up)
+    sleep._flashrl = wake_up._flashrl = True
+    Worker.sleep, Worker.wake_up = sleep, wake_up
+
+
+def wrap_sleep(original_sleep, kept_kernels):
+    """vLLM's worker `sleep` with the runtime around it: before level 2, keep what vLLM's wake
+    does not restore; after it, refuse requests until a complete sync."""
 
     def sleep(self, level: int = 1, *args, **kwargs):
         model = self.model_runner.model
@@ -147,10 +160,25 @@ def install_sleep_hooks(kept_kernels) -> None:
         backup = self.__dict__.setdefault("_flashrl_kernel_backup", KernelTensorBackup())
         if level >= 2 and sync is not None:
             backup.save(model, kept_kernels())
-        result = original_sleep(self, level, *args, **kwargs)
+        try:
+            result = original_sleep(self, level, *args, **kwargs)
+        except AssertionError as e:
+            if str(e) != SHARED_GPU_ASSERT:
+                raise
+            result = None  # the pools were suspended; only vLLM's device-wide accounting failed
+            log.warning("flashrl: vLLM's sleep(level=%d) check failed (%s): the device's free memory fell "
+                        "while the engine slept, which another process on the same GPU causes; the sleep "
+                        "itself completed", level, e)
         if level >= 2 and sync is not None:
             sync.discard(f"vLLM sleep(level={level})")
         return result
+
+    return sleep
+
+
+def wrap_wake_up(original_wake_up):
+    """vLLM's worker `wake_up`, then the kept tensors (weights) and the calibrated FP8 KV scales
+    (kv_cache) written back."""
 
     def wake_up(self, tags: list[str] | None = None, *args, **kwargs):
         result = original_wake_up(self, tags, *args, **kwargs)
@@ -163,5 +191,4 @@ def install_sleep_hooks(kept_kernels) -> None:
             kv.reapply()
         return result
 
-    sleep._flashrl = wake_up._flashrl = True
-    Worker.sleep, Worker.wake_up = sleep, wake_up
+    return wake_up

@@ -11,7 +11,6 @@ vLLM's `reload_weights`."""
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from flashrl_tools.runtime.vllm import inplace
 from flashrl_tools.runtime.vllm.digest import write_after_sync
 from flashrl_tools.runtime.vllm.engine_args import fp8_kv
 from flashrl_tools.runtime.vllm.inplace import InPlacePlan
+from flashrl_tools.runtime.vllm.kv_scales import has_kv_scales
 
 log = logging.getLogger("flashrl_tools.runtime")
 
@@ -46,6 +46,9 @@ class WeightSync:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.timing = settings().sync_timing
         self.convert_seconds = 0.0  # time spent converting (quantizing) tensors, all syncs
+        # started with load_format="dummy": the first complete sync also sets the attention scales
+        # a real load gives (no trainer pushes them; kv_scales.default_attention_scales)
+        self.dummy_scales = False
 
     @property
     def completed(self) -> int:
@@ -164,6 +167,12 @@ class WeightSync:
         # old embedding (lm_head.cpu_linear). Rebuild it from the shared, updated tensor.
         for module in self.shared_modules:
             module.quant_method.process_weights_after_loading(module)
+        if self.dummy_scales:
+            from flashrl_tools.runtime.vllm.kv_scales import default_attention_scales
+
+            log.info("flashrl: dummy-loaded engine: attention scales of %d layers set as a checkpoint load sets "
+                     "them", default_attention_scales(self.model))
+            self.dummy_scales = False
         self.state.complete()
         log.info("flashrl: weight sync %d complete (%d tensors)", self.state.completed, len(self.state.seen))
         write_after_sync(self.model, self.state.completed)  # FLASHRL_SYNC_DIGEST (a no-op unless set)
@@ -199,11 +208,13 @@ def attach_sync(model: torch.nn.Module, model_config, rc: RuntimeConfig, fp8_kv_
 
     model.forward = forward
     if rc.entry.fp8_kv_cache if fp8_kv_cache is None else fp8_kv_cache:
-        from flashrl_tools.runtime.vllm.kv_scales import KVCalibrator, has_kv_scales
+        from flashrl_tools.runtime.vllm.kv_scales import KVCalibrator
 
         model.flashrl_kv = KVCalibrator(model, sync, checkpoint_scales=has_kv_scales(loaded_dir))
     if settings().test_reload:
-        test_reload(sync, policy_source(loaded_dir, rc))
+        from flashrl_tools.runtime.vllm.reload_check import policy_source, reload_check
+
+        reload_check(sync, policy_source(loaded_dir, rc))
     return sync
 
 
@@ -223,39 +234,6 @@ def _inplace_plan(model: torch.nn.Module, converter: WeightConverter) -> InPlace
     return plan
 
 
-def policy_source(loaded_dir: Path, rc: RuntimeConfig) -> Path:
-    """Where the BF16 policy the engine serves lives (for FLASHRL_TEST_RELOAD)."""
-    marker = loaded_dir / "flashrl_source.json"  # online-quantized cache
-    if marker.is_file():
-        return Path(json.loads(marker.read_text())["bf16_model"])
-    if rc.entry.profile:  # calibrated checkpoint: the profile names its BF16 model
-        from flashrl_tools.profile.format import load_profile
-
-        ref = load_profile(Path(rc.entry.profile)).meta.bf16_model
-        if ref is not None:
-            return Path(ref.path)
-    return loaded_dir
-
-
-def test_reload(sync: WeightSync, source: Path) -> bool:
-    """Push the policy's own BF16 weights through the sync path; log whether any parameter of
-    the engine changed (it must not, up to a calibrated profile's inexact entries)."""
-    from flashrl_tools.safetensors_io import CheckpointReader
-
-    before = {n: p.detach().clone() for n, p in sync.model.named_parameters()}
-    for name, tensor in CheckpointReader(source).iter_tensors():
-        sync.load_weights([(name, tensor)])
-    changed = {n: int((p.detach() != before[n]).sum()) for n, p in sync.model.named_parameters()
-               if n in before and p.shape == before[n].shape and not torch.equal(p.detach(), before[n])}
-    if changed:
-        log.warning("FLASHRL_TEST_RELOAD: %d parameters changed after reloading %s (%d entries); first: %s",
-                    len(changed), source, sum(changed.values()), next(iter(changed)))
-    else:
-        log.info("FLASHRL_TEST_RELOAD: reloading %s through the sync path left all %d parameters unchanged",
-                 source, len(before))
-    return not changed
-
-
 def hook_model_loader(rc: RuntimeConfig) -> None:
     """`BaseModelLoader.load_model` (worker): attach a `WeightSync` to every model vLLM loads."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -266,11 +244,18 @@ def hook_model_loader(rc: RuntimeConfig) -> None:
 
     def load_model(self, vllm_config, model_config, *args, **kwargs):
         model = original(self, vllm_config, model_config, *args, **kwargs)
-        attach_sync(model, model_config, rc, fp8_kv(getattr(vllm_config.cache_config, "cache_dtype", None)))
+        sync = attach_sync(model, model_config, rc, fp8_kv(getattr(vllm_config.cache_config, "cache_dtype", None)))
+        sync.dummy_scales = dummy_load(vllm_config) and not has_kv_scales(Path(model_config.model))
         return model
 
     load_model._flashrl = True
     BaseModelLoader.load_model = load_model
+
+
+def dummy_load(vllm_config) -> bool:
+    """The engine was started without weights (`load_format="dummy"`, verl's rollout default)."""
+    fmt = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
+    return str(getattr(fmt, "value", fmt)).lower() == "dummy"
 
 
 def hook_post_load_processing(rc: RuntimeConfig) -> None:
