@@ -26,14 +26,10 @@ QUANT_EXTRA_SUFFIXES = ("_scale", "_zero_point", ".input_scale", "_global_scale"
 
 def scheme_for(fn: QuantFn) -> QuantizationScheme:
     """Weights and activations for each format (activations always dynamic: no calibration data)."""
-    if fn is QuantFn.int8:
-        return preset_name_to_scheme("W8A8", TARGETS)  # int8 channel weights, int8 token activations
-    if fn is QuantFn.fp8_channel:
-        return preset_name_to_scheme("FP8_DYNAMIC", TARGETS)  # fp8 channel weights, fp8 token acts
-    if fn is QuantFn.fp8_block:
-        return preset_name_to_scheme("FP8_BLOCK", TARGETS)  # 128x128 weight blocks, 1x128 act groups
-    # fp8_tensor: per-tensor weights and dynamic per-tensor activations, as vLLM's online FP8.
-    scheme = preset_name_to_scheme("FP8_DYNAMIC", TARGETS)
+    scheme = preset_name_to_scheme(fn.spec.preset, TARGETS)  # W8A8, FP8_DYNAMIC (channel), FP8_BLOCK
+    if scheme.weights.strategy == QuantizationStrategy(fn.strategy.value):
+        return scheme
+    # fp8_tensor: the FP8_DYNAMIC preset with per-tensor weights and dynamic per-tensor activations
     weights = scheme.weights.model_copy(update={"strategy": QuantizationStrategy.TENSOR})
     acts = scheme.input_activations.model_copy(update={"strategy": QuantizationStrategy.TENSOR})
     return QuantizationScheme(targets=TARGETS, weights=weights, input_activations=acts)
@@ -41,7 +37,7 @@ def scheme_for(fn: QuantFn) -> QuantizationScheme:
 
 def quantization_config(fn: QuantFn, ignore: list[str] | None = None) -> dict[str, Any]:
     """The dict stored under config.json's `quantization_config`."""
-    fmt = CompressionFormat.int_quantized if fn is QuantFn.int8 else CompressionFormat.float_quantized
+    fmt = CompressionFormat.int_quantized if fn.is_int else CompressionFormat.float_quantized
     cfg = QuantizationConfig(
         config_groups={"group_0": scheme_for(fn)},
         format=fmt.value,

@@ -135,8 +135,7 @@ def parse_fn(fn: QuantFn | str) -> QuantFn:
     if isinstance(fn, QuantFn):
         return fn
     try:
-        return QuantFn(fn)
+        return QuantFn.parse(fn)
     except ValueError:
-        allowed = ", ".join(f.value for f in QuantFn)
         raise FlashRLError(f"unknown quantization format --fn {fn!r}", None,
-                           f"use one of: {allowed}") from None
+                           f"use one of: {', '.join(f.value for f in QuantFn)}") from None

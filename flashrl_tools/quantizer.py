@@ -15,23 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
-
-class QuantFn(str, Enum):
-    """A quantization format, named as on the command line (`--fn`)."""
-
-    int8 = "int8"
-    fp8_channel = "fp8_channel"
-    fp8_tensor = "fp8_tensor"
-    fp8_block = "fp8_block"
-
-    @property
-    def is_fp8(self) -> bool:
-        return self is not QuantFn.int8
-
+from flashrl_tools.formats import QuantFn, Strategy  # noqa: F401  (QuantFn: imported from here too)
 
 INT8_MIN, INT8_MAX = -128, 127
 # compressed-tensors divides the symmetric range (qmax - qmin) / 2 = 255 / 2.
@@ -74,14 +61,10 @@ def output_specs(fn: QuantFn, shape: tuple[int, ...], dtype: torch.dtype) -> dic
     """What `quantize_weight(fn, w)` returns for a weight of this shape/dtype, without computing it."""
     _check_2d(shape)
     out, inp = shape
-    if fn is QuantFn.int8:
+    if fn.is_int:
         return {"weight": TensorSpec(shape, torch.int8), "weight_scale": TensorSpec((out, 1), dtype)}
-    if fn is QuantFn.fp8_channel:
-        scale_shape: tuple[int, ...] = (out, 1)
-    elif fn is QuantFn.fp8_tensor:
-        scale_shape = (1,)
-    else:
-        scale_shape = (math.ceil(out / FP8_BLOCK[0]), math.ceil(inp / FP8_BLOCK[1]))
+    scale_shape = {Strategy.channel: (out, 1), Strategy.tensor: (1,),
+                   Strategy.block: (math.ceil(out / FP8_BLOCK[0]), math.ceil(inp / FP8_BLOCK[1]))}[fn.strategy]
     return {"weight": TensorSpec(shape, FP8_DTYPE), "weight_scale": TensorSpec(scale_shape, torch.float32)}
 
 
@@ -93,14 +76,14 @@ def quantize_weight(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> Quantiz
     _check_2d(tuple(w.shape))
     if pow2 and not fn.is_fp8:
         raise ValueError(f"power-of-two scales are an FP8 option, not for {fn.value}")
-    if fn is QuantFn.int8:
+    if fn.is_int:
         return QuantizedWeight(*_int8_channel(w))
-    if fn is QuantFn.fp8_channel:
-        scale = _div(w.float().abs().amax(dim=1, keepdim=True), FP8_MAX)
-    elif fn is QuantFn.fp8_tensor:
-        scale = _div(w.float().abs().amax(), FP8_MAX).reshape(1)
-    else:
+    if fn.strategy is Strategy.block:
         return QuantizedWeight(*_fp8_block(w, pow2))
+    if fn.strategy is Strategy.channel:
+        scale = _div(w.float().abs().amax(dim=1, keepdim=True), FP8_MAX)
+    else:
+        scale = _div(w.float().abs().amax(), FP8_MAX).reshape(1)
     scale = _scale(scale, pow2)
     return QuantizedWeight(_to_fp8(w.float() / scale), scale)
 
@@ -113,11 +96,11 @@ def quantize_weights(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> list[Q
     if w.dim() != 3:
         raise ValueError(f"expected stacked linear weights [N, out, in], got shape {list(w.shape)}")
     n, out, inp = w.shape
-    if fn is QuantFn.fp8_tensor:
+    if fn.strategy is Strategy.tensor:
         scale = _scale(_div(w.float().abs().amax(dim=(1, 2)), FP8_MAX), pow2)  # [N]
         q = _to_fp8(w.float() / scale[:, None, None])
         return [QuantizedWeight(q[i], scale[i].reshape(1)) for i in range(n)]
-    if fn is QuantFn.fp8_block and out % FP8_BLOCK[0]:
+    if fn.strategy is Strategy.block and out % FP8_BLOCK[0]:
         return [quantize_weight(fn, w[i], pow2) for i in range(n)]
     flat = quantize_weight(fn, w.reshape(n * out, inp), pow2)
     qs = flat.weight.view(n, out, inp)
@@ -167,7 +150,7 @@ def _fp8_block(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch
 def dequantize(fn: QuantFn, q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The real-valued weight a quantized tensor stands for (what the engine computes with)."""
     w, s = q.weight.float(), q.weight_scale.float()
-    if fn is QuantFn.fp8_block:
+    if fn.strategy is Strategy.block:
         out, inp = w.shape
         bo, bi = FP8_BLOCK
         s = s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
@@ -243,17 +226,17 @@ def fake_quant_activation(fn: QuantFn, x: torch.Tensor) -> torch.Tensor:
     (fp8_tensor) or per token and 128-column group (fp8_block). For sensitivity estimates
     (`flashrl tune`), computed in fp32."""
     xf = x.float()
-    if fn is QuantFn.int8:
+    if fn.is_int:
         scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-12)
         return (torch.round(xf / scale).clamp(INT8_MIN, INT8_MAX) * scale).to(x.dtype)
-    if fn is QuantFn.fp8_block:
+    if fn.strategy is Strategy.block:
         cols = xf.shape[-1]
         group = FP8_BLOCK[1]
         pad = (-cols) % group
         g = torch.nn.functional.pad(xf, (0, pad)).unflatten(-1, (-1, group))
         scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
         return (_to_fp8(g / scale).float() * scale).flatten(-2)[..., :cols].to(x.dtype)
-    if fn is QuantFn.fp8_tensor:
+    if fn.strategy is Strategy.tensor:
         scale = (xf.abs().amax() / FP8_MAX).clamp_min(1e-12)
     else:
         scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)

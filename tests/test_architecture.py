@@ -128,3 +128,15 @@ def test_settings_read_every_variable_once():
     assert s.config == "int8" and s.home == Path("~/x").expanduser() and s.config_index == "0"
     d = Settings.read({})
     assert d.triton and not d.test_reload and d.home == Path.home() / ".cache" / "flashrl" and d.config == ""
+
+
+def test_formats_are_asked_for_properties_not_compared_by_name():
+    """One vocabulary for formats (flashrl_tools/formats.py): code outside the table asks a format's
+    properties; no `fn is QuantFn.x` / `is ConfigFn.x` branches, no lists of format names."""
+    import re
+
+    branch = re.compile(r"\b(?:is|is not|==|!=|in)\s*\(?\s*(?:QuantFn|ConfigFn)\.\w+")
+    found = [f"{f.relative_to(REPO)}:{i}" for f in PKG.rglob("*.py") if f.name != "formats.py"
+             for i, line in enumerate(f.read_text().splitlines(), 1) if branch.search(line)]
+    assert found == []
+    assert branch.search("if fn is QuantFn.int8:") and branch.search("x in (ConfigFn.fp8_channel, ConfigFn.fp8_block)")

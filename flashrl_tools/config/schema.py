@@ -7,7 +7,6 @@ distributed_executor_backend, module_attribute_to_preserve, quantization, ...} ]
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,21 +14,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError, model_validator
 
 from flashrl_tools.errors import FlashRLError
+from flashrl_tools.formats import FN_ALIASES, ConfigFn
 
 CONFIG_VERSION = 1
 
 
-class ConfigFn(str, Enum):
-    bf16 = "bf16"  # no quantization; accurate logprobs only
-    fp8 = "fp8"  # vLLM's own online FP8
-    int8 = "int8"  # W8A8: online (no profile) or from a calibrated checkpoint + profile
-    fp8_channel = "fp8_channel"
-    fp8_tensor = "fp8_tensor"
-    fp8_block = "fp8_block"
-
-
-# flash-llm-rl spellings that mean the same thing here.
-FN_ALIASES = {"fp8_vllm": "fp8", "fp8_fast": "fp8", "fp8_vllm_fast": "fp8", "int8_wo_prune": "int8"}
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 # vLLM's KV-cache dtypes we serve; "auto" (or no key) is vLLM's default (the model dtype). FP8 KV
 # scales are recalibrated after every weight sync (runtime/kv_calibration.py).
@@ -76,20 +65,20 @@ class RolloutConfig(BaseModel):
     def _consistent(self) -> RolloutConfig:
         if self.profile is not None and self.model is None:
             raise ValueError("a profile needs `model`: the 8-bit checkpoint it was made from")
-        if self.fn is ConfigFn.bf16 and (self.profile or self.quantization):
+        if not self.fn.quantized and (self.profile or self.quantization):
             raise ValueError("fn 'bf16' takes no profile and no quantization")
-        if self.fn is ConfigFn.bf16 and (self.keep_bf16 or self.first_layers_bf16 or self.last_layers_bf16):
+        if not self.fn.quantized and (self.keep_bf16 or self.first_layers_bf16 or self.last_layers_bf16):
             raise ValueError("fn 'bf16' keeps every layer in BF16 already: keep_bf16 / first_layers_bf16 / "
                              "last_layers_bf16 need an 8-bit fn")
-        if self.fn is ConfigFn.fp8 and (self.keep_bf16 or self.first_layers_bf16 or self.last_layers_bf16):
+        if self.fn.vllm_online_fp8 and (self.keep_bf16 or self.first_layers_bf16 or self.last_layers_bf16):
             raise ValueError("fn 'fp8' is vLLM's online FP8, which quantizes every linear layer: for mixed "
                              "precision use fn 'fp8_tensor' (the same format, from our checkpoint), 'fp8_channel' "
                              "or 'fp8_block'")
         if any(not p.strip() for p in self.keep_bf16):
             raise ValueError("keep_bf16 has an empty pattern")
-        if self.fp8_scale_pow2 and self.fn not in (ConfigFn.fp8_channel, ConfigFn.fp8_tensor, ConfigFn.fp8_block):
+        if self.fp8_scale_pow2 and not (self.fn.quant_fn is not None and self.fn.quant_fn.is_fp8):
             raise ValueError(f"fp8_scale_pow2 needs fn fp8_channel, fp8_tensor or fp8_block (fn '{self.fn.value}'"
-                             + (" is vLLM's online FP8, which computes its own scales)" if self.fn is ConfigFn.fp8
+                             + (" is vLLM's online FP8, which computes its own scales)" if self.fn.vllm_online_fp8
                                 else " has no FP8 scales)"))
         if self.fp8_scale_pow2 and self.model is not None:
             raise ValueError("fp8_scale_pow2 applies to online quantization: a given `model` serves its own scales "

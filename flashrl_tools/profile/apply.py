@@ -29,12 +29,12 @@ def requantize_tensor(profile: Profile, name: str, tensor: torch.Tensor,
     (mixed precision) stays BF16, smoothed as the profile says (its norm is divided). The one
     re-quantize-with-profile step: `profile apply` offline, every weight sync in the runtime
     (`on(key, t)` puts the profile's tensors on the weight's device, cached by key)."""
-    fn = QuantFn(profile.meta.fn)
+    fn = QuantFn.parse(profile.meta.fn)
     if name in kept or name in profile.quantized_names:
         tensor = as_served(tensor)  # trainers push fp32 masters (quantizer.served_dtype)
     if name in kept:
         return [(name, kept_bf16(profile, name, tensor, on))]
-    entry = profile.linear(name) if fn is QuantFn.int8 else None
+    entry = profile.linear(name) if fn.is_int else None
     if entry is not None:
         scale = on(f"{name}:scale", entry.weight_scale)
         q = requantize_int8(tensor, scale, on(f"{name}:in", entry.smooth_in), on(f"{name}:out", entry.smooth_out))
@@ -60,10 +60,10 @@ def kept_bf16(profile: Profile, name: str, tensor: torch.Tensor, on=lambda key, 
 def _planned(profile: Profile, name: str, shape: tuple[int, ...], dtype: torch.dtype,
              kept: frozenset[str] = frozenset()) -> list[PlannedTensor]:
     """What requantize_tensor returns for this tensor, known from its shape and dtype."""
-    fn = QuantFn(profile.meta.fn)
+    fn = QuantFn.parse(profile.meta.fn)
     if name in kept:
         return [PlannedTensor(name, shape, dtype)]
-    entry = profile.linear(name) if fn is QuantFn.int8 else None
+    entry = profile.linear(name) if fn.is_int else None
     if entry is not None:
         return [PlannedTensor(name, shape, torch.int8),
                 PlannedTensor(f"{name}_scale", tuple(entry.weight_scale.shape), entry.weight_scale.dtype)]

@@ -83,14 +83,12 @@ def checkpoint_format(quantized_dir: Path) -> QuantFn:
         raise FlashRLError(f"unsupported quantization_config ({str(e).splitlines()[0]})",
                            str(quantized_dir), "one scheme group of W8A8 INT8 or FP8 is supported") from None
     w = scheme.weights
-    kind = (w.type.value if hasattr(w.type, "value") else w.type, w.num_bits,
-            w.strategy.value if hasattr(w.strategy, "value") else w.strategy)
-    table = {("int", 8, "channel"): QuantFn.int8, ("float", 8, "channel"): QuantFn.fp8_channel,
-             ("float", 8, "tensor"): QuantFn.fp8_tensor, ("float", 8, "block"): QuantFn.fp8_block}
-    if kind not in table:
+    fn = QuantFn.from_scheme(w.type, w.num_bits, w.strategy)
+    if fn is None:
+        kind = (getattr(w.type, "value", w.type), w.num_bits, getattr(w.strategy, "value", w.strategy))
         raise FlashRLError(f"unsupported weight quantization {kind}", str(quantized_dir),
                            "supported: int8 per channel, fp8 per channel/tensor/block")
-    return table[kind]
+    return fn
 
 
 def model_ref(model_dir: Path, hash_files: bool = True) -> ModelRef:
@@ -144,7 +142,7 @@ def build_profile(bf16_dir: Path, quantized_dir: Path, fn: QuantFn | str,
     meta = dict(fn=fn.value, flashrl_tools=__version__,
                 bf16_model=model_ref(bf16_dir, hash_files), quantized_model=model_ref(quantized_dir, hash_files),
                 quantized=quantized)
-    if fn is not QuantFn.int8:  # FP8: which tensors, in which format; nothing is calibrated
+    if not fn.is_int:  # FP8: which tensors, in which format; nothing is calibrated
         return ProfileResult(Profile(ProfileMeta(**meta)), [], time.perf_counter() - t0)
 
     tensors: dict[str, torch.Tensor] = {}

@@ -20,7 +20,6 @@ from flashrl_tools import __version__
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.profile.build import checkpoint_format, model_ref
 from flashrl_tools.profile.format import Profile, ProfileMeta
-from flashrl_tools.quantizer import QuantFn
 from flashrl_tools.safetensors_io import CheckpointReader
 
 
@@ -43,7 +42,7 @@ def convert_flashrl_profile(pt_path: Path, quantized_dir: Path) -> Profile:
     q = CheckpointReader(quantized_dir)
     meta = dict(fn=fn.value, flashrl_tools=__version__, bf16_model=None,
                 quantized_model=model_ref(quantized_dir), source="flashrl-pt")
-    if fn is not QuantFn.int8:
+    if not fn.is_int:
         if not isinstance(raw, list) or not all(isinstance(n, str) for n in raw):
             raise FlashRLError("FlashRL FP8 profile must be a list of tensor names", str(pt_path))
         missing = [n for n in raw if n not in q]

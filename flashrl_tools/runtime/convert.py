@@ -23,8 +23,7 @@ from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
 
-QUANTIZED = {f.value for f in QuantFn}
-_CHUNK_ELEMENTS = 1 << 26  # stacked source elements quantized at once (128 MiB of BF16)  # fns whose linear weights the engine holds in 8 bit
+_CHUNK_ELEMENTS = 1 << 26  # stacked source elements quantized at once (128 MiB of BF16)
 
 
 class WeightConverter:
@@ -40,7 +39,7 @@ class WeightConverter:
         self.pow2 = pow2  # the checkpoint's FP8 scales are powers of two (quantize --pow2-scales)
         # the 8-bit format of the tensors the engine loaded; None when it loaded BF16 (bf16, vLLM's
         # online fp8). FLASHRL_CONFIG=fp8 on a MoE model serves our fp8_channel checkpoint.
-        self.served = served if served is not None else (QuantFn(fn.value) if fn.value in QUANTIZED else None)
+        self.served = served if served is not None else fn.quant_fn
         self.quantized = quantized  # checkpoint names of the linear weights the engine holds in 8 bit
         self.profile = profile
         # linears the profile smooths but the engine keeps in BF16 (mixed precision)

@@ -58,7 +58,7 @@ def ensure_profile_applied(model_dir: Path, profile: Path, keep: KeepSpec) -> Pa
     profile says, so the norms that feed them stay as calibrated)."""
     from flashrl_tools.profile.format import load_profile
 
-    fn = QuantFn(load_profile(profile).meta.fn)
+    fn = QuantFn.parse(load_profile(profile).meta.fn)
     extra = f"profile={sha256_file(profile)}:{keep.fingerprint()}"
     out = _root() / f"{Path(model_dir).name}-{fn.value}-profile-mixed-{fingerprint(model_dir, fn, extra)}"
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_write_text
 from flashrl_tools.mixed import fp8_block_unservable, kept_modules, layer_index
-from flashrl_tools.quantizer import QuantFn
+from flashrl_tools.formats import QuantFn, Strategy
 from flashrl_tools.config.schema import RolloutConfig
 from flashrl_tools.tune import search
 
@@ -99,7 +99,7 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
 
     # fp8_block: units vLLM cannot serve in blocks stay BF16 in every config tried (first in `order`)
     forced = fp8_block_unservable({n: tuple(lin.original.shape) for n, lin in fq.linears.items()}) \
-        if fn is QuantFn.fp8_block else []
+        if fn.strategy is Strategy.block else []
     if forced and len(forced) == len(fq.units):
         raise FlashRLError("vLLM cannot serve any linear layer of this model in fp8_block (input widths or fused "
                            "shards not multiples of 128)", str(bf16), "use --fn fp8_channel or int8")

@@ -21,7 +21,6 @@ from flashrl_tools.fsutil import atomic_write_text
 
 from flashrl_tools.mixed import KeepSpec
 from flashrl_tools.config.resolve import RuntimeConfig
-from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.verify.engines import run_engine
 from flashrl_tools.verify.perturb import ALL_TRAINED, perturb
 from flashrl_tools.prompts import load_prompts, tokenize
@@ -57,9 +56,9 @@ def changed_check(name: str, a: dict, b: dict, tol: float) -> Check:
 
 def reference_model(rc: RuntimeConfig, bf16: Path, out: Path) -> tuple[Path, str | None]:
     """The fresh engine a correct sync of `bf16` must equal: (model dir, FLASHRL_CONFIG)."""
-    if rc.fn is ConfigFn.bf16:
+    if not rc.fn.quantized:
         return bf16, None
-    if rc.fn is ConfigFn.fp8:  # vLLM's online FP8 of the BF16 weights
+    if rc.fn.vllm_online_fp8:  # vLLM's online FP8 of the BF16 weights
         return bf16, "fp8"
     if rc.entry.profile is not None:
         from flashrl_tools.profile.apply import requantize_checkpoint

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.config.resolve import RuntimeConfig
-from flashrl_tools.config.schema import ConfigFn
 
 log = logging.getLogger("flashrl_tools.runtime")
 
@@ -25,9 +24,9 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     entry, out = rc.entry, {}
     if entry.logprobs_mode is not None:
         out["logprobs_mode"] = entry.logprobs_mode
-    if entry.fn is ConfigFn.fp8 and not _is_moe(policy_model):
+    if entry.fn.vllm_online_fp8 and not _is_moe(policy_model):
         out["quantization"] = online_fp8_method(entry.quantization or "fp8")
-    elif entry.fn is not ConfigFn.bf16:
+    elif entry.fn.quantized:
         from flashrl_tools.mixed import KeepSpec
 
         keep = KeepSpec.of(entry)
@@ -51,7 +50,7 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
             # per-tensor FP8 experts with Marlin (weight-only, repacked, w1/w3 re-quantized to one
             # scale), per-channel ones with CUTLASS W8A8 in the layout loaded, which the in-place
             # sync writes directly (runtime/vllm/inplace.py); per-channel is also the finer format.
-            fmt = QuantFn.fp8_channel if entry.fn is ConfigFn.fp8 else QuantFn(entry.fn.value)
+            fmt = entry.fn.quant_fn or QuantFn.fp8_channel  # vLLM's online fp8 -> fp8_channel on MoE
             out["model"] = str(ensure_quantized(Path(policy_model), fmt, keep, entry.fp8_scale_pow2))
     if "model" in out:
         out["tokenizer"] = policy_model
@@ -91,9 +90,9 @@ def _refuse_trainer_quantization(rc: RuntimeConfig, requested: str | None) -> No
                            "quantize the pushed weights", None,
                            "unset verl's rollout.quantization (FLASHRL_CONFIG=fp8 serves FP8 rollouts and "
                            "re-quantizes every sync), or unset FLASHRL_CONFIG to use verl's FP8 path alone")
-    if rc.fn is ConfigFn.bf16 or requested is None:
+    if not rc.fn.quantized or requested is None:
         return
-    serves = ("fp8", "fp8_per_tensor") if rc.fn is ConfigFn.fp8 else ("compressed-tensors",)
+    serves = ("fp8", "fp8_per_tensor") if rc.fn.vllm_online_fp8 else ("compressed-tensors",)
     if requested not in serves:
         raise FlashRLError(f"quantization={requested!r} passed to vLLM conflicts with FLASHRL_CONFIG={rc.source} "
                            f"(it serves {serves[0]})", None,
@@ -118,7 +117,7 @@ def refuse_8bit_moe_on_cpu(rc: RuntimeConfig, model: str) -> None:
     instead of a kernel-selection traceback deep in the model build."""
     from flashrl_tools.errors import FlashRLError
 
-    if rc.fn is not ConfigFn.bf16 and _is_moe(model):
+    if rc.fn.quantized and _is_moe(model):
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: vLLM on CPU cannot serve 8-bit ({rc.fn.value}) MoE "
                            "models (it has no INT8 or FP8 MoE kernels)", model,
                            "run 8-bit MoE rollouts on a GPU, or use FLASHRL_CONFIG=bf16 on CPU")
