@@ -13,8 +13,13 @@ Checks per case (max |Δ log p| over teacher-forced positions; 0.0 expected): sy
 (no sleep, verl order, verl's code), restore vs start (TRL order), level 1, FP8 KV scales
 bit-equal to the fresh engine's, the refusal, and which tensors (parameters, buffers, kernel-held
 tensors) differ from the fresh engine's after the last sync.
+Case `sq-int8` (with --sq DIR, kv off only): a calibrated config -- SmolLM2 (the default model), a
+`flashrl profile` of the SmoothQuant W8A8 checkpoint (DIR/p.safetensors, DIR/config.json its
+quantization_config: scripts/gpu_stage_sq.sh) and the YAML naming both; the served checkpoint and
+the fresh reference are the profile applied to the original / perturbed BF16 weights, the fresh
+engine a plain vLLM engine (no FLASHRL_CONFIG) on the latter.
 Usage: python benchmarks/gpu_lifecycle_check.py --json OUT [--cases dense-int8,moe-fp8,...] [--kv off,on]
-       [--verl] [--jobs N] [--engine-args JSON] [--eager]
+       [--verl] [--jobs N] [--engine-args JSON] [--eager] [--sq DIR]
 """
 
 from __future__ import annotations
@@ -50,9 +55,33 @@ def _load(name: str):
     return module
 
 
-def make_models(work: Path) -> dict[str, tuple[Path, Path]]:
+def make_sq(work: Path, sq: Path, grc) -> tuple[Path, Path, Path, Path]:
+    """The calibrated case's models: (BF16 original, BF16 perturbed, YAML, fresh reference checkpoint)."""
+    from flashrl_tools.models.default import ensure_default_model
+    from flashrl_tools.profile.apply import requantize_checkpoint
+    from flashrl_tools.profile.format import load_profile
+
+    orig, pert, yaml = Path(ensure_default_model()), work / "sq-perturbed", work / "sq.yaml"
+    served, prof = work / "sq-orig-int8", work / "sq-profile.safetensors"
+    if not (pert / "config.json").is_file():
+        grc.perturb(orig, pert)
+    if not (served / "config.json").is_file():  # the calibrated checkpoint, rebuilt from the carried profile
+        requantize_checkpoint(orig, load_profile(sq / "p.safetensors"), served, template=sq)
+    if not prof.is_file():  # its own profile (the runtime checks that a profile belongs to its checkpoint)
+        subprocess.run([sys.executable, "-m", "flashrl_tools", "profile", "-m", str(orig), "-qm", str(served),
+                        "-o", str(prof), "--fn", "int8"], check=True, capture_output=True)
+    if not (work / "sq-pert-int8" / "config.json").is_file():
+        requantize_checkpoint(pert, load_profile(prof), work / "sq-pert-int8")
+    yaml.write_text(f"version: 1\nconfigs:\n- fn: int8\n  model: {served}\n"
+                    f"  profile: {prof}\n  logprobs_mode: processed_logprobs\n")
+    return orig, pert, yaml, work / "sq-pert-int8"
+
+
+def make_models(work: Path, sq: Path | None = None) -> dict[str, tuple[Path, Path]]:
     grc, moe = _load("gpu_runtime_check"), _load("gpu_moe_check")
     out = {}
+    if sq is not None:
+        out["sq"] = make_sq(work, sq, grc)
     dense, moe_dir = work / "dense", work / "moe"
     if not (dense / "config.json").is_file():
         grc.make_model(dense, dict(vocab_size=384, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -97,13 +126,17 @@ def run_case(case: str, kv: str, models: dict, work: Path, args) -> dict:
         y.write_text("version: 1\nconfigs:\n" + YAMLS[config])
         flashrl = str(y)
     env = {"FLASHRL_CONFIG": flashrl, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv == "on" else {})}
-    orig, pert = models[arch]
+    orig, pert, *sq = models[arch]
+    fresh_env, fresh_model = env, pert
+    if sq:  # the calibrated config: its YAML; the fresh reference is a plain engine on the profile's output
+        env["FLASHRL_CONFIG"] = str(sq[0])
+        fresh_env, fresh_model = {k: v for k, v in env.items() if k != "FLASHRL_CONFIG"}, sq[1]
     ekw = {"gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30, **args.engine_args}
     if args.eager:
         ekw["enforce_eager"] = True
     t0 = time.perf_counter()
-    fresh = run_probe(work, f"{tag}-fresh", {**env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{tag}-f")},
-                      {"model": str(pert), "fresh": True, "engine_kwargs": ekw, "sleep": not args.no_sleep},
+    fresh = run_probe(work, f"{tag}-fresh", {**fresh_env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{tag}-f")},
+                      {"model": str(fresh_model), "fresh": True, "engine_kwargs": ekw, "sleep": not args.no_sleep},
                       args.timeout)
     life = run_probe(work, f"{tag}-life", {**env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{tag}-l")},
                      {"model": str(orig), "original": str(orig), "perturbed": str(pert), "verl": args.verl,
@@ -183,6 +216,7 @@ def main() -> None:
     ap.add_argument("--no-sleep", action="store_true", help="baseline: engines without sleep mode, pushes only")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--engine-args", type=json.loads, default={})
+    ap.add_argument("--sq", type=Path, default=None, help="the sq-int8 case's profile dir (scripts/gpu_stage_sq.sh)")
     ap.add_argument("--report-dir", type=Path, default=None,
                     help="no engines: the table (and --json) of the probes finished in this work dir")
     ap.add_argument("--device", default=None, help="with --report-dir: the GPU the probes ran on")
@@ -199,8 +233,8 @@ def main() -> None:
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-lifecycle-"))
     work.mkdir(parents=True, exist_ok=True)
-    models = make_models(work)
-    todo = [(c, kv) for c in args.cases.split(",") for kv in args.kv.split(",")]
+    models = make_models(work, args.sq)
+    todo = [(c, kv) for c in args.cases.split(",") for kv in args.kv.split(",") if not (c.startswith("sq-") and kv == "on")]
     result = {"device": torch.cuda.get_device_name(), "vllm": vllm.__version__, "verl": args.verl,
               "sleep_mode": not args.no_sleep,
               "engines": "eager" if args.eager else "compiled (FULL_AND_PIECEWISE)", "cases": []}

@@ -75,8 +75,10 @@ def _planned(profile: Profile, name: str, shape: tuple[int, ...], dtype: torch.d
 
 
 def requantize_checkpoint(bf16_dir: Path, profile: Profile, out: Path, force: bool = False,
-                          keep: KeepSpec = KeepSpec()) -> Path:
-    template = Path(profile.meta.quantized_model.path)
+                          keep: KeepSpec = KeepSpec(), template: Path | None = None) -> Path:
+    """`bf16_dir` quantized as the profiled checkpoint was. `template`: a directory with that
+    checkpoint's config.json (default: where the profile says the checkpoint is)."""
+    template = Path(template or profile.meta.quantized_model.path)
     if not (template / "config.json").is_file():
         raise FlashRLError("the profiled 8-bit checkpoint is not available", str(template),
                            "its config.json supplies the quantization_config")
