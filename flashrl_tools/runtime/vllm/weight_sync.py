@@ -245,7 +245,7 @@ def hook_model_loader(rc: RuntimeConfig) -> None:
     def load_model(self, vllm_config, model_config, *args, **kwargs):
         model = original(self, vllm_config, model_config, *args, **kwargs)
         sync = attach_sync(model, model_config, rc, fp8_kv(getattr(vllm_config.cache_config, "cache_dtype", None)))
-        sync.dummy_scales = dummy_load(vllm_config) and not has_kv_scales(Path(model_config.model))
+        sync.dummy_scales = dummy_load(vllm_config)  # (an FP8 KV cache is recalibrated after it)
         return model
 
     load_model._flashrl = True
