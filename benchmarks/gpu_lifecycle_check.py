@@ -77,7 +77,7 @@ def make_sq(work: Path, sq: Path, grc) -> tuple[Path, Path, Path, Path]:
     return orig, pert, yaml, work / "sq-pert-int8"
 
 
-def make_models(work: Path, sq: Path | None = None) -> dict[str, tuple[Path, Path]]:
+def make_models(work: Path, sq: Path | None = None) -> dict[str, tuple[Path, ...]]:
     grc, moe = _load("gpu_runtime_check"), _load("gpu_moe_check")
     out = {}
     if sq is not None:

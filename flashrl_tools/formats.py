@@ -30,7 +30,6 @@ class FormatSpec:
     bits: int
     strategy: Strategy
     preset: str  # compressed-tensors preset scheme the checkpoint config starts from
-    activations: str  # dynamic activation quantization the engine applies (for fake-quant estimates)
 
 
 class QuantFn(str, Enum):
@@ -78,11 +77,11 @@ class QuantFn(str, Enum):
 
 
 FORMATS: dict[QuantFn, FormatSpec] = {
-    QuantFn.int8: FormatSpec("int", 8, Strategy.channel, "W8A8", "int8 per token"),
-    QuantFn.fp8_channel: FormatSpec("float", 8, Strategy.channel, "FP8_DYNAMIC", "fp8 per token"),
-    # per-tensor weights and dynamic per-tensor activations, as vLLM's online FP8
-    QuantFn.fp8_tensor: FormatSpec("float", 8, Strategy.tensor, "FP8_DYNAMIC", "fp8 per tensor"),
-    QuantFn.fp8_block: FormatSpec("float", 8, Strategy.block, "FP8_BLOCK", "fp8 per token and 128 columns"),
+    QuantFn.int8: FormatSpec("int", 8, Strategy.channel, "W8A8"),  # int8 per-token activations
+    QuantFn.fp8_channel: FormatSpec("float", 8, Strategy.channel, "FP8_DYNAMIC"),  # fp8 per-token activations
+    # per-tensor weights and dynamic per-tensor activations, as vLLM's online FP8 (quant_config.py)
+    QuantFn.fp8_tensor: FormatSpec("float", 8, Strategy.tensor, "FP8_DYNAMIC"),
+    QuantFn.fp8_block: FormatSpec("float", 8, Strategy.block, "FP8_BLOCK"),  # 1x128 activation groups
 }
 
 
