@@ -105,8 +105,8 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
             continue
         lo, hi, got = base["final_reward_min"], base["final_reward_max"], row["final_reward_mean"]
         row["vs_bf16"] = ("within the bf16 seeds' spread" if lo <= got <= hi else
-                          f"{lo - got:.3f} below the bf16 seeds' lowest" if got < lo else
-                          f"{got - hi:.3f} above the bf16 seeds' highest")
+                          f"{lo - got:.2g} below the bf16 seeds' lowest" if got < lo else
+                          f"{got - hi:.2g} above the bf16 seeds' highest")
         if base["rollout_s_mean"] and row["rollout_s_mean"]:
             row["rollout_s_vs_bf16"] = row["rollout_s_mean"] / base["rollout_s_mean"]
     return table

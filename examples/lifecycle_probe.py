@@ -245,7 +245,8 @@ def main():
     if not req.get("fresh") and not req.get("sleep", True):
         llm.collective_rpc(push_checkpoint(req["perturbed"]))  # the digest compares the perturbed state
     result = {"stages": stages, "refused": refused, "timing": timing, "digest": llm.collective_rpc(digest)[0],
-              "inplace_layers": llm.collective_rpc("flashrl_inplace_layers")[0]}
+              # a plain vLLM engine (the calibrated case's fresh reference) has no runtime to ask
+              "inplace_layers": llm.collective_rpc("flashrl_inplace_layers")[0] if os.environ.get("FLASHRL_CONFIG") else {}}
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 

@@ -98,6 +98,14 @@ class EngineProbe(TrainerCallback):
                 self.rollout_seconds += time.perf_counter() - t0
 
         generation.generate = timed
+        if generation.enable_sleep_mode:  # TRL sleeps (level 2) at the end of each generate: weights gone,
+            llm, sleep = generation.llm, generation.llm.sleep  # so probe the engine just before that
+
+            def probe_then_sleep(*args, **kwargs):
+                self.sleeping_probe = self.engine_logp()
+                return sleep(*args, **kwargs)
+
+            llm.sleep = probe_then_sleep
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "reward" not in logs:
@@ -105,7 +113,8 @@ class EngineProbe(TrainerCallback):
         rollout_s, self.rollout_seconds = getattr(self, "rollout_seconds", None), 0.0
         row = {"step": state.global_step, "seconds": round(time.time() - self.t0, 1),
                "rollout_seconds": rollout_s,
-               "flashrl_config": os.environ["FLASHRL_CONFIG"], "engine_probe_logp": self.engine_logp(),
+               "flashrl_config": os.environ["FLASHRL_CONFIG"],
+               "engine_probe_logp": self.sleeping_probe if hasattr(self, "sleeping_probe") else self.engine_logp(),
                "trainer_probe_logp_after_step": self.trainer_logp(),
                **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
         with open(self.path, "a") as f:
@@ -122,7 +131,10 @@ def final_check(trainer, tokenizer, workdir: str) -> dict:
 
     from flashrl_tools.quantize import quantize
 
-    trainer.vllm_generation.sync_weights()
+    generation = trainer.vllm_generation
+    generation.sync_weights()  # in sleep mode: wakes the weights and pushes them; the KV cache still sleeps
+    if generation.enable_sleep_mode:
+        generation.llm.wake_up(tags=["kv_cache"])
     bf16_dir = os.path.join(workdir, "policy-bf16")
     trainer.model.to(torch.bfloat16).save_pretrained(bf16_dir, safe_serialization=True)
     trainer.model.to(torch.float32)

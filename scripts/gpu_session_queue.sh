@@ -56,6 +56,16 @@ if [ "${PLAN:-}" = lifecycle ]; then  # issue 29 (ran at stop 28): sleep mode, b
   )
   BENCH=()
 fi
+if [ "${PLAN:-}" = recheck ]; then  # issues 29 + 31: the exactness checks again after the runtime's restructuring
+  # (one H100; --verl and sq-int8 need the trainers' wheels, Ray, the default model and /root/sq)
+  CHECKS=(
+    "lifecycle|python benchmarks/gpu_lifecycle_check.py --verl --jobs 12 --workdir /root/w/lc --json $RES/lifecycle.json"
+    "lifecycle-sq|python benchmarks/gpu_lifecycle_check.py --verl --cases sq-int8 --kv off --sq /root/sq --jobs 1 --workdir /root/w/sq --json $RES/lifecycle-sq.json"
+    "runtime-c|python $G --skip-7b --reload --compiled --engine-args '$EA' --workdir /root/w/rc --json $RES/runtime-compiled.json"
+    "moe-c|python $M --archs qwen3_moe --configs int8,fp8 --compiled --no-bound --no-dense --engine-args '$EA' --workdir /root/w/mc --json $RES/moe-compiled.json"
+  )
+  BENCH=()
+fi
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> $RES/queue.log; }
 [ "${ENSURE_DEFAULT:-1}" = 1 ] && python -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())" >> $RES/queue.log 2>&1
 declare -A PIDS

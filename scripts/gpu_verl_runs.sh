@@ -27,6 +27,7 @@ for spec in "$@"; do
     [ -f "$model/config.json" ] || python3 -m flashrl_tools models tiny --arch qwen3_moe -o "$model" >/dev/null
   fi
   (
+    for try in 1 2 3; do  # verl picks torch.distributed's port at random: runs side by side may collide
     FLASHRL_CONFIG=$cfg SEED=$seed OUT=$OUT FINAL_CHECK=1 VLLM_CACHE_ROOT=/root/vc/$run RUN=$run MODEL=$model \
       STEPS=$steps PROMPT_LEN=$plen CHECK_EVERY=${CHECK_EVERY:-10} bash scripts/private_tmp.sh "/root/tmp/$run" \
       bash examples/verl/run_grpo_smollm2.sh \
@@ -37,7 +38,10 @@ for spec in "$@"; do
       actor_rollout_ref.rollout.agent.num_workers=2 reward.num_workers=2 data.dataloader_num_workers=0 \
       transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
       ${VERL_EXTRA:-} > "$OUT/$run.log" 2>&1
-    echo "train exit $?" >> "$OUT/$run.log"
+    rc=$?; echo "train exit $rc (try $try)" >> "$OUT/$run.log"
+    [ "$rc" != 0 ] && [ ! -s "$OUT/$run.jsonl" ] && grep -q EADDRINUSE "$OUT/$run.log" || break
+    mv "$OUT/$run.log" "$OUT/$run.try$try.log"; sleep $(( RANDOM % 20 + 5 ))
+    done
     FLASHRL_CONFIG=$cfg VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
       python3 benchmarks/verl_final_check.py "$OUT" "$run" > "$OUT/$run.check.log" 2>&1
     echo "check exit $?" >> "$OUT/$run.log"

@@ -198,3 +198,64 @@ def test_a_caller_set_fp8_kv_cache_is_taken_over(default_model, tmp_path, monkey
         args, vllm_config = _engine_config("bf16", default_model, monkeypatch, kv_cache_dtype="fp8")
     assert vllm_config.cache_config.cache_dtype == "fp8"
     assert "kv_cache_dtype=fp8 set by the caller" in caplog.text
+
+
+# -- the GPU check's verdicts (benchmarks/gpu_lifecycle_check.py), from synthetic probe results ---
+
+def _lifecycle_check():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_lifecycle_check", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_lifecycle_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stage(*logprobs):
+    return {"logprobs": [list(logprobs)], "tokens": [[1, 2]]}
+
+
+def _probes(start, pushed, restored):
+    life = {"stages": {"start": _stage(*start), "push_nosleep": _stage(*pushed), "back_nosleep": _stage(*restored),
+                       "verl_replica": _stage(*pushed), "level1": _stage(*pushed), "trl": _stage(*restored),
+                       "verl": _stage(*pushed), "verl_fp8_path": False},
+            "digest": {"w": "a"}, "inplace_layers": {}, "timing": {},
+            "refused": "SyncIncomplete: ... until a full weight sync (all 3 tensors) has arrived"}
+    fresh = {"stages": {"fresh": _stage(*pushed)}, "digest": {"w": "a"}}
+    return fresh, life
+
+
+def test_lifecycle_check_verdicts_and_the_calibrated_restore_reference():
+    """A restore is compared with the engine's start, except for a calibrated config, whose start is
+    the checkpoint itself and whose restore is the profile applied to the originals (a third
+    engine); the gap between the two is reported, not judged."""
+    glc = _lifecycle_check()
+    fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.5, -2.5), restored=(-1.0, -2.0))
+    assert glc.compare(fresh, life, verl=True, no_sleep=False)["passed"]
+    # a restore that misses the start fails the plain case ...
+    fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.5, -2.5), restored=(-1.25, -2.0))
+    row = glc.compare(fresh, life, verl=True, no_sleep=False)
+    assert not row["passed"] and row["trl_order_restore_vs_start"]["max_dlogp"] == 0.25
+    # ... and passes when the restore reference (profile applied to the originals) is what it holds
+    ref = {"stages": {"fresh": _stage(-1.25, -2.0)}}
+    row = glc.compare(fresh, life, verl=True, no_sleep=False, restore_ref=ref)
+    assert row["passed"] and row["start_vs_restore_reference"] == 0.25
+    # a differing tensor, a missed refusal or verl's FP8 path taken each fail the case
+    for broken in ({"digest": {"w": "b"}}, {"refused": None}):
+        fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.5, -2.5), restored=(-1.0, -2.0))
+        life.update(broken)
+        assert not glc.compare(fresh, life, verl=True, no_sleep=False)["passed"]
+    fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.5, -2.5), restored=(-1.0, -2.0))
+    life["stages"]["verl_fp8_path"] = True
+    assert not glc.compare(fresh, life, verl=True, no_sleep=False)["passed"]
+
+
+def test_lifecycle_check_counts_checkpoint_entries(tmp_path):
+    from safetensors.torch import save_file
+
+    glc = _lifecycle_check()
+    for name, w in (("a", torch.tensor([[1, 2], [3, 4]], dtype=torch.int8)),
+                    ("b", torch.tensor([[1, 2], [3, 6]], dtype=torch.int8))):
+        (tmp_path / name).mkdir()
+        save_file({"x.weight": w, "x.weight_scale": torch.ones(2, 1)}, str(tmp_path / name / "model.safetensors"))
+    assert glc.entries_differing(tmp_path / "a", tmp_path / "b") == 1
+    assert glc.entries_differing(tmp_path / "a", tmp_path / "a") == 0

@@ -111,7 +111,7 @@ def test_learning_curves_from_trl_and_verl_logs(tmp_path):
     table = json.loads(out.with_suffix(".json").read_text())
     bf16, int8 = table["configs"]["bf16"], table["configs"]["int8"]
     assert (bf16["final_reward_min"], bf16["final_reward_max"]) == (0.45, 0.6)
-    assert int8["final_reward_mean"] == 0.3 and int8["vs_bf16"] == "0.150 below the bf16 seeds' lowest"
+    assert int8["final_reward_mean"] == 0.3 and int8["vs_bf16"] == "0.15 below the bf16 seeds' lowest"
     assert int8["rollout_s_vs_bf16"] == 0.5
     assert table["runs"]["bf16/0"]["mean_is_clipped_frac"] == pytest.approx(0.02)
     assert out.with_suffix(".png").stat().st_size > 10_000
