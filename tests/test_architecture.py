@@ -85,17 +85,27 @@ def test_the_runtime_imports_no_cli_side_package():
                if m.startswith("flashrl_tools.verify") for t in ts)
 
 
-def test_vllm_is_imported_in_runtime_vllm_only():
-    """Outside runtime/vllm/, only verify's engine job (a subprocess that runs one engine) imports vLLM."""
-    allowed = {"flashrl_tools.verify.engine_job"}
+def _importers(engine: str) -> set[str]:
     users = set()
     for name, f in _modules().items():
         for node in ast.walk(ast.parse(f.read_text())):
             mods = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            if any(m == "vllm" or m.startswith("vllm.") for m in mods):
+            if any(m == engine or m.startswith(f"{engine}.") for m in mods):
                 users.add(name)
-    assert {u for u in users if not u.startswith("flashrl_tools.runtime.vllm")} <= allowed
+    return users
+
+
+def test_vllm_is_imported_in_runtime_vllm_only():
+    """Outside runtime/vllm/, only verify's engine job (a subprocess that runs one engine) imports vLLM."""
+    allowed = {"flashrl_tools.verify.engine_job"}
+    assert {u for u in _importers("vllm") if not u.startswith("flashrl_tools.runtime.vllm")} <= allowed
+
+
+def test_sglang_is_imported_in_runtime_sglang_only():
+    users = _importers("sglang")
+    assert users and all(u.startswith("flashrl_tools.runtime.sglang") for u in users), users
+    assert not any(u.startswith("flashrl_tools.runtime.sglang") for u in _importers("vllm"))
 
 
 def test_no_runtime_module_over_300_lines():

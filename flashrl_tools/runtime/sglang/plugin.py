@@ -1,0 +1,113 @@
+"""SGLang general plugin (entry point group `sglang.srt.plugins`): with FLASHRL_CONFIG set, registers
+the hooks of `HOOKS` with SGLang's `HookRegistry`. SGLang only logs an exception raised by a plugin,
+so an invalid config is raised from the first hook that runs (`ServerArgs.__post_init__`: the engine
+refuses to start) instead of here.
+
+| hook | target (SGLang 0.5.17) | process | what it does |
+| --- | --- | --- | --- |
+| server_args | `ServerArgs.__post_init__` (before) | engine / launcher | the checkpoint and tokenizer the config serves; refusals at start (server_args.py) |
+| linear_layout | `CompressedTensorsLinearMethod.process_weights_after_loading` (around) | scheduler | keep the loaded Parameters; refuse layouts in new memory (weight_sync.py) |
+| moe_layout | `CompressedTensorsFusedMoEMethod.process_weights_after_loading` (around) | scheduler | the same for MoE experts |
+| model_runner | `ModelRunner.load_model` (after) | scheduler | a `WeightSync` replaces `model.load_weights` |
+| direct_updates | `WeightUpdater.update_weights_from_tensor` (before) | scheduler | refuse `load_format="direct"` and custom loaders (they bypass `load_weights`) |
+| request_guard | `Scheduler._add_request_to_queue` (before) | scheduler | abort requests while the weights are incomplete |
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("flashrl_tools.runtime")
+
+_LINEAR = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsLinearMethod"
+_MOE = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsFusedMoEMethod"
+_state: dict = {}  # this process: "rc", "error", "loaded" (LoadedParams), "syncs"
+
+
+def _config():
+    """The active config; raises the config's error where SGLang does not swallow it."""
+    from flashrl_tools.errors import FlashRLError
+
+    if "error" in _state:
+        e: FlashRLError = _state["error"]
+        raise RuntimeError(f"flashrl: {e.message}")
+    return _state["rc"]
+
+
+def server_args(self, *args, **kwargs):
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.sglang.server_args import apply_overrides
+
+    try:
+        changed = apply_overrides(_config(), self)
+    except FlashRLError as e:
+        raise RuntimeError(f"flashrl: {e.message}") from None
+    if changed:
+        log.info("flashrl %s: SGLang server args %s", _state["rc"].fn.value, changed)
+
+
+def layout(original, method, layer, *args, **kwargs):
+    return _state["loaded"].around_processing(original, method, layer, *args, **kwargs)
+
+
+def model_runner(result, runner, *args, **kwargs):
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.sglang.weight_sync import attach
+
+    if getattr(runner, "is_draft_worker", False):
+        return result
+    try:
+        sync = attach(runner.model, runner.model_config.model_path, _config(), _state["loaded"])
+    except FlashRLError as e:
+        raise RuntimeError(e.message) from None
+    _state["syncs"].append(sync)
+    return result
+
+
+def direct_updates(updater, named_tensors=None, load_format=None, *args, **kwargs):
+    if load_format not in (None, "flattened_bucket"):
+        raise RuntimeError(f"flashrl: update_weights_from_tensor(load_format={load_format!r}) writes parameters "
+                           "without re-quantizing them; push with load_format=None or 'flattened_bucket'")
+
+
+def request_guard(scheduler, req, is_retracted=False, *args, **kwargs):
+    if is_retracted or getattr(req, "finished_reason", None) is not None:
+        return
+    problem = next((s for s in (sync.status() for sync in _state["syncs"]) if s), None)
+    if problem is not None:
+        req.set_finish_with_abort(problem)
+
+
+HOOKS = [  # (name, target, hook, HookType name)
+    ("server_args", "sglang.srt.server_args.ServerArgs.__post_init__", server_args, "BEFORE"),
+    ("linear_layout", f"{_LINEAR}.process_weights_after_loading", layout, "AROUND"),
+    ("moe_layout", f"{_MOE}.process_weights_after_loading", layout, "AROUND"),
+    ("model_runner", "sglang.srt.model_executor.model_runner.ModelRunner.load_model", model_runner, "AFTER"),
+    ("direct_updates", "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
+                       "update_weights_from_tensor", direct_updates, "BEFORE"),
+    ("request_guard", "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", request_guard, "BEFORE"),
+]
+
+
+def register(registry=None, hook_type=None) -> None:
+    """SGLang's entry point. `registry` / `hook_type`: SGLang's HookRegistry and HookType (tests pass
+    stand-ins). Nothing happens without FLASHRL_CONFIG."""
+    from flashrl_tools.config.resolve import from_env
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.logs import configure_logging
+    from flashrl_tools.runtime.sglang.weight_sync import LoadedParams
+
+    if registry is None:
+        from sglang.srt.plugins.hook_registry import HookRegistry as registry, HookType as hook_type
+    try:
+        rc = from_env()
+    except FlashRLError as e:  # raised by the server_args hook, where SGLang does not swallow it
+        _state["error"], rc = e, None
+        registry.register(HOOKS[0][1], HOOKS[0][2], hook_type.BEFORE)
+        return
+    if rc is None:
+        return
+    configure_logging()
+    _state.update(rc=rc, loaded=LoadedParams(), syncs=[])
+    for _name, target, hook, kind in HOOKS:
+        registry.register(target, hook, getattr(hook_type, kind))

@@ -1,0 +1,68 @@
+"""SGLang's `ServerArgs`: which checkpoint the engine serves for a config (the same online-quantized
+cache or calibrated checkpoint as for vLLM), the policy's tokenizer, and refusals at start for what
+the SGLang side does not serve yet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flashrl_tools.config.resolve import RuntimeConfig
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.quantizer import QuantFn
+
+# the quantized layouts SGLang keeps in the storage it loaded (runtime/sglang/weight_sync.py):
+# per-channel INT8 and FP8. Per-tensor FP8 of fused layers is requantized to one scale at load.
+SERVED = {QuantFn.int8, QuantFn.fp8_channel}
+
+
+def served_format(rc: RuntimeConfig) -> QuantFn | None:
+    """The checkpoint format an SGLang engine serves for `rc` (None: BF16). `fp8` (vLLM's online
+    per-tensor FP8) is served as per-channel FP8 checkpoints, as on MoE models under vLLM."""
+    fn = rc.entry.fn
+    if fn.vllm_online_fp8:
+        return QuantFn.fp8_channel
+    return fn.quant_fn if fn.quantized else None
+
+
+def overrides(rc: RuntimeConfig, policy_model: str) -> dict:
+    """`ServerArgs` fields the config changes for an engine asked to serve `policy_model`."""
+    from flashrl_tools.mixed import KeepSpec
+    from flashrl_tools.runtime.online_cache import ensure_profile_applied, ensure_quantized
+
+    entry, fmt = rc.entry, served_format(rc)
+    if entry.fp8_kv_cache:
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: an FP8 KV cache is not served on SGLang yet", None,
+                           "unset FLASHRL_KV_CACHE_DTYPE (and kv_cache_dtype in the YAML), or run the rollouts on vLLM")
+    if fmt is None:
+        return {}
+    if fmt not in SERVED:
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {fmt.value} checkpoints are not served on SGLang "
+                           "(it re-quantizes fused per-tensor layers at load; block FP8 is unchecked)", None,
+                           "use int8, fp8 or fp8_channel with SGLang")
+    keep = KeepSpec.of(entry)
+    if entry.model is not None and keep:
+        out = {"model_path": str(ensure_profile_applied(Path(policy_model), Path(entry.profile), keep))}
+    elif entry.model is not None:
+        out = {"model_path": entry.model}
+    else:
+        out = {"model_path": str(ensure_quantized(Path(policy_model), fmt, keep, entry.fp8_scale_pow2))}
+    out["tokenizer_path"] = policy_model
+    return out
+
+
+def apply_overrides(rc: RuntimeConfig, args) -> dict:
+    """Change `args` (a ServerArgs before its __post_init__) in place; returns what changed."""
+    if getattr(args, "quantization", None) not in (None, "compressed-tensors") and served_format(rc) is not None:
+        raise FlashRLError(f"quantization={args.quantization!r} passed to SGLang conflicts with "
+                           f"FLASHRL_CONFIG={rc.source} (it serves compressed-tensors checkpoints)", None,
+                           "drop the quantization argument, or unset FLASHRL_CONFIG")
+    if getattr(args, "load_format", "auto") == "flash_rl":
+        raise FlashRLError(f"load_format='flash_rl' (SGLang's own online FP8) and FLASHRL_CONFIG={rc.source} "
+                           "would both quantize the pushed weights", None, "drop load_format, or unset FLASHRL_CONFIG")
+    policy = args.tokenizer_path or args.model_path
+    changed = overrides(rc, args.model_path)
+    if changed and args.tokenizer_path:
+        changed["tokenizer_path"] = policy
+    for key, value in changed.items():
+        setattr(args, key, value)
+    return changed

@@ -1,0 +1,243 @@
+"""The SGLang coupling's pure parts (issue 32; SGLang has no CPU backend installable here: the engine
+checks run on the GPU). What is tested: the plugin registers its hooks (or only the one that raises
+an invalid config where SGLang does not swallow it), the server args a config sets and refuses, and
+the weight sync on a stand-in of SGLang's layers -- a compressed-tensors W8A8 layer whose processing
+replaces `weight` by its transpose and `weight_scale` by a new Parameter over the same storage, and a
+`load_weights` that, like SGLang's models, maps checkpoint names onto fused parameters and needs each
+parameter's `weight_loader` (a second load crashes without the runtime)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashrl_tools.config.resolve import resolve
+from flashrl_tools.config.schema import ConfigFn
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.quantizer import QuantFn, quantize_weight
+from flashrl_tools.runtime.convert import WeightConverter
+from flashrl_tools.runtime.sglang import plugin
+from flashrl_tools.runtime.sglang.server_args import apply_overrides
+from flashrl_tools.runtime.sglang.weight_sync import LoadedParams, WeightSync
+
+
+class Registry:
+    def __init__(self):
+        self.hooks = []
+
+    def register(self, target, hook, kind):
+        self.hooks.append((target, hook, kind))
+
+
+Kinds = SimpleNamespace(BEFORE="before", AFTER="after", AROUND="around", REPLACE="replace")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plugin_state():
+    plugin._state.clear()
+    yield
+    plugin._state.clear()
+
+
+def test_plugin_registers_nothing_without_a_config(monkeypatch):
+    monkeypatch.delenv("FLASHRL_CONFIG", raising=False)
+    reg = Registry()
+    plugin.register(reg, Kinds)
+    assert reg.hooks == []
+
+
+def test_plugin_registers_its_hook_table(monkeypatch):
+    monkeypatch.setenv("FLASHRL_CONFIG", "int8")
+    reg = Registry()
+    plugin.register(reg, Kinds)
+    assert [(t, k) for t, _, k in reg.hooks] == [(t, getattr(Kinds, k)) for _, t, _, k in plugin.HOOKS]
+    assert all(t.startswith("sglang.srt.") for t, _, _ in reg.hooks)
+
+
+def test_an_invalid_config_is_raised_by_the_server_args_hook(monkeypatch):
+    """SGLang only logs a plugin's exception: the engine must still refuse to start."""
+    monkeypatch.setenv("FLASHRL_CONFIG", "int9")
+    reg = Registry()
+    plugin.register(reg, Kinds)  # does not raise
+    assert [t for t, _, _ in reg.hooks] == [plugin.HOOKS[0][1]]
+    with pytest.raises(RuntimeError, match="flashrl: .*int9"):
+        reg.hooks[0][1](SimpleNamespace(model_path="x", tokenizer_path=None, quantization=None, load_format="auto"))
+
+
+def _args(model, **kw):
+    return SimpleNamespace(**{"model_path": str(model), "tokenizer_path": None, "quantization": None,
+                              "load_format": "auto", **kw})
+
+
+@pytest.mark.parametrize("config, fmt", [("int8", QuantFn.int8), ("fp8", QuantFn.fp8_channel)])
+def test_server_args_serve_the_configs_checkpoint(default_model, monkeypatch, tmp_path, config, fmt):
+    from flashrl_tools.runtime.convert import served_format
+
+    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path))
+    args = _args(default_model)
+    changed = apply_overrides(resolve(config), args)
+    assert args.tokenizer_path == str(default_model) and args.model_path != str(default_model)
+    assert set(changed) == {"model_path", "tokenizer_path"}
+    assert served_format(__import__("pathlib").Path(args.model_path)) is fmt
+    bf16 = _args(default_model)
+    assert apply_overrides(resolve("bf16"), bf16) == {} and bf16.model_path == str(default_model)
+
+
+@pytest.mark.parametrize("config, setup, match", [
+    ("fp8_tensor.yaml", {}, "not served on SGLang"),
+    ("int8", {"quantization": "fp8"}, "conflicts with FLASHRL_CONFIG"),
+    ("int8", {"load_format": "flash_rl"}, "would both quantize"),
+])
+def test_server_args_refusals(default_model, tmp_path, config, setup, match):
+    if config.endswith(".yaml"):
+        (tmp_path / config).write_text(f"version: 1\nconfigs:\n- fn: {config.removesuffix('.yaml')}\n")
+        config = str(tmp_path / config)
+    with pytest.raises(FlashRLError, match=match):
+        apply_overrides(resolve(config), _args(default_model, **setup))
+
+
+def test_fp8_kv_cache_is_refused_on_sglang(default_model, monkeypatch):
+    monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "fp8")
+    with pytest.raises(FlashRLError, match="FP8 KV cache is not served on SGLang"):
+        apply_overrides(resolve("int8"), _args(default_model))
+
+
+# -- a stand-in of SGLang's compressed-tensors W8A8 linear layers and model loader ----------------
+
+def _loader(shard_offsets):
+    """SGLang-style weight_loader: writes a checkpoint shard into rows of the fused parameter."""
+    def weight_loader(param, loaded, shard=None):
+        start, rows = shard_offsets[shard] if shard is not None else (0, param.shape[0])
+        param.data[start:start + rows].copy_(loaded)
+    return weight_loader
+
+
+class W8A8Layer(torch.nn.Module):
+    def __init__(self, shards: dict[str, int], cols: int):
+        super().__init__()
+        offsets, at = {}, 0
+        for name, rows in shards.items():
+            offsets[name], at = (at, rows), at + rows
+        self.weight = torch.nn.Parameter(torch.zeros(at, cols, dtype=torch.int8), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(torch.zeros(at, 1), requires_grad=False)
+        for p in (self.weight, self.weight_scale):
+            p.weight_loader = _loader(offsets)
+
+
+class ChannelMethod:
+    """compressed_tensors_w8a8_int8.py, CHANNEL strategy: transposed view, scale over its storage."""
+
+    def process_weights_after_loading(self, layer):
+        weight, scale = layer.weight, layer.weight_scale.data
+        layer.weight = torch.nn.Parameter(weight.t(), requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+
+
+class CopyingMethod:
+    def process_weights_after_loading(self, layer):
+        layer.weight = torch.nn.Parameter(layer.weight.t().contiguous(), requires_grad=False)
+
+
+class Model(torch.nn.Module):
+    MAPPING = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k")}
+
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = W8A8Layer({"q": 6, "k": 2}, 4)
+        self.o_proj = W8A8Layer({None: 4}, 6)
+        self.norm = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            module, _, suffix = name.partition(".")
+            fused, shard = self.MAPPING.get(module, (module, None))
+            param = params[f"{fused}.{suffix}" if suffix else name]
+            if not hasattr(param, "weight_loader"):  # SGLang's default loader: shapes must agree
+                if param.shape != tensor.shape:
+                    raise AssertionError(f"{name}: {tuple(param.shape)} vs {tuple(tensor.shape)}")
+                param.data.copy_(tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+
+
+def _weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [("q_proj.weight", torch.randn(6, 4, generator=g, dtype=torch.bfloat16)),
+            ("k_proj.weight", torch.randn(2, 4, generator=g, dtype=torch.bfloat16)),
+            ("o_proj.weight", torch.randn(4, 6, generator=g, dtype=torch.bfloat16)),
+            ("norm", torch.rand(4, generator=g) + 0.5)]
+
+
+def _converter():
+    quantized = {"q_proj.weight", "k_proj.weight", "o_proj.weight"}
+    return WeightConverter(ConfigFn.int8, quantized, expected=quantized | {"norm"}, served=QuantFn.int8)
+
+
+def _served(weights):
+    """What a fresh engine on these BF16 weights would hold: the checkpoint, then SGLang's processing."""
+    model, loaded = Model(), LoadedParams()
+    model.load_weights([pair for name, t in weights for pair in _converter().convert(name, t)])
+    for layer in (model.qkv_proj, model.o_proj):
+        loaded.around_processing(lambda m, l: m.process_weights_after_loading(l), ChannelMethod(), layer)
+    return model, loaded
+
+
+def test_sglang_layers_crash_on_a_second_load_without_the_runtime():
+    model, _ = _served(_weights(0))
+    converted = [pair for name, t in _weights(1) for pair in _converter().convert(name, t)]
+    with pytest.raises(AssertionError, match=r"q_proj.weight: \(4, 8\) vs \(6, 4\)"):
+        model.load_weights(converted)
+
+
+def test_sync_writes_into_the_storage_the_kernel_reads_and_equals_a_fresh_engine():
+    model, loaded = _served(_weights(0))
+    kernel_weight = model.qkv_proj.weight  # the processed parameter (a transposed view)
+    sync = WeightSync(model, _converter(), loaded.of(model))
+    model.load_weights = sync.load_weights
+    new = _weights(1)
+    for pair in new[:2]:  # one tensor per call (verl / TRL), a view into a buffer poisoned after the call
+        buf = pair[1].clone()
+        model.load_weights([(pair[0], buf)])
+        buf.fill_(float("nan"))
+    assert sync.status() is not None and "not received" in sync.status()  # mid-sync: refused
+    model.load_weights(new[2:])
+    assert sync.status() is None and sync.state.completed == 1
+    fresh, _ = _served(new)
+    assert model.qkv_proj.weight is kernel_weight  # the processed parameters are back
+    for name in ("qkv_proj.weight", "qkv_proj.weight_scale", "o_proj.weight", "o_proj.weight_scale", "norm"):
+        assert torch.equal(dict(model.named_parameters())[name], dict(fresh.named_parameters())[name]), name
+    q = quantize_weight(QuantFn.int8, new[0][1])  # the q shard: rows 0-5 of the fused weight, transposed
+    assert torch.equal(model.qkv_proj.weight[:, :6], q.weight.t())
+
+
+def test_a_layout_in_new_memory_is_refused_at_start():
+    model = Model()
+    with pytest.raises(FlashRLError, match="re-lays out `weight`"):
+        LoadedParams().around_processing(lambda m, l: m.process_weights_after_loading(l), CopyingMethod(),
+                                         model.qkv_proj)
+
+
+def test_requests_are_aborted_while_a_sync_is_incomplete(monkeypatch):
+    model, loaded = _served(_weights(0))
+    sync = WeightSync(model, _converter(), loaded.of(model))
+    plugin._state["syncs"] = [sync]
+    aborted = []
+    req = SimpleNamespace(finished_reason=None, set_finish_with_abort=aborted.append)
+    plugin.request_guard(None, req)
+    assert aborted == []  # the engine holds a complete set of weights
+    sync.load_weights(_weights(1)[:1])
+    plugin.request_guard(None, req)
+    assert len(aborted) == 1 and "weight sync incomplete" in aborted[0]
+    sync.discard("SGLang released the weights' memory")
+    plugin.request_guard(None, req, True)  # a retracted request is not re-judged
+    assert len(aborted) == 1
+
+
+def test_direct_loads_are_refused():
+    plugin.direct_updates(None, [], None)
+    plugin.direct_updates(None, [], "flattened_bucket")
+    with pytest.raises(RuntimeError, match="load_format='direct'"):
+        plugin.direct_updates(None, [], load_format="direct")
