@@ -236,6 +236,24 @@ def test_requests_are_aborted_while_a_sync_is_incomplete(monkeypatch):
     assert len(aborted) == 1
 
 
+def test_released_weights_are_refused_until_a_full_sync():
+    """verl / slime put SGLang to sleep with release_memory_occupation(tags=["weights", ...]): the memory
+    comes back without the parameters (SGLang restores buffers only)."""
+    model, loaded = _served(_weights(0))
+    sync = WeightSync(model, _converter(), loaded.of(model))
+    plugin._state["syncs"] = [sync]
+    plugin.release_weights(None, None, SimpleNamespace(tags=["kv_cache"]))
+    assert sync.status() is None  # the KV cache alone: weights untouched
+    plugin.release_weights(None, None, SimpleNamespace(tags=["weights", "kv_cache"]))
+    assert "release_memory_occupation" in sync.status()
+    sync.load_weights(_weights(1)[:3])
+    assert "discarded" in sync.status()  # a partial push does not bring them back
+    sync.load_weights(_weights(1)[3:])
+    assert sync.status() is None and sync.state.completed == 1
+    plugin.release_weights(None, None, SimpleNamespace(tags=None))  # no tags: everything
+    assert sync.status() is not None
+
+
 def test_direct_loads_are_refused():
     plugin.direct_updates(None, [], None)
     plugin.direct_updates(None, [], "flattened_bucket")

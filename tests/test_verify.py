@@ -63,6 +63,19 @@ def test_bad_input_is_one_clear_error(tmp_path):
         assert "Traceback" not in res.stderr
 
 
+def test_an_engine_that_is_not_installed_or_unknown_is_one_clear_error(tmp_path):
+    """`--engine sglang` on a machine without SGLang (this CPU one: SGLang is GPU-only) or an unknown
+    engine: one message, exit 2, before anything is written to the work dir."""
+    work = tmp_path / "work"
+    for engine, message in (("sglang", "sglang is not installed"), ("tgi", "unknown engine 'tgi'")):
+        res = run_cli("verify", "reload", "--config", "int8", "-m", "default", "--engine", engine,
+                      "--work-dir", work)
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+        res = run_cli("verify", "drift", "--config", "int8", "-m", "default", "--engine", engine)
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not any(work.iterdir())
+
+
 def test_engine_args_from_the_environment(monkeypatch):
     from flashrl_tools.verify.engines import extra_engine_args
 

@@ -38,6 +38,7 @@ def reload(
     tol: float = typer.Option(1e-3, "--tol", help="max |Δ log p| (nats) between a synced and a fresh engine"),
     work_dir: Path = typer.Option(None, "--work-dir", help="keep the perturbed checkpoint and the fresh "
                                   "engines' outputs here; a rerun with the same config and model reuses them"),
+    engine: str = typer.Option("vllm", "--engine", help="rollout engine: vllm or sglang (GPU)"),
     inject_fault: str = typer.Option(None, "--inject-fault", hidden=True,
                                      help="self-test: a fault of verify/faults.py (noop, wrong_layer, stale_scales, ...)"),
 ) -> None:
@@ -51,8 +52,8 @@ def reload(
         work.mkdir(parents=True, exist_ok=True)
         with err.status("verify reload") as status:
             checks, refs = verify_reload(rc, bf16, work, tol=tol, fault=inject_fault,
-                                         progress=lambda s: status.update(s))
-    table = Table(title=f"verify reload: FLASHRL_CONFIG={config} on {bf16.name}")
+                                         progress=lambda s: status.update(s), engine=engine)
+    table = Table(title=f"verify reload: FLASHRL_CONFIG={config} on {bf16.name}" + (f" ({engine})" if engine != "vllm" else ""))
     for col in ("check", "result", "detail"):
         table.add_column(col)
     for c in checks:
@@ -93,6 +94,7 @@ def drift(
     max_truncated: float = typer.Option(None, "--max-truncated", help="limit on the TIS truncated "
                                         "fraction [default 0.03]"),
     min_ess: float = typer.Option(None, "--min-ess", help="lower limit on token ESS [default 0.8]"),
+    engine: str = typer.Option("vllm", "--engine", help="rollout engine: vllm or sglang (GPU)"),
 ) -> None:
     """Sample rollouts with the 8-bit engine and a BF16 engine, score their tokens with the BF16
     policy (as the trainer does) and report the rollout-vs-trainer mismatch of each."""
@@ -106,7 +108,8 @@ def drift(
     thresholds = replace(Thresholds(), **limits)
     settings = Settings(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, cap=cap, seed=seed)
     with err.status("verify drift") as status:
-        report = run_drift(rc, bf16, settings, prompts, thresholds, progress=lambda s: status.update(s))
+        report = run_drift(rc, bf16, settings, prompts, thresholds, progress=lambda s: status.update(s),
+                           engine=engine)
     rows = [("mean |Δ log p|", "mean_abs_log_ratio"), ("p99 |Δ log p|", "p99_abs_log_ratio"),
             ("token KL (k3)", "kl_k3"), ("seq log-ratio mean", "seq_log_ratio_mean"),
             ("seq log-ratio std", "seq_log_ratio_std"), ("seq log-ratio min", "seq_log_ratio_min"),

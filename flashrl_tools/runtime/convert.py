@@ -80,6 +80,25 @@ class WeightConverter:
             self._names = TrainerNames(meta_model(self.model_dir), frozenset(self.expected))
         return self._names.translate(name, tensor)
 
+    def checkpoint_groups(self, weights, ignored: set[str]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Checkpoint-named tensors of what a trainer pushes, one list per trainer tensor (fused MoE
+        experts split per expert, renamed modules mapped back). Names the served checkpoint does not
+        have (a tied lm_head, buffers) are dropped, logged once (`ignored`): an engine would skip them,
+        and they must not open a sync of their own."""
+        import logging
+
+        for trainer_name, trainer_tensor in weights:
+            group = []
+            for name, tensor in self.to_checkpoint(trainer_name, trainer_tensor):
+                if name in self.expected:
+                    group.append((name, tensor))
+                elif name not in ignored:
+                    ignored.add(name)
+                    logging.getLogger("flashrl_tools.runtime").info("flashrl: ignoring %s (not in the served "
+                                                                    "checkpoint)", name)
+            if group:
+                yield group
+
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if self.served is None:  # vLLM itself handles BF16 / online FP8
             return [(name, tensor)]

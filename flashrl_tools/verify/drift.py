@@ -15,7 +15,7 @@ import torch
 
 from flashrl_tools.correction import log_ratio, mismatch_metrics
 from flashrl_tools.config.resolve import RuntimeConfig
-from flashrl_tools.verify.engines import run_engine
+from flashrl_tools.verify.engines import engine_job, run_engine
 from flashrl_tools.prompts import load_prompts, tokenize
 from flashrl_tools.verify.score import score_rollouts
 
@@ -67,7 +67,8 @@ def engine_report(train: list[list[float]], rollouts: list[dict], cap: float) ->
 
 
 def run_drift(rc: RuntimeConfig, bf16: Path, settings: Settings, prompts_file: Path | None = None,
-              thresholds: Thresholds = Thresholds(), progress=lambda s: None) -> dict:
+              thresholds: Thresholds = Thresholds(), progress=lambda s: None, engine: str = "vllm") -> dict:
+    engine_job(engine)  # an unknown or missing engine fails before any work
     prompt_ids = tokenize(load_prompts(prompts_file), bf16)
     prompts = [prompt_ids[i % len(prompt_ids)] for i in range(settings.n)]
     step = {"op": "sample", "prompts": prompts, "temperature": settings.temperature, "top_p": settings.top_p,
@@ -83,7 +84,8 @@ def run_drift(rc: RuntimeConfig, bf16: Path, settings: Settings, prompts_file: P
     for key, (config, kv_dtype) in engines.items():
         progress(f"sampling {settings.n} rollouts with FLASHRL_CONFIG={config}"
                  + (f", FLASHRL_KV_CACHE_DTYPE={kv_dtype}" if kv_dtype else ""))
-        rollouts[key] = run_engine(bf16, [step], config, f"{key} rollout", kv_cache_dtype=kv_dtype)[0]["rollouts"]
+        rollouts[key] = run_engine(bf16, [step], config, f"{key} rollout", kv_cache_dtype=kv_dtype,
+                                   engine=engine)[0]["rollouts"]
     progress("scoring the rollouts with the BF16 policy (HF transformers)")
     responses = [r["token_ids"] for key in engines for r in rollouts[key]]
     scores = score_rollouts(bf16, prompts * len(engines), responses, settings.temperature)

@@ -119,16 +119,21 @@ def run(req: dict) -> dict:
     return {"steps": results}
 
 
-def main() -> None:
+def job_main(run_request, exit_process=sys.exit) -> None:
+    """`python -m JOB REQUEST.json RESULT.json` for an engine job (this one, verify/sglang_job.py)."""
     req_path, out_path = sys.argv[1], sys.argv[2]
     try:
-        result, code = run(json.loads(open(req_path).read())), 0
+        result, code = run_request(json.loads(open(req_path).read())), 0
     except Exception as e:  # reported to the parent, which prints one line
         traceback.print_exc()
         result, code = {"error": f"{type(e).__name__}: {e}"}, 3
     with open(out_path, "w") as f:
         json.dump(result, f)
-    exit_engine_process(code)
+    exit_process(code)
+
+
+def main() -> None:
+    job_main(run, exit_engine_process)
 
 
 def exit_engine_process(code: int = 0) -> None:

@@ -1,4 +1,5 @@
-"""Run one engine job (verify/engine_job.py) in a subprocess with a given FLASHRL_CONFIG."""
+"""Run one engine job in a subprocess with a given FLASHRL_CONFIG: vLLM (verify/engine_job.py) or
+SGLang (verify/sglang_job.py), the same request and result."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from flashrl_tools.errors import FlashRLError
 
 def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
                fault: str | None = None, engine_kwargs: dict | None = None, timeout: float = 3600,
-               kv_cache_dtype: str | None = None) -> list[dict]:
+               kv_cache_dtype: str | None = None, engine: str = "vllm") -> list[dict]:
     """Start an engine on `model` with FLASHRL_CONFIG=`config` (None: unset) and
     FLASHRL_KV_CACHE_DTYPE=`kv_cache_dtype` (None: as the caller's environment), run `steps`,
     return their results. In-process engine (one process per engine job)."""
+    job = engine_job(engine)
     env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}
     if config is not None:
         env["FLASHRL_CONFIG"] = config
@@ -31,7 +33,7 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
         req.write_text(json.dumps({"model": str(model), "steps": steps, "fault": fault,
                                    "engine_kwargs": engine_kwargs}))
         try:
-            res = subprocess.run([sys.executable, "-m", "flashrl_tools.verify.engine_job", str(req), str(out)],
+            res = subprocess.run([sys.executable, "-m", job, str(req), str(out)],
                                  capture_output=True, text=True, env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise FlashRLError(f"the {label} engine did not finish within {timeout:.0f} s", str(model)) from None
@@ -42,6 +44,22 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
                            f"model {model}, FLASHRL_CONFIG={config or '(unset)'}",
                            "run with FLASHRL_LOGGING_LEVEL=DEBUG for the engine's log")
     return result["steps"]
+
+
+ENGINES = {"vllm": "flashrl_tools.verify.engine_job", "sglang": "flashrl_tools.verify.sglang_job"}
+
+
+def engine_job(engine: str) -> str:
+    """The job module for `engine`; one clear error when it is unknown or not installed."""
+    import importlib.util
+
+    if engine not in ENGINES:
+        raise FlashRLError(f"unknown engine {engine!r}", None, f"use one of: {', '.join(ENGINES)}")
+    if importlib.util.find_spec(engine) is None:
+        raise FlashRLError(f"{engine} is not installed in this environment", sys.executable,
+                           "vllm: bash scripts/install.sh [gpu]; sglang (GPU only): pip install sglang==0.5.17, or "
+                           "scripts/gpu_stage_sglang.sh for a host without network")
+    return ENGINES[engine]
 
 
 def extra_engine_args() -> dict:

@@ -21,7 +21,7 @@ from flashrl_tools.fsutil import atomic_write_text
 
 from flashrl_tools.mixed import KeepSpec
 from flashrl_tools.config.resolve import RuntimeConfig
-from flashrl_tools.verify.engines import run_engine
+from flashrl_tools.verify.engines import engine_job, run_engine
 from flashrl_tools.verify.perturb import ALL_TRAINED, perturb
 from flashrl_tools.prompts import load_prompts, tokenize
 
@@ -82,7 +82,7 @@ def sequences_for(bf16: Path, count: int = 4) -> list[list[int]]:
 
 
 def reference_outputs(rc: RuntimeConfig, bf16: Path, perturbed: Path, sequences, work: Path,
-                      progress=lambda s: None) -> dict:
+                      progress=lambda s: None, engine: str = "vllm") -> dict:
     refs = {}
     for tag, src in (("original", bf16), ("perturbed", perturbed)):
         progress(f"fresh engine on the offline quantization of the {tag} weights")
@@ -91,16 +91,17 @@ def reference_outputs(rc: RuntimeConfig, bf16: Path, perturbed: Path, sequences,
         if kv and config is None:  # the runtime calibrates FP8 KV scales: it must run there too
             config = "bf16"  # (serves `model` as it is; the reference receives no sync)
         refs[tag] = run_engine(model, [{"op": "observe", "sequences": sequences, "max_tokens": MAX_TOKENS}],
-                               config, f"reference ({tag})", kv_cache_dtype=kv)[0]
+                               config, f"reference ({tag})", kv_cache_dtype=kv, engine=engine)[0]
     return refs
 
 
-def synced_outputs(rc: RuntimeConfig, bf16: Path, perturbed: Path, sequences, fault: str | None = None) -> list[dict]:
+def synced_outputs(rc: RuntimeConfig, bf16: Path, perturbed: Path, sequences, fault: str | None = None,
+                   engine: str = "vllm") -> list[dict]:
     obs = {"op": "observe", "sequences": sequences, "max_tokens": MAX_TOKENS}
     steps = [obs, {"op": "push", "path": str(bf16)}, obs, {"op": "push", "path": str(perturbed)}, obs,
              {"op": "push", "path": str(bf16)}, obs]
     kv = rc.entry.kv_cache_dtype if rc.entry.fp8_kv_cache else None
-    results = run_engine(bf16, steps, rc.source, "synced", fault=fault, kv_cache_dtype=kv)
+    results = run_engine(bf16, steps, rc.source, "synced", fault=fault, kv_cache_dtype=kv, engine=engine)
     return [results[i] for i in (0, 2, 4, 6)]
 
 
@@ -129,32 +130,33 @@ def kv_scales_check(name: str, a: dict, b: dict) -> Check:
     return Check(name, not diff, detail)
 
 
-def _reference_key(rc: RuntimeConfig, bf16: Path) -> dict:
+def _reference_key(rc: RuntimeConfig, bf16: Path, engine: str = "vllm") -> dict:
     files = sorted(Path(bf16).glob("*.safetensors"))
-    return {"config": rc.source, "kv_cache_dtype": rc.entry.kv_cache_dtype, "model": str(Path(bf16).resolve()),
+    return {"engine": engine, "config": rc.source, "kv_cache_dtype": rc.entry.kv_cache_dtype, "model": str(Path(bf16).resolve()),
             "profile": rc.entry.profile, "entry": rc.entry.model_dump(mode="json"),
             "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
 
 
 def verify_reload(rc: RuntimeConfig, bf16: Path, work: Path, tol: float = DEFAULT_TOL, fault: str | None = None,
-                  progress=lambda s: None) -> tuple[list[Check], dict]:
+                  progress=lambda s: None, engine: str = "vllm") -> tuple[list[Check], dict]:
     """Returns the checks and the fresh engines' outputs. `work` keeps the perturbed checkpoint
     and the fresh engines' outputs; a rerun with the same config and model reuses them."""
+    engine_job(engine)  # an unknown or missing engine fails before anything is written
     sequences = sequences_for(bf16)
     perturbed = work / "perturbed-bf16"
     if not (perturbed / "config.json").is_file():
         progress("perturbing the BF16 weights (a stand-in for an optimizer step)")
         shutil.rmtree(perturbed, ignore_errors=True)
         perturb(bf16, perturbed, match=ALL_TRAINED)
-    cache, key = work / "references.json", _reference_key(rc, bf16)
+    cache, key = work / "references.json", _reference_key(rc, bf16, engine)
     cached = json.loads(cache.read_text()) if cache.is_file() else {}
     if cached.get("key") == key:
         refs = cached["references"]
     else:
-        refs = reference_outputs(rc, bf16, perturbed, sequences, work, progress)
+        refs = reference_outputs(rc, bf16, perturbed, sequences, work, progress, engine)
         atomic_write_text(cache, json.dumps({"key": key, "references": refs}))
     progress(f"engine with FLASHRL_CONFIG={rc.source}: push policy, updated weights, policy")
-    synced = synced_outputs(rc, bf16, perturbed, sequences, fault)
+    synced = synced_outputs(rc, bf16, perturbed, sequences, fault, engine)
     return evaluate(synced, refs, tol), refs
 
 

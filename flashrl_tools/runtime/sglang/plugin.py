@@ -11,6 +11,7 @@ refuses to start) instead of here.
 | model_runner | `ModelRunner.load_model` (after) | scheduler | a `WeightSync` replaces `model.load_weights` |
 | direct_updates | `WeightUpdater.update_weights_from_tensor` (before) | scheduler | refuse `load_format="direct"` and custom loaders (they bypass `load_weights`) |
 | request_guard | `Scheduler._add_request_to_queue` (before) | scheduler | abort requests while the weights are incomplete |
+| release_weights | `SchedulerWeightUpdaterManager.release_memory_occupation` (after) | scheduler | SGLang's sleep freed the weights: refuse until a full sync |
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ def direct_updates(updater, named_tensors=None, load_format=None, *args, **kwarg
                            "without re-quantizing them; push with load_format=None or 'flattened_bucket'")
 
 
+def release_weights(result, manager, recv_req=None, *args, **kwargs):
+    """SGLang's sleep: `release_memory_occupation(tags)` with "weights" (or no tags) frees the weights'
+    memory and restores only buffers on resume (`_export_static_state`): refuse until a full sync."""
+    tags = getattr(recv_req, "tags", None)
+    if not tags or "weights" in tags:
+        for sync in _state["syncs"]:
+            sync.discard("SGLang release_memory_occupation(weights)")
+    return result
+
+
 def request_guard(scheduler, req, is_retracted=False, *args, **kwargs):
     if is_retracted or getattr(req, "finished_reason", None) is not None:
         return
@@ -86,6 +97,8 @@ HOOKS = [  # (name, target, hook, HookType name)
     ("direct_updates", "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
                        "update_weights_from_tensor", direct_updates, "BEFORE"),
     ("request_guard", "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", request_guard, "BEFORE"),
+    ("release_weights", "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
+                        "release_memory_occupation", release_weights, "AFTER"),
 ]
 
 

@@ -88,7 +88,7 @@ class WeightSync:
     def load_weights(self, weights, *args, **kwargs):
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for group in self._expected_only(weights):
+        for group in self.converter.checkpoint_groups(weights, self.ignored):
             names = [name for name, _ in group]
             if self.state.must_begin(names):
                 self._flush(batch, args, kwargs)
@@ -116,19 +116,6 @@ class WeightSync:
         if self.state.active and not self.state.failed and self.state.done():
             self.state.complete()
             log.info("flashrl: weight sync %d complete (%d tensors)", self.state.completed, len(self.state.seen))
-
-    def _expected_only(self, weights):
-        """Checkpoint-named tensors per trainer tensor; names the served checkpoint lacks are dropped."""
-        for trainer_name, trainer_tensor in weights:
-            group = []
-            for name, tensor in self.converter.to_checkpoint(trainer_name, trainer_tensor):
-                if name in self.converter.expected:
-                    group.append((name, tensor))
-                elif name not in self.ignored:
-                    self.ignored.add(name)
-                    log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
-            if group:
-                yield group
 
     def status(self) -> str | None:
         return self.state.status()

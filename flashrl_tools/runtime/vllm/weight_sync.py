@@ -62,7 +62,7 @@ class WeightSync:
         A tensor arriving a second time in one sync (a trainer retrying after a partial or failed
         push) starts a new sync: layers already processed cannot take weights again otherwise.
         """
-        pending = self._expected_only(weights)  # groups: the checkpoint tensors of one trainer tensor
+        pending = self.converter.checkpoint_groups(weights, self.ignored)  # per trainer tensor
         loaded: set = set()
         while (first := next(pending, None)) is not None:
             names = [name for name, _ in first]
@@ -115,22 +115,6 @@ class WeightSync:
         if tensor.untyped_storage().data_ptr() not in callers:
             return tensor
         return tensor.clone() if tensor.device == self.device else tensor.to(self.device)
-
-    def _expected_only(self, weights):
-        """Checkpoint-named tensors of what the trainer pushes, one list per trainer tensor (fused
-        MoE experts split per expert, renamed modules mapped back); names the engine's checkpoint
-        does not have (a tied lm_head, buffers) are dropped: vLLM would skip them anyway, and they
-        must not open a sync of their own."""
-        for trainer_name, trainer_tensor in weights:
-            group = []
-            for name, tensor in self.converter.to_checkpoint(trainer_name, trainer_tensor):
-                if name in self.expected:
-                    group.append((name, tensor))
-                elif name not in self.ignored:
-                    self.ignored.add(name)
-                    log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
-            if group:
-                yield group
 
     def status(self) -> str | None:
         """None when the engine holds one complete set of weights, else why not."""

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 32: SGLang 0.5.17 for the lent GPU host (Python 3.12, torch 2.11.0+cu130, no network), beside
+# the vLLM bundle (../shared/gpu/build-vllm-bundle.sh, which brings flashinfer, xgrammar, openai,
+# fastapi, pyzmq, msgspec, ...). Downloads what SGLang's offline Engine needs on top of it, drops
+# sglang-kernel's FA3 library (flash_ops: 1.1 GB unpacked; the engine then runs
+# attention_backend="triton") and its Blackwell (sm100) kernels, and packs one xz tarball split into
+# <= 45 MB parts OUT/s1/part.00, OUT/s2/part.01, ... (one `run` carry each). On the host:
+#   bash scripts/gpu_install_sglang.sh /root/sgl      (the parts copied to /root/sgl/sN/)
+# -> /tmp/site_sgl (PYTHONPATH=/tmp/site_sgl:/tmp/site for SGLang processes).
+# EXTRA="pkg==ver ..." adds wheels (what scripts/gpu_sglang_probe.py reports missing on the host).
+set -euo pipefail
+OUT=${1:?usage: gpu_stage_sglang.sh OUT}
+W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
+PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_34_x86_64
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+# shellcheck disable=SC2086
+python3 -m pip download -q --no-deps $PLAT -d "$W/whl" \
+  sglang==0.5.17 sglang-kernel==0.4.5 torch_memory_saver==0.0.10 blobfile==3.0.0 easydict uvloop xxhash \
+  orjson tiktoken pycryptodomex lxml zstandard ${EXTRA:-}
+mkdir -p "$W/site"
+for w in "$W"/whl/*.whl; do python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$w" "$W/site"; done
+rm -rf "$W/site/sgl_kernel/flash_ops.abi3.so" "$W/site/sgl_kernel/sm100"
+tar -C "$W/site" -cf - . | xz -T0 -6 > "$W/sgl.tar.xz"
+rm -rf "$OUT"; mkdir -p "$OUT"
+(cd "$W" && split -b 45m -d sgl.tar.xz part. && md5sum sgl.tar.xz | cut -d' ' -f1 > md5)
+i=1; for p in "$W"/part.*; do mkdir -p "$OUT/s$i"; mv "$p" "$OUT/s$i/"; i=$((i+1)); done
+mv "$W/md5" "$OUT/s1/sgl.md5"
+du -sh "$OUT"/s*
