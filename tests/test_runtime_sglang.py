@@ -98,6 +98,21 @@ def test_server_args_refusals(default_model, tmp_path, config, setup, match):
         apply_overrides(resolve(config), _args(default_model, **setup))
 
 
+def test_int8_moe_is_refused_and_fp8_moe_served(tmp_path, monkeypatch):
+    """SGLang 0.5.17's compressed-tensors INT8 MoE scheme is NPU-only; per-channel FP8 experts load
+    (and keep their storage: no processing on CUDA without aiter)."""
+    from conftest import run_cli
+
+    moe = tmp_path / "moe"
+    assert run_cli("models", "tiny", "--arch", "qwen3_moe", "-o", moe).returncode == 0
+    with pytest.raises(FlashRLError, match="INT8 MoE experts on NPU only"):
+        apply_overrides(resolve("int8"), _args(moe))
+    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path / "home"))
+    args = _args(moe)
+    apply_overrides(resolve("fp8"), args)
+    assert args.model_path != str(moe) and args.tokenizer_path == str(moe)
+
+
 def test_fp8_kv_cache_is_refused_on_sglang(default_model, monkeypatch):
     monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "fp8")
     with pytest.raises(FlashRLError, match="FP8 KV cache is not served on SGLang"):

@@ -39,6 +39,10 @@ def overrides(rc: RuntimeConfig, policy_model: str) -> dict:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {fmt.value} checkpoints are not served on SGLang "
                            "(it re-quantizes fused per-tensor layers at load; block FP8 is unchecked)", None,
                            "use int8, fp8 or fp8_channel with SGLang")
+    if not fmt.is_fp8 and _is_moe(policy_model):
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: SGLang 0.5.17 serves compressed-tensors INT8 MoE experts on "
+                           "NPU only (CompressedTensorsConfig.get_moe_scheme)", policy_model,
+                           "use FLASHRL_CONFIG=fp8 (per-channel FP8 experts) with SGLang, or vLLM for int8 MoE")
     keep = KeepSpec.of(entry)
     if entry.model is not None and keep:
         out = {"model_path": str(ensure_profile_applied(Path(policy_model), Path(entry.profile), keep))}
@@ -66,3 +70,9 @@ def apply_overrides(rc: RuntimeConfig, args) -> dict:
     for key, value in changed.items():
         setattr(args, key, value)
     return changed
+
+
+def _is_moe(model: str) -> bool:
+    from flashrl_tools.model_structure import model_layout
+
+    return (Path(model) / "config.json").is_file() and model_layout(Path(model), allow_quantized=True).is_moe
