@@ -251,6 +251,19 @@ def test_requests_are_aborted_while_a_sync_is_incomplete(monkeypatch):
     assert len(aborted) == 1
 
 
+def test_truncated_sampling_with_logprobs_is_warned_once(caplog):
+    """SGLang's logprobs are the untruncated tempered distribution: exact for top_p=1, top_k=-1 only."""
+    plugin._state["syncs"] = []
+    req = lambda **sp: SimpleNamespace(finished_reason=None, return_logprob=True,  # noqa: E731
+                                       sampling_params=SimpleNamespace(**{"top_p": 1.0, "top_k": 1 << 30, **sp}))
+    with caplog.at_level("WARNING", logger="flashrl_tools.runtime"):
+        plugin.request_guard(None, req())
+        assert not caplog.records
+        plugin.request_guard(None, req(top_p=0.9))
+        plugin.request_guard(None, req(top_k=20))
+    assert len(caplog.records) == 1 and "before top-p / top-k truncation" in caplog.records[0].message
+
+
 def test_released_weights_are_refused_until_a_full_sync():
     """verl / slime put SGLang to sleep with release_memory_occupation(tags=["weights", ...]): the memory
     comes back without the parameters (SGLang restores buffers only)."""

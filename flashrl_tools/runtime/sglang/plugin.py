@@ -87,6 +87,18 @@ def request_guard(scheduler, req, is_retracted=False, *args, **kwargs):
     problem = next((s for s in (sync.status() for sync in _state["syncs"]) if s), None)
     if problem is not None:
         req.set_finish_with_abort(problem)
+    elif getattr(req, "return_logprob", False) and not _state.get("warned_truncation") and _truncates(req):
+        _state["warned_truncation"] = True
+        log.warning("flashrl: SGLang returns log softmax(logits / T) before top-p / top-k truncation: with top_p < 1 "
+                    "or top_k set these are not the logprobs of the distribution sampled from (vLLM's "
+                    "processed_logprobs are); importance weights computed from them are off. Sample with top_p=1, "
+                    "top_k=-1 for exact rollout logprobs")
+
+
+def _truncates(req) -> bool:
+    params = getattr(req, "sampling_params", None)
+    top_p, top_k = getattr(params, "top_p", 1.0), getattr(params, "top_k", -1)
+    return top_p < 1.0 or 0 < top_k < (1 << 30)  # SGLang's TOP_K_ALL = 1 << 30: the whole vocabulary
 
 
 HOOKS = [  # (name, target, hook, HookType name)
