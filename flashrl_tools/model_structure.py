@@ -84,6 +84,11 @@ def model_layout(model_dir: Path, allow_quantized: bool = False) -> ModelLayout:
     return layout_of(model, config.model_type)
 
 
+def is_moe(model_dir: str | Path) -> bool:
+    """A local model directory whose architecture has MoE blocks (False for a hub name or no config)."""
+    return (Path(model_dir) / "config.json").is_file() and model_layout(Path(model_dir), allow_quantized=True).is_moe
+
+
 def meta_model(model_dir: Path):
     """The transformers model of a (BF16 or 8-bit) checkpoint on the meta device."""
     return _meta_model(model_dir, allow_quantized=True)[1]

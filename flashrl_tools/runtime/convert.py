@@ -9,6 +9,7 @@ to checkpoint names (`to_checkpoint`, trainer_names.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
 
+log = logging.getLogger("flashrl_tools.runtime")
 _CHUNK_ELEMENTS = 1 << 26  # stacked source elements quantized at once (128 MiB of BF16)
 
 
@@ -85,8 +87,6 @@ class WeightConverter:
         experts split per expert, renamed modules mapped back). Names the served checkpoint does not
         have (a tied lm_head, buffers) are dropped, logged once (`ignored`): an engine would skip them,
         and they must not open a sync of their own."""
-        import logging
-
         for trainer_name, trainer_tensor in weights:
             group = []
             for name, tensor in self.to_checkpoint(trainer_name, trainer_tensor):
@@ -94,8 +94,7 @@ class WeightConverter:
                     group.append((name, tensor))
                 elif name not in ignored:
                     ignored.add(name)
-                    logging.getLogger("flashrl_tools.runtime").info("flashrl: ignoring %s (not in the served "
-                                                                    "checkpoint)", name)
+                    log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
             if group:
                 yield group
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.errors import FlashRLError
+from flashrl_tools.model_structure import is_moe
 from flashrl_tools.quantizer import QuantFn
 
 # the quantized layouts SGLang keeps in the storage it loaded (runtime/sglang/weight_sync.py):
@@ -15,7 +16,7 @@ from flashrl_tools.quantizer import QuantFn
 SERVED = {QuantFn.int8, QuantFn.fp8_channel}
 
 
-def served_format(rc: RuntimeConfig) -> QuantFn | None:
+def sglang_format(rc: RuntimeConfig) -> QuantFn | None:
     """The checkpoint format an SGLang engine serves for `rc` (None: BF16). `fp8` (vLLM's online
     per-tensor FP8) is served as per-channel FP8 checkpoints, as on MoE models under vLLM."""
     fn = rc.entry.fn
@@ -29,7 +30,7 @@ def overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     from flashrl_tools.mixed import KeepSpec
     from flashrl_tools.runtime.online_cache import ensure_profile_applied, ensure_quantized
 
-    entry, fmt = rc.entry, served_format(rc)
+    entry, fmt = rc.entry, sglang_format(rc)
     if entry.fp8_kv_cache:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: an FP8 KV cache is not served on SGLang yet", None,
                            "unset FLASHRL_KV_CACHE_DTYPE (and kv_cache_dtype in the YAML), or run the rollouts on vLLM")
@@ -39,7 +40,7 @@ def overrides(rc: RuntimeConfig, policy_model: str) -> dict:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {fmt.value} checkpoints are not served on SGLang "
                            "(it re-quantizes fused per-tensor layers at load; block FP8 is unchecked)", None,
                            "use int8, fp8 or fp8_channel with SGLang")
-    if not fmt.is_fp8 and _is_moe(policy_model):
+    if not fmt.is_fp8 and is_moe(policy_model):
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: SGLang 0.5.17 serves compressed-tensors INT8 MoE experts on "
                            "NPU only (CompressedTensorsConfig.get_moe_scheme)", policy_model,
                            "use FLASHRL_CONFIG=fp8 (per-channel FP8 experts) with SGLang, or vLLM for int8 MoE")
@@ -56,23 +57,16 @@ def overrides(rc: RuntimeConfig, policy_model: str) -> dict:
 
 def apply_overrides(rc: RuntimeConfig, args) -> dict:
     """Change `args` (a ServerArgs before its __post_init__) in place; returns what changed."""
-    if getattr(args, "quantization", None) not in (None, "compressed-tensors") and served_format(rc) is not None:
+    if getattr(args, "quantization", None) not in (None, "compressed-tensors") and sglang_format(rc) is not None:
         raise FlashRLError(f"quantization={args.quantization!r} passed to SGLang conflicts with "
                            f"FLASHRL_CONFIG={rc.source} (it serves compressed-tensors checkpoints)", None,
                            "drop the quantization argument, or unset FLASHRL_CONFIG")
     if getattr(args, "load_format", "auto") == "flash_rl":
         raise FlashRLError(f"load_format='flash_rl' (SGLang's own online FP8) and FLASHRL_CONFIG={rc.source} "
                            "would both quantize the pushed weights", None, "drop load_format, or unset FLASHRL_CONFIG")
-    policy = args.tokenizer_path or args.model_path
     changed = overrides(rc, args.model_path)
-    if changed and args.tokenizer_path:
-        changed["tokenizer_path"] = policy
+    if args.tokenizer_path:  # the caller's own tokenizer stays
+        changed.pop("tokenizer_path", None)
     for key, value in changed.items():
         setattr(args, key, value)
     return changed
-
-
-def _is_moe(model: str) -> bool:
-    from flashrl_tools.model_structure import model_layout
-
-    return (Path(model) / "config.json").is_file() and model_layout(Path(model), allow_quantized=True).is_moe

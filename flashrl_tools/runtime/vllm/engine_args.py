@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.config.resolve import RuntimeConfig
+from flashrl_tools.model_structure import is_moe
 
 log = logging.getLogger("flashrl_tools.runtime")
 
@@ -24,7 +25,7 @@ def engine_overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     entry, out = rc.entry, {}
     if entry.logprobs_mode is not None:
         out["logprobs_mode"] = entry.logprobs_mode
-    if entry.fn.vllm_online_fp8 and not _is_moe(policy_model):
+    if entry.fn.vllm_online_fp8 and not is_moe(policy_model):
         out["quantization"] = online_fp8_method(entry.quantization or "fp8")
     elif entry.fn.quantized:
         from flashrl_tools.mixed import KeepSpec
@@ -100,12 +101,6 @@ def _refuse_trainer_quantization(rc: RuntimeConfig, requested: str | None) -> No
                            "or unset FLASHRL_CONFIG")
 
 
-def _is_moe(model: str) -> bool:
-    from flashrl_tools.model_structure import model_layout
-
-    return (Path(model) / "config.json").is_file() and model_layout(Path(model), allow_quantized=True).is_moe
-
-
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -117,7 +112,7 @@ def refuse_8bit_moe_on_cpu(rc: RuntimeConfig, model: str) -> None:
     instead of a kernel-selection traceback deep in the model build."""
     from flashrl_tools.errors import FlashRLError
 
-    if rc.fn.quantized and _is_moe(model):
+    if rc.fn.quantized and is_moe(model):
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: vLLM on CPU cannot serve 8-bit ({rc.fn.value}) MoE "
                            "models (it has no INT8 or FP8 MoE kernels)", model,
                            "run 8-bit MoE rollouts on a GPU, or use FLASHRL_CONFIG=bf16 on CPU")
