@@ -7,6 +7,7 @@ KV-cache capacity (tokens), engine start time. Qwen2.5 7B/14B/32B shapes use dum
 
     python benchmarks/rollout_throughput.py --shapes 7b,14b,32b --json benchmarks/results/rollout_throughput.json
     python benchmarks/rollout_throughput.py --preset smoke   # CPU, embedded model, a few tokens
+    python benchmarks/rollout_throughput.py --engine sglang --shapes 7b,14b ...   # GPU, SGLang 0.5.17
 """
 
 from __future__ import annotations
@@ -62,6 +63,36 @@ def worker(spec: dict) -> dict:
             "output_tok_per_s": tokens / gen_s, "kv_cache_tokens": kv_tokens, "quantization": quant}
 
 
+def worker_sglang(spec: dict) -> dict:
+    """The same workload on SGLang (issue 32): its offline Engine, CUDA graphs, triton attention."""
+    import random
+
+    import sglang
+
+    t0 = time.perf_counter()
+    engine = sglang.Engine(model_path=spec["model"], load_format="dummy" if spec["dummy"] else "auto",
+                           skip_tokenizer_init=True, dtype="bfloat16", random_seed=0, disable_radix_cache=True,
+                           context_length=spec["prompt_len"] + spec["output_len"] + 8, log_level="error",
+                           mem_fraction_static=spec["gpu_memory_utilization"], attention_backend="triton")
+    try:
+        start_s = time.perf_counter() - t0
+        info = engine.get_server_info()
+        rng = random.Random(0)
+        vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
+        prompts = [[rng.randrange(10, vocab) for _ in range(spec["prompt_len"])] for _ in range(spec["prompts"])]
+        engine.generate(input_ids=prompts[:4], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        params = {"temperature": 1.0, "max_new_tokens": spec["output_len"], "ignore_eos": True}
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        gen_s = time.perf_counter() - t0
+        tokens = sum(len(o["output_ids"]) for o in outs)
+        return {"engine_start_s": start_s, "generate_s": gen_s, "output_tokens": tokens,
+                "output_tok_per_s": tokens / gen_s, "kv_cache_tokens": int(info.get("max_total_num_tokens") or 0),
+                "quantization": info.get("quantization")}
+    finally:
+        engine.shutdown()
+
+
 def run_one(spec: dict, config: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}
     env["FLASHRL_CONFIG"] = config
@@ -70,7 +101,8 @@ def run_one(spec: dict, config: str) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        result = worker(json.loads(Path(sys.argv[2]).read_text()))
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        result = (worker_sglang if spec.get("engine") == "sglang" else worker)(spec)
         Path(sys.argv[3]).write_text(json.dumps(result))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,6 +113,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int)
     ap.add_argument("--output-len", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -92,7 +125,7 @@ def main() -> None:
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "prompt_len": opts["prompt_len"],
-                    "output_len": opts["output_len"], "gpu_memory_utilization": util}
+                    "output_len": opts["output_len"], "gpu_memory_utilization": util, "engine": a.engine}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -102,9 +135,9 @@ def main() -> None:
             r["speedup_vs_bf16"] = r["output_tok_per_s"] / base["output_tok_per_s"]
             r["kv_cache_vs_bf16"] = r["kv_cache_tokens"] / base["kv_cache_tokens"] if base["kv_cache_tokens"] else None
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    import vllm
-
-    print(f"\nrollout throughput on {device}, vLLM {vllm.__version__}: {opts['prompts']} prompts x "
+    engine = __import__(a.engine)
+    label = f"{'vLLM' if a.engine == 'vllm' else 'SGLang'} {engine.__version__}"
+    print(f"\nrollout throughput on {device}, {label}: {opts['prompts']} prompts x "
           f"{opts['prompt_len']} tokens in, {opts['output_len']} tokens out (ignore_eos, T=1, logprobs=0)")
     print(f"{'shape':8} {'config':7} {'tok/s':>10} {'vs bf16':>8} {'KV tokens':>11} {'KV vs bf16':>10} {'start s':>8}")
     for r in rows:
@@ -116,7 +149,7 @@ def main() -> None:
               f"{r['kv_cache_tokens']:11d} {(f'{kv:.2f}x' if kv else '-'):>10} {r['engine_start_s']:8.1f}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"device": device, "vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"),
+        Path(a.json).write_text(json.dumps({"device": device, a.engine: engine.__version__, "date": time.strftime("%Y-%m-%d"),
                                             "settings": opts, "gpu_memory_utilization": util, "rows": rows}, indent=1))
     if any("error" in r for r in rows):
         sys.exit(1)

@@ -61,7 +61,7 @@ def test_an_invalid_config_is_raised_by_the_server_args_hook(monkeypatch):
     monkeypatch.setenv("FLASHRL_CONFIG", "int9")
     reg = Registry()
     plugin.register(reg, Kinds)  # does not raise
-    assert [t for t, _, _ in reg.hooks] == [plugin.HOOKS[0][1]]
+    assert [t for t, _, _ in reg.hooks] == [plugin.HOOKS[0][1], plugin.HOOKS[1][1]]
     with pytest.raises(RuntimeError, match="flashrl: .*int9"):
         reg.hooks[0][1](SimpleNamespace(model_path="x", tokenizer_path=None, quantization=None, load_format="auto"))
 
@@ -83,6 +83,24 @@ def test_server_args_serve_the_configs_checkpoint(default_model, monkeypatch, tm
     assert served_format(__import__("pathlib").Path(args.model_path)) is fmt
     bf16 = _args(default_model)
     assert apply_overrides(resolve("bf16"), bf16) == {} and bf16.model_path == str(default_model)
+
+
+def test_server_args_built_before_the_plugins_loaded_are_changed_once(default_model, monkeypatch, tmp_path):
+    """verl's SGLang server builds ServerArgs itself, then SGLang loads the plugins (in
+    Engine._launch_subprocesses) and calls check_server_args: the config applies there, and only once
+    (an Engine's ServerArgs already changed before __post_init__ is left alone)."""
+    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path))
+    monkeypatch.setenv("FLASHRL_CONFIG", "int8")
+    plugin._state.clear()
+    plugin.register(Registry(), Kinds)
+    late = dict((name, hook) for name, _, hook, _ in plugin.HOOKS)["late_server_args"]
+    args = _args(default_model, tokenizer_path=str(default_model))  # after __post_init__: tokenizer set
+    late(args)
+    served = args.model_path
+    assert served != str(default_model) and args.tokenizer_path == str(default_model)
+    late(args)
+    plugin.server_args(args)
+    assert args.model_path == served
 
 
 @pytest.mark.parametrize("config, setup, match", [
@@ -280,6 +298,20 @@ def test_released_weights_are_refused_until_a_full_sync():
     assert sync.status() is None and sync.state.completed == 1
     plugin.release_weights(None, None, SimpleNamespace(tags=None))  # no tags: everything
     assert sync.status() is not None
+
+
+def test_released_weights_with_cpu_backup_stay_served():
+    """verl's hybrid engine starts SGLang with enable_weights_cpu_backup: the memory saver copies the
+    weights' memory (synced 8-bit weights included) to the CPU and back, so nothing is discarded."""
+    model, loaded = _served(_weights(0))
+    sync = WeightSync(model, _converter(), loaded.of(model))
+    plugin._state["syncs"] = [sync]
+    manager = lambda backup: SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(  # noqa: E731
+        server_args=SimpleNamespace(enable_weights_cpu_backup=backup))))
+    plugin.release_weights(None, manager(True), SimpleNamespace(tags=["weights", "kv_cache"]))
+    assert sync.status() is None
+    plugin.release_weights(None, manager(False), SimpleNamespace(tags=["weights", "kv_cache"]))
+    assert "release_memory_occupation" in sync.status()
 
 
 def test_direct_loads_are_refused():

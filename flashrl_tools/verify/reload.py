@@ -54,11 +54,16 @@ def changed_check(name: str, a: dict, b: dict, tol: float) -> Check:
     return Check(name, diff > 10 * tol, f"max |Δ log p| {diff:.2e} (must exceed {10 * tol:g})")
 
 
-def reference_model(rc: RuntimeConfig, bf16: Path, out: Path) -> tuple[Path, str | None]:
+def reference_model(rc: RuntimeConfig, bf16: Path, out: Path, engine: str = "vllm") -> tuple[Path, str | None]:
     """The fresh engine a correct sync of `bf16` must equal: (model dir, FLASHRL_CONFIG)."""
     if not rc.fn.quantized:
         return bf16, None
-    if rc.fn.vllm_online_fp8:  # vLLM's online FP8 of the BF16 weights
+    fn = rc.fn.value
+    if engine == "sglang":  # what the SGLang runtime serves (`fp8`: per-channel FP8 checkpoints)
+        from flashrl_tools.runtime.sglang.server_args import sglang_format
+
+        fn = sglang_format(rc).value
+    elif rc.fn.vllm_online_fp8:  # vLLM's online FP8 of the BF16 weights
         return bf16, "fp8"
     if rc.entry.profile is not None:
         from flashrl_tools.profile.apply import requantize_checkpoint
@@ -74,7 +79,7 @@ def reference_model(rc: RuntimeConfig, bf16: Path, out: Path) -> tuple[Path, str
     # online: the config's key; a given checkpoint: its own mark
     model_pow2 = rc.entry.model is not None and has_pow2_scales(read_config(Path(rc.entry.model)))
     pow2 = rc.entry.fp8_scale_pow2 or model_pow2
-    return quantize(bf16, out, rc.fn.value, force=True, keep=KeepSpec.of(rc.entry), pow2=pow2).out, None
+    return quantize(bf16, out, fn, force=True, keep=KeepSpec.of(rc.entry), pow2=pow2).out, None
 
 
 def sequences_for(bf16: Path, count: int = 4) -> list[list[int]]:
@@ -86,7 +91,7 @@ def reference_outputs(rc: RuntimeConfig, bf16: Path, perturbed: Path, sequences,
     refs = {}
     for tag, src in (("original", bf16), ("perturbed", perturbed)):
         progress(f"fresh engine on the offline quantization of the {tag} weights")
-        model, config = reference_model(rc, src, work / f"reference-{tag}")
+        model, config = reference_model(rc, src, work / f"reference-{tag}", engine)
         kv = rc.entry.kv_cache_dtype if rc.entry.fp8_kv_cache else None
         if kv and config is None:  # the runtime calibrates FP8 KV scales: it must run there too
             config = "bf16"  # (serves `model` as it is; the reference receives no sync)

@@ -1,5 +1,6 @@
 """One SGLang engine in its own process, driven by the same JSON request as verify/engine_job.py (the
-vLLM one): ops `observe`, `push`, `sample`. SGLang runs the runtime's plugin itself (entry point
+vLLM one): ops `observe`, `push`, `sample`, and `score` (teacher-forced full distributions, for
+checking sampled-token logprobs by hand). SGLang runs the runtime's plugin itself (entry point
 `sglang.srt.plugins`, FLASHRL_CONFIG from the environment). Written against SGLang 0.5.17's offline
 `Engine`; GPU only (SGLang has no CPU backend installable from PyPI for this project's CPUs).
 
@@ -26,6 +27,8 @@ def push(engine, step: dict) -> dict:
     from flashrl_tools.safetensors_io import CheckpointReader
 
     tensors = list(CheckpointReader(step["path"]).iter_tensors())
+    if step.get("cuda"):  # the trainer's copy on the GPU (CUDA IPC handles, as verl's SGLang path sends)
+        tensors = [(n, t.cuda()) for n, t in tensors]
     t0 = time.perf_counter()
     if step.get("bucket"):  # as verl's SGLang path: one serialized payload per TP rank
         from sglang.srt.utils import MultiprocessingSerializer
@@ -43,14 +46,51 @@ def push(engine, step: dict) -> dict:
 
 
 def sample(engine, step: dict) -> dict:
+    """One sampled response per prompt with the engine's logprob of each sampled token. `"top": true`
+    adds the step's whole distribution per token (dense, by token id: SGLang's log softmax(logits / T));
+    with top-p / top-k truncation the renormalised logprobs (`return_sampling_mask`) as "sampling_logprobs"."""
     params = [{"temperature": step.get("temperature", 1.0), "top_p": step.get("top_p", 1.0),
                "top_k": step.get("top_k", -1) or -1, "max_new_tokens": step["max_tokens"],
                "sampling_seed": step.get("seed", 0) + i} for i in range(len(step["prompts"]))]
-    outs = engine.generate(input_ids=step["prompts"], sampling_params=params, return_logprob=True)
-    return {"rollouts": [{"token_ids": list(o["output_ids"]),
-                          "logprobs": [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
-                          "finish_reason": (o["meta_info"].get("finish_reason") or {}).get("type")}
-                         for o in outs]}
+    top = engine.tokenizer_manager.model_config.vocab_size if step.get("top") else 0
+    truncated = step.get("top_p", 1.0) < 1.0 or (step.get("top_k") or -1) > 0
+    if truncated:  # Engine.generate has no return_sampling_mask (SGLang 0.5.17): the request itself
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        req = GenerateReqInput(input_ids=step["prompts"], sampling_params=params, return_logprob=True,
+                               top_logprobs_num=top, return_sampling_mask=True)
+        outs = engine.loop.run_until_complete(engine.tokenizer_manager.generate_request(req, None).__anext__())
+    else:
+        outs = engine.generate(input_ids=step["prompts"], sampling_params=params, return_logprob=True,
+                               top_logprobs_num=top)
+    rollouts = []
+    for o in outs:
+        meta = o["meta_info"]
+        r = {"token_ids": list(o["output_ids"]), "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
+             "finish_reason": (meta.get("finish_reason") or {}).get("type")}
+        if top:
+            r["top"] = [dense(t, top) for t in meta["output_top_logprobs"]]
+        if truncated:
+            r["sampling_logprobs"] = meta.get("output_token_sampling_logprobs")
+        rollouts.append(r)
+    return {"rollouts": rollouts}
+
+
+def score(engine, step: dict) -> dict:
+    """Teacher-forced: the engine's whole log softmax(logits) (T = 1) at every position of each
+    sequence, dense by token id (the first position has none: null)."""
+    vocab = engine.tokenizer_manager.model_config.vocab_size
+    outs = engine.generate(input_ids=step["sequences"], return_logprob=True, logprob_start_len=0,
+                           top_logprobs_num=vocab, sampling_params={"temperature": 0.0, "max_new_tokens": 1})
+    return {"dists": [[dense(t, vocab) if t else None for t in o["meta_info"]["input_top_logprobs"]] for o in outs]}
+
+
+def dense(entries, vocab: int) -> list[float]:
+    """SGLang's top-logprob entries [(logprob, token id, text), ...] as a list indexed by token id."""
+    out = [float("-inf")] * vocab
+    for lp, tok, _ in entries:
+        out[tok] = lp
+    return out
 
 
 def run(req: dict) -> dict:
@@ -61,11 +101,15 @@ def run(req: dict) -> dict:
     kwargs.update(req.get("engine_kwargs", {}))
     engine = sglang.Engine(model_path=req["model"], **kwargs)
     try:
-        ops = {"observe": observe, "push": push, "sample": sample}
+        ops = {"observe": observe, "push": push, "sample": sample, "score": score}
         results = []
         for step in req["steps"]:
             if step["op"] not in ops:
                 raise ValueError(f"unknown op {step['op']!r}")
+            if "rollouts_of" in step:  # score the prompts + responses of an earlier sample step
+                k = step["rollouts_of"]
+                step = {**step, "sequences": [p + r["token_ids"] for p, r in
+                                              zip(req["steps"][k]["prompts"], results[k]["rollouts"])]}
             results.append(ops[step["op"]](engine, step))
         return {"steps": results}
     finally:

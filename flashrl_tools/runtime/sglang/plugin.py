@@ -6,12 +6,13 @@ refuses to start) instead of here.
 | hook | target (SGLang 0.5.17) | process | what it does |
 | --- | --- | --- | --- |
 | server_args | `ServerArgs.__post_init__` (before) | engine / launcher | the checkpoint and tokenizer the config serves; refusals at start (server_args.py) |
+| late_server_args | `ServerArgs.check_server_args` (before) | engine / launcher | the same, once, for ServerArgs built before the plugins loaded (verl's server) |
 | linear_layout | `CompressedTensorsLinearMethod.process_weights_after_loading` (around) | scheduler | keep the loaded Parameters; refuse layouts in new memory (weight_sync.py) |
 | moe_layout | `CompressedTensorsFusedMoEMethod.process_weights_after_loading` (around) | scheduler | the same for MoE experts |
 | model_runner | `ModelRunner.load_model` (after) | scheduler | a `WeightSync` replaces `model.load_weights` |
 | direct_updates | `WeightUpdater.update_weights_from_tensor` (before) | scheduler | refuse `load_format="direct"` and custom loaders (they bypass `load_weights`) |
 | request_guard | `Scheduler._add_request_to_queue` (before) | scheduler | abort requests while the weights are incomplete |
-| release_weights | `SchedulerWeightUpdaterManager.release_memory_occupation` (after) | scheduler | SGLang's sleep freed the weights: refuse until a full sync |
+| release_weights | `SchedulerWeightUpdaterManager.release_memory_occupation` (after) | scheduler | SGLang's sleep freed the weights (no CPU backup): refuse until a full sync |
 """
 
 from __future__ import annotations
@@ -36,13 +37,19 @@ def _config():
 
 
 def server_args(self, *args, **kwargs):
+    """Before `ServerArgs.__post_init__` (Engine, launch_server: plugins load before the arguments are
+    built) and before `check_server_args` (verl's server builds ServerArgs itself and loads the plugins
+    only in `Engine._launch_subprocesses`, after it): the first one that runs applies the config."""
     from flashrl_tools.errors import FlashRLError
     from flashrl_tools.runtime.sglang.server_args import apply_overrides
 
+    if getattr(self, "_flashrl_applied", False):
+        return
     try:
         changed = apply_overrides(_config(), self)
     except FlashRLError as e:
         raise RuntimeError(f"flashrl: {e.message}") from None
+    self._flashrl_applied = True
     if changed:
         log.info("flashrl %s: SGLang server args %s", _state["rc"].fn.value, changed)
 
@@ -73,12 +80,21 @@ def direct_updates(updater, named_tensors=None, load_format=None, *args, **kwarg
 
 def release_weights(result, manager, recv_req=None, *args, **kwargs):
     """SGLang's sleep: `release_memory_occupation(tags)` with "weights" (or no tags) frees the weights'
-    memory and restores only buffers on resume (`_export_static_state`): refuse until a full sync."""
+    memory and restores only buffers on resume (`_export_static_state`): refuse until a full sync.
+    With `enable_weights_cpu_backup` (verl's hybrid engine sets it) the memory saver copies the weights'
+    memory to the CPU and back on resume, synced 8-bit weights included: nothing is lost."""
     tags = getattr(recv_req, "tags", None)
+    if _weights_backed_up(manager):
+        return result
     if not tags or "weights" in tags:
         for sync in _state["syncs"]:
             sync.discard("SGLang release_memory_occupation(weights)")
     return result
+
+
+def _weights_backed_up(manager) -> bool:
+    runner = getattr(getattr(manager, "tp_worker", None), "model_runner", None)
+    return bool(getattr(getattr(runner, "server_args", None), "enable_weights_cpu_backup", False))
 
 
 def request_guard(scheduler, req, is_retracted=False, *args, **kwargs):
@@ -92,7 +108,8 @@ def request_guard(scheduler, req, is_retracted=False, *args, **kwargs):
         log.warning("flashrl: SGLang returns log softmax(logits / T) before top-p / top-k truncation: with top_p < 1 "
                     "or top_k set these are not the logprobs of the distribution sampled from (vLLM's "
                     "processed_logprobs are); importance weights computed from them are off. Sample with top_p=1, "
-                    "top_k=-1 for exact rollout logprobs")
+                    "top_k=-1, or ask return_sampling_mask=True (with a finite top_k) and read "
+                    "meta_info['output_token_sampling_logprobs'] (renormalised over the sampled support)")
 
 
 def _truncates(req) -> bool:
@@ -103,6 +120,7 @@ def _truncates(req) -> bool:
 
 HOOKS = [  # (name, target, hook, HookType name)
     ("server_args", "sglang.srt.server_args.ServerArgs.__post_init__", server_args, "BEFORE"),
+    ("late_server_args", "sglang.srt.server_args.ServerArgs.check_server_args", server_args, "BEFORE"),
     ("linear_layout", f"{_LINEAR}.process_weights_after_loading", layout, "AROUND"),
     ("moe_layout", f"{_MOE}.process_weights_after_loading", layout, "AROUND"),
     ("model_runner", "sglang.srt.model_executor.model_runner.ModelRunner.load_model", model_runner, "AFTER"),
@@ -128,7 +146,8 @@ def register(registry=None, hook_type=None) -> None:
         rc = from_env()
     except FlashRLError as e:  # raised by the server_args hook, where SGLang does not swallow it
         _state["error"], rc = e, None
-        registry.register(HOOKS[0][1], HOOKS[0][2], hook_type.BEFORE)
+        for _name, target, hook, _kind in HOOKS[:2]:  # the two server-args hooks
+            registry.register(target, hook, hook_type.BEFORE)
         return
     if rc is None:
         return
