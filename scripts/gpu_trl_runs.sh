@@ -12,7 +12,13 @@ source scripts/gpu_env.sh
 export PYTHONPATH=/tmp/site_trl:$PYTHONPATH PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 mkdir -p "$OUT"
 for cfg in "$@"; do
-  FLASHRL_CONFIG=$cfg VLLM_CACHE_ROOT=/root/vc/trl-$cfg python3 examples/trl_grpo.py --steps "${STEPS:-100}" \
-    --batch "${TRL_BATCH:-64}" --sleep-mode --final-check --log "$OUT/trl-$cfg.jsonl" --out "$OUT/out-$cfg" \
-    > "$OUT/trl-$cfg.log" 2>&1; echo "exit $?" >> "$OUT/trl-$cfg.log"; touch "$OUT/trl-$cfg.done"
+  for try in 1 2 3 4; do  # beside other engines: retry a start that died in vLLM's memory profiling
+    FLASHRL_CONFIG=$cfg VLLM_CACHE_ROOT=/root/vc/trl-$cfg python3 examples/trl_grpo.py --steps "${STEPS:-100}" \
+      --batch "${TRL_BATCH:-64}" --sleep-mode --final-check --log "$OUT/trl-$cfg.jsonl" --out "$OUT/out-$cfg" \
+      > "$OUT/trl-$cfg.log" 2>&1
+    rc=$?; echo "exit $rc (try $try)" >> "$OUT/trl-$cfg.log"
+    [ "$rc" != 0 ] && [ ! -s "$OUT/trl-$cfg.jsonl" ] && grep -q "memory profiling" "$OUT/trl-$cfg.log" || break
+    mv "$OUT/trl-$cfg.log" "$OUT/trl-$cfg.try$try.log"; sleep $(( RANDOM % 10 + 2 ))
+  done
+  touch "$OUT/trl-$cfg.done"
 done

