@@ -176,9 +176,10 @@ def configure_engine(rc: RuntimeConfig, args) -> dict:
     if "hf_overrides" in overrides:
         overrides["hf_overrides"] = merge_hf_overrides(args.hf_overrides, overrides["hf_overrides"])
     if _on_cpu() and not args.enforce_eager:
-        # vLLM-CPU traces the model once (dynamo) and the graph keeps the oneDNN handlers of the
-        # packed weights it was traced with: syncs rebuild the handlers, the graph would keep
-        # computing with the start-up weights (found by TRL's GRPO run).
+        # vLLM-CPU engines run eager, as the project's CPU checks and references do: compiled and
+        # eager differ by up to 0.34 nats on SmolLM2 with identical weights. (Syncs do reach a
+        # compiled CPU engine: bf16 and int8 equal a fresh compiled engine, 2026-11-25; the drift
+        # a first TRL run blamed on the traced graph was its FP32 trainer, docs/guide.md.)
         overrides["enforce_eager"] = True
     for key, value in overrides.items():
         setattr(args, key, value)
