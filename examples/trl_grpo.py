@@ -75,12 +75,12 @@ class EngineProbe(TrainerCallback):
         return float(sum(lp[t].logprob for t, lp in zip(self.answer_ids, tail)))
 
     def trainer_logp(self) -> float:
-        """The trainer's own (fp32) logprob of the same answer, after this step's update: the
+        """The trainer's own logprob of the same answer in its training precision (BF16 autocast with
+        bf16 mixed precision), after this step's update: the
         engine reports the same quantity one step later, once TRL has pushed these weights."""
         trainer = self.trainer_ref[0]
         model = trainer.model
         ids = torch.tensor([self.prompt_ids + self.answer_ids], device=model.device)
-        # the trainer's own precision: with bf16 mixed precision its forward runs in BF16 autocast
         with torch.no_grad(), torch.autocast(model.device.type, torch.bfloat16, enabled=trainer.args.bf16):
             logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
         n = len(self.prompt_ids)
@@ -170,7 +170,7 @@ def final_check(trainer, tokenizer, workdir: str) -> dict:
     ours = [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(seqs, outs)]
     diff = max(abs(a - b) for x, y in zip(ours, fresh) for a, b in zip(x, y))
     return {"final_check": {"served": os.path.basename(served or bf16_dir), "max_abs_logp_diff_vs_fresh_engine": diff,
-                            "tokens": sum(len(x) for x in ours), "fresh_engine_enforce_eager": vc.model_config.enforce_eager}}
+                            "tokens": sum(len(x) for x in ours), "fresh_engine_enforce_eager": engine_kwargs["enforce_eager"]}}
 
 
 def main() -> None:
