@@ -194,7 +194,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     cases = args.cases.split(",")
     models = make_models(work, {c.split("-")[0] for c in cases})
-    ekw = {"mem_fraction_static": 0.08, "cuda_graph_max_bs": 8, "context_length": 512, **args.engine_args}
+    # SGLang sizes its KV pool as free memory at start x mem_fraction_static - weights: engines starting side by
+    # side would take each other's share; a fixed token cap keeps each one small and the share a margin
+    ekw = {"mem_fraction_static": 0.3, "max_total_tokens": 8192, "cuda_graph_max_bs_decode": 8, "context_length": 512,
+           **args.engine_args}
     result = {"device": torch.cuda.get_device_name(), "sglang": sglang.__version__,
               "engines": f"CUDA graphs, {json.dumps(ekw)}", "cases": []}
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,9 @@ async def push(adapter, mesh, path: Path, bucket_mb: int) -> float:
     weights = ((n, t.to("cuda")) for n, t in CheckpointReader(path).iter_tensors())  # the trainer's GPU copy
     t0 = time.perf_counter()
     async for batch in get_named_tensor_buckets(weights, bucket_mb << 20):
-        await sgl_update_weights(engine=adapter, params_batch=batch, device_mesh_key="infer_tp", device_mesh=mesh)
+        r = await sgl_update_weights(engine=adapter, params_batch=batch, device_mesh_key="infer_tp", device_mesh=mesh)
+        if isinstance(r, dict) and not r.get("success", True):  # the server reports a failed load, never raises
+            raise RuntimeError(f"SGLang refused a weight update: {r.get('message')}")
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -79,7 +81,7 @@ def run_config(config: str, models, work: Path, args) -> dict:
         model_path=str(orig), host="127.0.0.1", port=_free_port(), first_rank_in_node=True, dtype="bfloat16",
         mem_fraction_static=args.mem_fraction, enable_memory_saver=True, enable_weights_cpu_backup=True,
         load_format="dummy", skip_server_warmup=True, attention_backend="triton", log_level="error",
-        context_length=512, cuda_graph_max_bs=8, random_seed=0, disable_radix_cache=True)
+        context_length=512, cuda_graph_max_bs_decode=8, random_seed=0, disable_radix_cache=True, max_total_tokens=8192)
     mesh = init_device_mesh("cpu", mesh_shape=(1, 1, 1), mesh_dim_names=["dp", "infer_tp", "infer_pp"])
 
     async def drive():
@@ -126,10 +128,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("gpu_verl_sglang_check.json"))
     ap.add_argument("--configs", default="int8,fp8")
     ap.add_argument("--bucket-mb", type=int, default=16, help="verl's update_weights_bucket_megabytes")
-    ap.add_argument("--mem-fraction", type=float, default=0.08)
+    ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
-    args.ekw = {"mem_fraction_static": args.mem_fraction, "cuda_graph_max_bs": 8, "context_length": 512}
+    args.ekw = {"mem_fraction_static": args.mem_fraction, "max_total_tokens": 8192, "cuda_graph_max_bs_decode": 8,
+                "context_length": 512}
     import multiprocessing
 
     import torch.distributed as dist

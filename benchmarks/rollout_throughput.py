@@ -86,11 +86,53 @@ def worker_sglang(spec: dict) -> dict:
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         gen_s = time.perf_counter() - t0
         tokens = sum(len(o["output_ids"]) for o in outs)
-        return {"engine_start_s": start_s, "generate_s": gen_s, "output_tokens": tokens,
-                "output_tok_per_s": tokens / gen_s, "kv_cache_tokens": int(info.get("max_total_num_tokens") or 0),
-                "quantization": info.get("quantization")}
+        out = {"engine_start_s": start_s, "generate_s": gen_s, "output_tokens": tokens,
+               "output_tok_per_s": tokens / gen_s, "kv_cache_tokens": int(info.get("max_total_num_tokens") or 0),
+               "quantization": info.get("quantization")}
+        if spec.get("sync_bucket_mb"):
+            out.update(sglang_sync_seconds(engine, spec["model"], spec["sync_bucket_mb"]))
+        return out
     finally:
         engine.shutdown()
+
+
+def sglang_sync_seconds(engine, model_path: str, bucket_mb: int) -> dict:
+    """One full sync of random BF16 weights (the policy's names and shapes) the way verl's SGLang path
+    sends them: flattened buckets of `bucket_mb` on the GPU through `update_weights_from_tensor`. Only
+    the calls are timed, not the making of each bucket (a full trainer copy would not fit beside the engine)."""
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from flashrl_tools.model_structure import _meta_model
+
+    _, meta = _meta_model(Path(model_path), allow_quantized=True)
+    tied = meta.config.tie_word_embeddings
+    groups, size = [[]], 0
+    for name, t in meta.state_dict().items():
+        if name == "lm_head.weight" and tied:
+            continue
+        if groups[-1] and size + t.numel() * 2 > bucket_mb << 20:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, t.shape))
+        size += t.numel() * 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seconds = []
+    for group in groups:
+        tensors = [(n, torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(0.02)) for n, s in group]
+        bucket = FlattenedTensorBucket(named_tensors=tensors)
+        payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
+                                                       "metadata": bucket.get_metadata()})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ok, message = engine.update_weights_from_tensor(named_tensors=[payload] * engine.server_args.tp_size,
+                                                        load_format="flattened_bucket")[:2]
+        seconds.append(time.perf_counter() - t0)
+        if not ok:
+            raise RuntimeError(f"SGLang refused the sync: {message}")
+        del tensors, bucket, payload
+    return {"sync_s": sum(seconds), "sync_buckets": len(groups), "sync_bucket_mb": bucket_mb}
 
 
 def run_one(spec: dict, config: str) -> dict:
@@ -114,6 +156,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    ap.add_argument("--sync-bucket-mb", type=int, default=0,
+                    help="SGLang: also time one full BF16 sync in flattened buckets of this size (verl's path)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -125,7 +169,8 @@ def main() -> None:
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "prompt_len": opts["prompt_len"],
-                    "output_len": opts["output_len"], "gpu_memory_utilization": util, "engine": a.engine}
+                    "output_len": opts["output_len"], "gpu_memory_utilization": util, "engine": a.engine,
+                    "sync_bucket_mb": a.sync_bucket_mb}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -139,14 +184,17 @@ def main() -> None:
     label = f"{'vLLM' if a.engine == 'vllm' else 'SGLang'} {engine.__version__}"
     print(f"\nrollout throughput on {device}, {label}: {opts['prompts']} prompts x "
           f"{opts['prompt_len']} tokens in, {opts['output_len']} tokens out (ignore_eos, T=1, logprobs=0)")
-    print(f"{'shape':8} {'config':7} {'tok/s':>10} {'vs bf16':>8} {'KV tokens':>11} {'KV vs bf16':>10} {'start s':>8}")
+    print(f"{'shape':8} {'config':7} {'tok/s':>10} {'vs bf16':>8} {'KV tokens':>11} {'KV vs bf16':>10} {'start s':>8} "
+          f"{'sync s':>7}")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:8} {r['config']:7} error: {r['error']}")
             continue
         kv = r.get("kv_cache_vs_bf16")
+        sync = f"{r['sync_s']:7.2f}" if "sync_s" in r else "      -"
         print(f"{r['shape']:8} {r['config']:7} {r['output_tok_per_s']:10.1f} {r.get('speedup_vs_bf16', 0):7.2f}x "
-              f"{r['kv_cache_tokens']:11d} {(f'{kv:.2f}x' if kv else '-'):>10} {r['engine_start_s']:8.1f}")
+              f"{r['kv_cache_tokens']:11d} {(f'{kv:.2f}x' if kv else '-'):>10} {r['engine_start_s']:8.1f} "
+              f"{sync}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"device": device, a.engine: engine.__version__, "date": time.strftime("%Y-%m-%d"),

@@ -1,9 +1,32 @@
 #!/usr/bin/env bash
 # On the GPU host, after the vLLM bundle (and scripts/gpu_env.sh): unpack scripts/gpu_stage_sglang.sh's
-# parts (DIR/sN/part.*) into /tmp/site_sgl and check that SGLang's engine imports.
+# parts (DIR/sN/part.*) into /tmp/site_sgl, add the wheels under DIR/x whose distribution the host lacks
+# (what the probe reported missing: IPython, which `import sglang` needs; soundfile + cffi and
+# python-multipart, which SGLang's HTTP server needs), put the wheels under DIR/tf (transformers 5.12.1 and
+# tokenizers 0.22.2 as SGLang pins them: the host's 5.17 fails `import sglang.srt` on a duplicate config
+# name) in /tmp/site_sgl_tf (first on PYTHONPATH), and check that SGLang's engine imports.
 set -euo pipefail
 DIR=${1:?usage: gpu_install_sglang.sh DIR}
-cat "$DIR"/s*/part.* > /tmp/sgl.tar.xz
-[ "$(md5sum /tmp/sgl.tar.xz | cut -d' ' -f1)" = "$(cat "$DIR"/s1/sgl.md5)" ] || { echo "sgl bundle: md5 mismatch"; exit 1; }
-mkdir -p /tmp/site_sgl && tar -C /tmp/site_sgl -xJf /tmp/sgl.tar.xz && rm /tmp/sgl.tar.xz
-PYTHONPATH=/tmp/site_sgl:/tmp/site:$PWD python3 scripts/gpu_sglang_probe.py
+if [ ! -d /tmp/site_sgl/sglang ]; then
+  cat "$DIR"/s*/part.* > /tmp/sgl.tar.xz
+  [ "$(md5sum /tmp/sgl.tar.xz | cut -d' ' -f1)" = "$(cat "$DIR"/s1/sgl.md5)" ] || { echo "sgl bundle: md5 mismatch"; exit 1; }
+  mkdir -p /tmp/site_sgl && tar -C /tmp/site_sgl -xJf /tmp/sgl.tar.xz && rm /tmp/sgl.tar.xz
+fi
+if ls "$DIR"/x/*.whl >/dev/null 2>&1; then
+  need=$(PYTHONPATH=/tmp/site_sgl:/tmp/site python3 - "$DIR"/x/*.whl <<'PY'
+import importlib.metadata as md, os, sys
+for w in sys.argv[1:]:
+    name = os.path.basename(w).split("-")[0]
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(w)
+PY
+)
+  [ -n "$need" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_sgl $need
+  echo "extra wheels installed: $(echo $need | wc -w)"
+fi
+if ls "$DIR"/tf/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_sgl_tf "$DIR"/tf/*.whl
+fi
+PYTHONPATH=/tmp/site_sgl_tf:/tmp/site_sgl:/tmp/site:$PWD python3 scripts/gpu_sglang_probe.py

@@ -71,6 +71,25 @@ def _args(model, **kw):
                               "load_format": "auto", **kw})
 
 
+class ResolvedArgs(SimpleNamespace):
+    """SGLang 0.5.17's ServerArgs after __post_init__ (server_args.py `__setattr__` / `override`): a bare
+    assignment to a field raises, `override(source, **fields)` is the one way to change it."""
+
+    def __setattr__(self, name, value):
+        frozen = vars(self).get("_declarations_materialized") and not vars(self).get("_in_override")
+        if frozen and not name.startswith("_"):
+            raise AttributeError(f"server_args.{name} assigned after resolution; server_args is read-only")
+        super().__setattr__(name, value)
+
+    def override(self, source, **fields):
+        object.__setattr__(self, "_in_override", True)
+        try:
+            for name, value in fields.items():
+                setattr(self, name, value)
+        finally:
+            object.__setattr__(self, "_in_override", False)
+
+
 @pytest.mark.parametrize("config, fmt", [("int8", QuantFn.int8), ("fp8", QuantFn.fp8_channel)])
 def test_server_args_serve_the_configs_checkpoint(default_model, monkeypatch, tmp_path, config, fmt):
     from flashrl_tools.runtime.convert import served_format
@@ -94,7 +113,9 @@ def test_server_args_built_before_the_plugins_loaded_are_changed_once(default_mo
     plugin._state.clear()
     plugin.register(Registry(), Kinds)
     late = dict((name, hook) for name, _, hook, _ in plugin.HOOKS)["late_server_args"]
-    args = _args(default_model, tokenizer_path=str(default_model))  # after __post_init__: tokenizer set
+    # after __post_init__: tokenizer set, fields read-only (a bare assignment raised on the H100)
+    args = ResolvedArgs(**vars(_args(default_model, tokenizer_path=str(default_model))))
+    object.__setattr__(args, "_declarations_materialized", True)
     late(args)
     served = args.model_path
     assert served != str(default_model) and args.tokenizer_path == str(default_model)

@@ -37,12 +37,15 @@ def push(engine, step: dict) -> dict:
         bucket = FlattenedTensorBucket(named_tensors=tensors)
         payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
                                                        "metadata": bucket.get_metadata()})
-        engine.update_weights_from_tensor(named_tensors=[payload] * engine.server_args.tp_size,
-                                          load_format="flattened_bucket")
+        results = [engine.update_weights_from_tensor(named_tensors=[payload] * engine.server_args.tp_size,
+                                                     load_format="flattened_bucket")]
     else:
-        for name, tensor in tensors:
-            engine.update_weights_from_tensor(named_tensors=[(name, tensor)])
-    return {"seconds": time.perf_counter() - t0}
+        results = [engine.update_weights_from_tensor(named_tensors=[(name, tensor)]) for name, tensor in tensors]
+    seconds = time.perf_counter() - t0
+    failed = [r[1] for r in results if not r[0]]  # (success, message): SGLang reports a failed load, never raises
+    if failed:
+        raise RuntimeError(f"SGLang refused {len(failed)} of {len(results)} weight updates: {failed[0]}")
+    return {"seconds": seconds}
 
 
 def sample(engine, step: dict) -> dict:

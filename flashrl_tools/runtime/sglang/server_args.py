@@ -67,6 +67,11 @@ def apply_overrides(rc: RuntimeConfig, args) -> dict:
     changed = overrides(rc, args.model_path)
     if args.tokenizer_path:  # the caller's own tokenizer stays
         changed.pop("tokenizer_path", None)
-    for key, value in changed.items():
-        setattr(args, key, value)
+    if getattr(args, "_declarations_materialized", False) and hasattr(args, "override"):
+        # SGLang 0.5.17 freezes ServerArgs after __post_init__: a late application (verl builds the
+        # arguments before the plugins load) goes through its one mutation point
+        args.override("flashrl_tools", **changed)
+    else:
+        for key, value in changed.items():
+            setattr(args, key, value)
     return changed
