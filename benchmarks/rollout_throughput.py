@@ -101,10 +101,9 @@ def sglang_sync_seconds(engine, model_path: str, bucket_mb: int) -> dict:
     sends them: flattened buckets of `bucket_mb` on the GPU through `update_weights_from_tensor`. Only
     the calls are timed, not the making of each bucket (a full trainer copy would not fit beside the engine)."""
     import torch
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     from flashrl_tools.model_structure import _meta_model
+    from flashrl_tools.verify.sglang_job import bucket_payload, push_payload
 
     _, meta = _meta_model(Path(model_path), allow_quantized=True)
     tied = meta.config.tie_word_embeddings
@@ -121,17 +120,12 @@ def sglang_sync_seconds(engine, model_path: str, bucket_mb: int) -> dict:
     seconds = []
     for group in groups:
         tensors = [(n, torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(0.02)) for n, s in group]
-        bucket = FlattenedTensorBucket(named_tensors=tensors)
-        payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
-                                                       "metadata": bucket.get_metadata()})
+        payload = bucket_payload(tensors)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ok, message = engine.update_weights_from_tensor(named_tensors=[payload] * engine.server_args.tp_size,
-                                                        load_format="flattened_bucket")[:2]
+        push_payload(engine, payload)
         seconds.append(time.perf_counter() - t0)
-        if not ok:
-            raise RuntimeError(f"SGLang refused the sync: {message}")
-        del tensors, bucket, payload
+        del tensors, payload
     return {"sync_s": sum(seconds), "sync_buckets": len(groups), "sync_bucket_mb": bucket_mb}
 
 

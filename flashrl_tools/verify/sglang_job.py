@@ -30,22 +30,33 @@ def push(engine, step: dict) -> dict:
     if step.get("cuda"):  # the trainer's copy on the GPU (CUDA IPC handles, as verl's SGLang path sends)
         tensors = [(n, t.cuda()) for n, t in tensors]
     t0 = time.perf_counter()
-    if step.get("bucket"):  # as verl's SGLang path: one serialized payload per TP rank
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        bucket = FlattenedTensorBucket(named_tensors=tensors)
-        payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
-                                                       "metadata": bucket.get_metadata()})
-        results = [engine.update_weights_from_tensor(named_tensors=[payload] * engine.server_args.tp_size,
-                                                     load_format="flattened_bucket")]
+    if step.get("bucket"):  # as verl's SGLang path
+        push_payload(engine, bucket_payload(tensors))
     else:
         results = [engine.update_weights_from_tensor(named_tensors=[(name, tensor)]) for name, tensor in tensors]
-    seconds = time.perf_counter() - t0
-    failed = [r[1] for r in results if not r[0]]  # (success, message): SGLang reports a failed load, never raises
-    if failed:
-        raise RuntimeError(f"SGLang refused {len(failed)} of {len(results)} weight updates: {failed[0]}")
-    return {"seconds": seconds}
+        failed = [r[1] for r in results if not r[0]]  # (success, message): SGLang reports a failed load, never raises
+        if failed:
+            raise RuntimeError(f"SGLang refused {len(failed)} of {len(results)} weight updates: {failed[0]}")
+    return {"seconds": time.perf_counter() - t0}
+
+
+def bucket_payload(tensors) -> bytes:
+    """SGLang's serialized flattened bucket of `tensors` (CUDA IPC handles for GPU tensors)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket(named_tensors=tensors)
+    return MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
+                                                "metadata": bucket.get_metadata()})
+
+
+def push_payload(engine, payload: bytes) -> None:
+    """One flattened-bucket update (the payload once per TP rank); raises when SGLang reports the load
+    failed (it returns (success, message) and never raises)."""
+    ok, message = engine.update_weights_from_tensor(named_tensors=[payload] * engine.server_args.tp_size,
+                                                    load_format="flattened_bucket")[:2]
+    if not ok:
+        raise RuntimeError(f"SGLang refused a flattened-bucket weight update: {message}")
 
 
 def sample(engine, step: dict) -> dict:
