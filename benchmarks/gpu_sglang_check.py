@@ -16,6 +16,12 @@ x (1 + 0.05 N(0,1))). Per case (architecture x FLASHRL_CONFIG):
     the same tokens: kernel noise only); with top_k=50 / top_p=0.9 and `return_sampling_mask`, the
     renormalised logprob SGLang returns vs the renormalisation of that step's whole distribution.
 `moe-int8` must be refused at start (SGLang 0.5.17 serves compressed-tensors INT8 MoE on NPU only).
+Cases ending in `+kv` add FLASHRL_KV_CACHE_DTYPE=fp8 (SGLang's fp8_e4m3 KV cache, scales recalibrated
+after every sync: runtime/sglang/kv_scales.py): the fresh engines then run the runtime too
+(FLASHRL_CONFIG=bf16 on the quantized checkpoint, same KV setting: they calibrate once at start), the
+scales must be bit-equal to theirs, and the logprobs of the greedy tokens (decode steps, which read the
+FP8 cache) are compared with the teacher-forced ones; `kv_effect`: how far the FP8 cache moves the start
+from the case without it.
 Prints a table, writes JSON. Usage: python benchmarks/gpu_sglang_check.py --json OUT [--cases ...]
 """
 
@@ -31,6 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8"]
+KV_CASES = ["dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv"]
 FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel"}  # runtime/sglang/server_args.sglang_format
 SEQS = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
 PROMPTS = [[5, 70, 75, 82, 3], [7, 8, 9, 10, 11, 200], [30, 31, 32], [100, 120, 140, 160]]
@@ -69,13 +76,15 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
     return dst
 
 
-def engine(model: Path, steps: list[dict], config: str | None, label: str, ekw: dict) -> list[dict] | str:
+def engine(model: Path, steps: list[dict], config: str | None, label: str, ekw: dict,
+           kv: str | None = None) -> list[dict] | str:
     """The steps' results, or the engine's error message (a refusal is a result here)."""
     from flashrl_tools.errors import FlashRLError
     from flashrl_tools.verify.engines import run_engine
 
     try:
-        return run_engine(model, steps, config, label, engine_kwargs=ekw, engine="sglang", timeout=900)
+        return run_engine(model, steps, config, label, engine_kwargs=ekw, engine="sglang", timeout=900,
+                          kv_cache_dtype=kv)
     except FlashRLError as e:
         return str(e)
 
@@ -122,10 +131,20 @@ def hand_checks(plain: dict, scored: dict, trunc: dict) -> dict:
                                               if b is not None) if trunc_d else None}
 
 
+def kv_equal(a: dict, b: dict) -> bool | None:
+    """Bit-equal FP8 KV scales (None: no FP8 KV cache on either side)."""
+    if "kv_scales" not in a and "kv_scales" not in b:
+        return None
+    return a.get("kv_scales") == b.get("kv_scales") and bool(a.get("kv_scales"))
+
+
 def run_case(case: str, models: dict, work: Path, ekw: dict) -> dict:
     arch, config = case.split("-", 1)
+    kv = "fp8" if config.endswith("+kv") else None
+    config = config.removesuffix("+kv")
     orig, pert = models[arch]
     fmt = FORMAT[config]
+    fresh_config = "bf16" if kv else None  # the runtime calibrates the scales: it runs in the fresh engines too
     row = {"case": case, "served_format": fmt or "bf16"}
     t0 = time.perf_counter()
     synced_steps = [obs(), {"op": "push", "path": str(pert), "cuda": True}, obs(),
@@ -133,13 +152,13 @@ def run_case(case: str, models: dict, work: Path, ekw: dict) -> dict:
                     {"op": "push", "path": str(pert), "cuda": True, "bucket": True}, obs()]
     base = len(synced_steps)
     synced_steps += sample_steps(base)
-    synced = engine(orig, synced_steps, config, f"synced {case}", ekw)
+    synced = engine(orig, synced_steps, config, f"synced {case}", ekw, kv)
     if isinstance(synced, str):
         row.update(error=synced, refused=config == "int8" and arch == "moe" and "NPU" in synced)
         row["passed"] = row["refused"]
         return row
-    fresh_o = engine(quantized(orig, fmt, work), [obs()], None, f"fresh original {case}", ekw)
-    fresh_p = engine(quantized(pert, fmt, work), [obs()], None, f"fresh perturbed {case}", ekw)
+    fresh_o = engine(quantized(orig, fmt, work), [obs()], fresh_config, f"fresh original {case}", ekw, kv)
+    fresh_p = engine(quantized(pert, fmt, work), [obs()], fresh_config, f"fresh perturbed {case}", ekw, kv)
     if isinstance(fresh_o, str) or isinstance(fresh_p, str):
         row.update(error=fresh_o if isinstance(fresh_o, str) else fresh_p, passed=False)
         return row
@@ -152,31 +171,45 @@ def run_case(case: str, models: dict, work: Path, ekw: dict) -> dict:
         "changed_by_sync": same(start, per_tensor)["max_dlogp"],
         "push_seconds": [synced[i]["seconds"] for i in (1, 3, 5)],
         "hand": hand_checks(*synced[base:base + 3]),
-        "wall_s": round(time.perf_counter() - t0, 1)})
+        "start_obs": start, "wall_s": round(time.perf_counter() - t0, 1)})
+    if kv:
+        row["kv_scales_equal"] = {"start_vs_fresh": kv_equal(start, fresh_o[0]),
+                                  "per_tensor_sync_vs_fresh": kv_equal(per_tensor, fresh_p[0]),
+                                  "bucket_restore_vs_start": kv_equal(restore, start),
+                                  "bucket_sync_vs_fresh": kv_equal(bucket, fresh_p[0]),
+                                  "changed_by_sync": start.get("kv_scales") != per_tensor.get("kv_scales")}
+        row["kv_scales_start"] = start.get("kv_scales")
     checks = [row[k] for k in ("start_vs_fresh", "per_tensor_sync_vs_fresh", "bucket_restore_vs_start",
                                "bucket_sync_vs_fresh")]
     hand = row["hand"]
     row["passed"] = (all(c["max_dlogp"] == 0.0 and c["tokens_equal"] for c in checks) and row["changed_by_sync"] > 0.01
                      and hand["truncated_vs_hand_max"] is not None and hand["truncated_vs_hand_max"] < 1e-4
-                     and not hand["truncated_missing"] and hand["tempered_vs_prefill_max"] < 0.05)
+                     and not hand["truncated_missing"]
+                     # with an FP8 KV cache the prefill (bf16 k / v) and the decode (FP8 cache) differ by more than noise
+                     and (kv or hand["tempered_vs_prefill_max"] < 0.05)
+                     and (not kv or all(row["kv_scales_equal"].values())))
     return row
 
 
 def print_table(result: dict) -> None:
     print(f"\nSGLang backend on {result['device']}, SGLang {result['sglang']}, {result['engines']}")
     keys = ["start_vs_fresh", "per_tensor_sync_vs_fresh", "bucket_restore_vs_start", "bucket_sync_vs_fresh"]
-    print(f"{'case':11} {'format':11} " + " ".join(f"{k[:16]:>16}" for k in keys)
+    print(f"{'case':14} {'format':11} " + " ".join(f"{k[:16]:>16}" for k in keys)
           + f" {'T-hand':>8} {'topp-hand':>9}  pass")
     for r in result["cases"]:
         if "error" in r:
-            print(f"{r['case']:11} {r['served_format']:11} {'refused at start' if r.get('refused') else 'ERROR'}: "
+            print(f"{r['case']:14} {r['served_format']:11} {'refused at start' if r.get('refused') else 'ERROR'}: "
                   f"{r['error'][:120]}  {'ok' if r['passed'] else 'FAIL'}")
             continue
         h = r["hand"]
         cells = " ".join(f"{r[k]['max_dlogp']:9.2e} {'=' if r[k]['tokens_equal'] else 'x':>6}" for k in keys)
         tv = h["truncated_vs_hand_max"]
-        print(f"{r['case']:11} {r['served_format']:11} {cells} {h['tempered_vs_prefill_max']:8.1e} "
-              f"{(f'{tv:9.1e}' if tv is not None else '        -')}  {'ok' if r['passed'] else 'FAIL'}")
+        kv = ""
+        if "kv_scales_equal" in r:
+            kv = f"  kv scales = fresh: {all(r['kv_scales_equal'].values())}"
+            kv += f", kv effect {r['kv_effect']['max_dlogp']:.2e}" if "kv_effect" in r else ""
+        print(f"{r['case']:14} {r['served_format']:11} {cells} {h['tempered_vs_prefill_max']:8.1e} "
+              f"{(f'{tv:9.1e}' if tv is not None else '        -')}  {'ok' if r['passed'] else 'FAIL'}{kv}")
 
 
 def main() -> None:
@@ -206,6 +239,11 @@ def main() -> None:
             result["cases"].append(row.result())
             args.json.write_text(json.dumps(result, indent=2))
     result["cases"].sort(key=lambda r: cases.index(r["case"]))
+    by_case = {r["case"]: r for r in result["cases"]}
+    for r in result["cases"]:  # how far the FP8 KV cache moves the engine (0 would mean it is not in use)
+        base = by_case.get(r["case"].removesuffix("+kv"))
+        if r["case"].endswith("+kv") and base and "start_obs" in r and "start_obs" in base:
+            r["kv_effect"] = same(r["start_obs"], base["start_obs"])
     args.json.write_text(json.dumps(result, indent=2))
     print_table(result)
 

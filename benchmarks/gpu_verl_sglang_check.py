@@ -12,7 +12,9 @@ the trainer's BF16 weights through verl's `get_named_tensor_buckets` + SGLang's
 weights, the perturbed weights, then a sleep / wake with no push (the CPU backup keeps the synced
 8-bit weights). Each compared with a fresh plain SGLang engine on the offline quantization of the same
 weights (0.0 expected). HF-initialised random Qwen3 (benchmarks/gpu_sglang_check.py's models).
-Usage: python benchmarks/gpu_verl_sglang_check.py --json OUT [--configs int8,fp8]
+A config with a '+kv' suffix adds FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines: FLASHRL_CONFIG=bf16 on the
+quantized checkpoint, same KV cache); the logprobs compared include the greedy tokens' (decode steps).
+Usage: python benchmarks/gpu_verl_sglang_check.py --json OUT [--configs int8,fp8,int8+kv]
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def _free_port() -> int:
 async def observe(adapter, sequences) -> dict:
     outs = [await adapter.generate(input_ids=s, sampling_params={"temperature": 0.0, "max_new_tokens": 8},
                                    return_logprob=True, logprob_start_len=0) for s in sequences]
-    return {"tokens": [list(o["output_ids"]) for o in outs],
-            "logprobs": [[e[0] for e in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]}
+    return {"tokens": [list(o["output_ids"]) for o in outs],  # teacher-forced, then the greedy tokens' (decode)
+            "logprobs": [[e[0] for e in o["meta_info"]["input_token_logprobs"][1:]] +
+                         [e[0] for e in o["meta_info"]["output_token_logprobs"]] for o in outs]}
 
 
 async def push(adapter, mesh, path: Path, bucket_mb: int) -> float:
@@ -75,8 +78,11 @@ def run_config(config: str, models, work: Path, args) -> dict:
 
     gsc = _load("gpu_sglang_check")
     orig, pert = models
-    fmt = gsc.FORMAT[config]
-    os.environ["FLASHRL_CONFIG"] = config  # the server process inherits it, as verl's Ray actors do
+    kv = "fp8" if config.endswith("+kv") else None
+    fmt = gsc.FORMAT[config.removesuffix("+kv")]
+    os.environ["FLASHRL_CONFIG"] = config.removesuffix("+kv")  # the server process inherits it, as verl's Ray actors do
+    if kv:  # FP8 KV cache: the server's TokenizerManager calibrates after each push
+        os.environ["FLASHRL_KV_CACHE_DTYPE"] = kv
     adapter = AsyncHttpServerAdapter(
         model_path=str(orig), host="127.0.0.1", port=_free_port(), first_rank_in_node=True, dtype="bfloat16",
         mem_fraction_static=args.mem_fraction, enable_memory_saver=True, enable_weights_cpu_backup=True,
@@ -99,7 +105,9 @@ def run_config(config: str, models, work: Path, args) -> dict:
     finally:
         adapter.shutdown()
         os.environ.pop("FLASHRL_CONFIG", None)
-    fresh = {tag: gsc.engine(gsc.quantized(src, fmt, work), [gsc.obs()], None, f"fresh {tag}", args.ekw)
+        os.environ.pop("FLASHRL_KV_CACHE_DTYPE", None)
+    fresh = {tag: gsc.engine(gsc.quantized(src, fmt, work), [gsc.obs()], "bf16" if kv else None, f"fresh {tag}",
+                             args.ekw, kv)
              for tag, src in (("original", orig), ("perturbed", pert))}
     if any(isinstance(v, str) for v in fresh.values()):
         return {"config": config, "error": fresh}

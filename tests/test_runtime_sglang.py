@@ -152,10 +152,16 @@ def test_int8_moe_is_refused_and_fp8_moe_served(tmp_path, monkeypatch):
     assert args.model_path != str(moe) and args.tokenizer_path == str(moe)
 
 
-def test_fp8_kv_cache_is_refused_on_sglang(default_model, monkeypatch):
+def test_fp8_kv_cache_server_args(default_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path))
     monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "fp8")
-    with pytest.raises(FlashRLError, match="FP8 KV cache is not served on SGLang"):
-        apply_overrides(resolve("int8"), _args(default_model))
+    args = _args(default_model, kv_cache_dtype="auto")
+    assert set(apply_overrides(resolve("int8"), args)) == {"model_path", "tokenizer_path", "kv_cache_dtype"}
+    assert args.kv_cache_dtype == "fp8_e4m3" and args.model_path != str(default_model)
+    bf16 = _args(default_model, kv_cache_dtype="fp8_e4m3")  # the caller's own matching choice is fine
+    assert apply_overrides(resolve("bf16"), bf16) == {"kv_cache_dtype": "fp8_e4m3"}
+    with pytest.raises(FlashRLError, match="kv_cache_dtype='fp8_e5m2' passed to SGLang conflicts"):
+        apply_overrides(resolve("int8"), _args(default_model, kv_cache_dtype="fp8_e5m2"))
 
 
 # -- a stand-in of SGLang's compressed-tensors W8A8 linear layers and model loader ----------------
@@ -340,3 +346,185 @@ def test_direct_loads_are_refused():
     plugin.direct_updates(None, [], "flattened_bucket")
     with pytest.raises(RuntimeError, match="load_format='direct'"):
         plugin.direct_updates(None, [], load_format="direct")
+
+
+# -- FP8 KV cache: stand-ins of SGLang's RadixAttention, model runner and TokenizerManager -------------
+
+class RadixAttention(torch.nn.Module):
+    """SGLang's attention layer as the runtime sees it: forward(q, k, v, forward_batch); k_scale None
+    without a KV-cache quant method (a BF16 checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k_scale = self.v_scale = self.k_scale_float = self.v_scale_float = None
+
+    def forward(self, q, k, v, forward_batch):
+        return q
+
+
+class KVRunner:
+    def __init__(self):
+        self.model = torch.nn.Sequential(torch.nn.Linear(2, 2), RadixAttention(), RadixAttention())
+        self.server_args = SimpleNamespace(kv_cache_dtype="fp8_e4m3")
+        self.prefill_cuda_graph_runner = self.decode_cuda_graph_runner = "graphs"
+        self.captures = 0
+
+    def init_decode_cuda_graph(self):
+        assert self.prefill_cuda_graph_runner == "graphs"  # calibration over before capturing
+        self.captures += 1
+
+
+def _prefill(runner, k_max: float, v_max: float, tokens: int = 3):
+    """One forward of every attention layer; rows past the batch's real tokens are padding (huge)."""
+    for i, layer in enumerate(m for m in runner.model if isinstance(m, RadixAttention)):
+        k = torch.full((tokens + 2, 4), k_max * (i + 1))
+        k[tokens:] = 1e6
+        v = torch.full((tokens + 2, 4), -v_max * (i + 1))
+        v[tokens:] = 1e6
+        layer(torch.zeros(tokens + 2, 4), k, v, SimpleNamespace(out_cache_loc=torch.arange(tokens)))
+
+
+def _calibrate(kv, runner, k_max, v_max, token="t"):
+    from flashrl_tools.runtime.sglang.kv_scales import CALIBRATION_RID
+
+    for index, k in (("0", k_max), ("1", k_max / 2)):
+        assert kv.on_request(f"{CALIBRATION_RID}{token}-{index}") is None
+        _prefill(runner, k, v_max)
+    kv.on_request(f"{CALIBRATION_RID}{token}-finish")
+
+
+def test_kv_scales_are_calibrated_after_every_sync_and_graphs_captured_when_they_change():
+    from flashrl_tools.runtime.kv_calibration import scale_for
+    from flashrl_tools.runtime.sglang.kv_scales import KVScales
+
+    runner, sync = KVRunner(), SimpleNamespace(state=SimpleNamespace(completed=0))
+    kv = KVScales(runner, sync, checkpoint_scales=False)
+    layers = list(kv.layers.values())
+    assert all(float(l.k_scale) == 1.0 and l.k_scale_float == 1.0 for l in layers)  # SGLang's default
+    assert "not calibrated" in kv.on_request("rollout-1")  # never calibrated: refused, not served
+    _prefill(runner, 1e3, 1e3)  # not armed: nothing recorded
+    _calibrate(kv, runner, 40.0, 10.0)
+    assert kv.on_request("rollout-1") is None and runner.captures == 1
+    assert runner.prefill_cuda_graph_runner == "graphs" and not kv.armed
+    for i, layer in enumerate(layers):  # absmax over the real tokens of both sequences, per layer
+        assert layer.k_scale_float == scale_for("k", 40.0 * (i + 1)) == float(layer.k_scale)
+        assert layer.v_scale_float == scale_for("v", 10.0 * (i + 1)) == float(layer.v_scale)
+    first = kv.scales()
+    sync.state.completed = 1  # a sync: stale until calibrated
+    assert "not calibrated" in kv.on_request("rollout-2")
+    _calibrate(kv, runner, 40.0, 10.0)  # same weights -> bit-equal scales, graphs kept
+    assert kv.scales() == first and runner.captures == 1
+    sync.state.completed = 2
+    _calibrate(kv, runner, 80.0, 10.0)
+    assert runner.captures == 2 and layers[0].k_scale_float == scale_for("k", 80.0)
+
+
+def test_an_abandoned_kv_calibration_restores_the_scales_in_use():
+    from flashrl_tools.runtime.sglang.kv_scales import CALIBRATION_RID, KVScales
+
+    runner, sync = KVRunner(), SimpleNamespace(state=SimpleNamespace(completed=0))
+    kv = KVScales(runner, sync, checkpoint_scales=False)
+    _calibrate(kv, runner, 40.0, 10.0)
+    in_use = kv.scales()
+    sync.state.completed = 1
+    kv.on_request(f"{CALIBRATION_RID}u-0")
+    assert kv.armed and runner.prefill_cuda_graph_runner is None and kv.scales() != in_use  # reference 1.0
+    assert "not calibrated" in kv.on_request("rollout")  # the front end gave up: still refused
+    assert not kv.armed and kv.scales() == in_use and runner.prefill_cuda_graph_runner == "graphs"
+    assert not any(l._forward_pre_hooks for l in kv.layers.values())
+
+
+def test_checkpoint_kv_scales_serve_until_the_first_sync():
+    from flashrl_tools.runtime.sglang.kv_scales import KVScales
+
+    runner, sync = KVRunner(), SimpleNamespace(state=SimpleNamespace(completed=0))
+    for layer in (m for m in runner.model if isinstance(m, RadixAttention)):  # loaded by SGLang's KV method
+        layer.k_scale, layer.v_scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False), torch.tensor(0.25)
+        layer.k_scale_float, layer.v_scale_float = 0.5, 0.25
+    kv = KVScales(runner, sync, checkpoint_scales=True)
+    assert kv.on_request("rollout") is None and set(kv.scales()["1"].values()) == {0.5, 0.25}
+    sync.state.completed = 1
+    assert kv.on_request("rollout") is not None
+
+
+class Manager:
+    """SGLang's TokenizerManager as the FP8 KV front end uses it."""
+
+    def __init__(self, kv="fp8_e4m3", abort=False):
+        self.server_args = SimpleNamespace(kv_cache_dtype=kv)
+        self.rid_to_state, self.tokenizer, self.context_len = {}, None, 64
+        self.model_config = SimpleNamespace(vocab_size=100)
+        self.sent, self.flushes, self.abort = [], 0, abort
+
+    async def flush_cache(self):
+        self.flushes += 1
+        return SimpleNamespace(success=True)
+
+
+async def _original_generate(manager, obj, request=None):
+    manager.sent.append((obj.rid, list(obj.input_ids)))
+    aborted = manager.abort and obj.rid.startswith("flashrl-kv-calibration-")
+    yield {"meta_info": {"finish_reason": {"type": "abort" if aborted else "length"}}}
+
+
+def _generate(manager, rid):
+    import asyncio
+
+    from flashrl_tools.runtime.sglang import kv_front
+
+    async def run():
+        obj = SimpleNamespace(rid=rid, input_ids=[1, 2])
+        return [out async for out in kv_front.generate_request(_original_generate, manager, obj)]
+    return asyncio.run(run())
+
+
+def test_the_front_end_calibrates_before_the_first_rollout_and_after_each_weight_update(monkeypatch):
+    import asyncio
+    import sys
+
+    from flashrl_tools.runtime.kv_calibration import CALIBRATION_PROMPTS, calibration_sequences
+    from flashrl_tools.runtime.sglang import kv_front
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct",
+                        SimpleNamespace(GenerateReqInput=lambda **kw: SimpleNamespace(**kw)))
+    m = Manager()
+    _generate(m, "a")
+    rids = [rid for rid, _ in m.sent]
+    assert len(rids) == CALIBRATION_PROMPTS + 2 and rids[-1] == "a" and rids[-2].endswith("-finish")
+    assert [rid.rsplit("-", 1)[1] for rid in rids[:-2]] == [str(i) for i in range(CALIBRATION_PROMPTS)]
+    assert [ids for _, ids in m.sent[:-2]] == [s[:63] for s in calibration_sequences(None, 100)]  # fixed
+    assert m.flushes == 2
+    _generate(m, "b")
+    assert [rid for rid, _ in m.sent[-1:]] == ["b"] and len(m.sent) == len(rids) + 1  # calibrated: no rerun
+
+    async def update(manager):
+        return True, "ok"
+    assert asyncio.run(kv_front.weights_changed(update, m)) == (True, "ok")
+    _generate(m, "c")
+    assert len(m.sent) == 2 * len(rids) + 1 and m.sent[-1][0] == "c"
+    plain = Manager(kv="auto")
+    _generate(plain, "a")
+    assert [rid for rid, _ in plain.sent] == ["a"]
+
+
+def test_an_aborted_calibration_is_tried_again(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct",
+                        SimpleNamespace(GenerateReqInput=lambda **kw: SimpleNamespace(**kw)))
+    m = Manager(abort=True)  # the schedulers abort it: a sync is in progress
+    _generate(m, "a")
+    assert [rid for rid, _ in m.sent][-1] == "a" and len(m.sent) == 2  # stopped at the first abort
+    m.abort = False
+    _generate(m, "b")
+    assert len(m.sent) > 4 and m.sent[-1][0] == "b"
+
+
+def test_a_stale_rollout_is_aborted_by_the_request_guard():
+    from flashrl_tools.runtime.sglang.kv_scales import KVScales
+
+    plugin._state.update(syncs=[], kvs=[KVScales(KVRunner(), SimpleNamespace(state=SimpleNamespace(completed=0)),
+                                                 checkpoint_scales=False)])
+    aborted = []
+    plugin.request_guard(None, SimpleNamespace(rid="r", finished_reason=None, set_finish_with_abort=aborted.append))
+    assert len(aborted) == 1 and "FP8 KV scales are not calibrated" in aborted[0]

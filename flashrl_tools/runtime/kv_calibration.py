@@ -11,7 +11,8 @@ attention layer's absolute maximum of q, k and v over all their tokens, and sets
 
 A fresh engine started on the same weights runs the same sequences through the same kernels,
 so it gets the same scales; whichever sync path delivered the weights does not enter. Pure
-torch here; the engine side (hooks, writing the scales) is in runtime/vllm/kv_scales.py.
+torch here; the engine sides (hooks, writing the scales) are runtime/vllm/kv_scales.py and
+runtime/sglang/kv_scales.py.
 """
 
 from __future__ import annotations
@@ -67,3 +68,13 @@ def calibration_sequences(tokenizer, vocab_size: int | None = None) -> list[list
         if len(ids) >= 2:
             out.append(ids)
     return out
+
+
+def has_kv_scales(loaded_dir) -> bool:
+    """Whether the checkpoint brings attention KV scales (compressed-tensors `kv_cache_scheme`): the
+    engine starts on them and recalibrates only after the first sync."""
+    from pathlib import Path
+
+    from flashrl_tools.model_structure import read_config
+
+    return bool(read_config(Path(loaded_dir)).get("quantization_config", {}).get("kv_cache_scheme"))

@@ -13,11 +13,36 @@ import time
 
 
 def observe(engine, step: dict) -> dict:
+    """Greedy tokens; "logprobs": the teacher-forced logprobs of each sequence, then those of its
+    greedy tokens (decode steps: the ones that read the KV cache -- SGLang's prefill attends to the new
+    tokens' own k / v). With an FP8 KV cache, rank 0's scales ("kv_scales")."""
     outs = engine.generate(input_ids=step["sequences"], return_logprob=True, logprob_start_len=0,
                            sampling_params={"temperature": 0.0, "max_new_tokens": step.get("max_tokens", 8)})
-    return {"tokens": [list(o["output_ids"]) for o in outs],
-            # input_token_logprobs: (logprob, token id, text) per input token, None for the first
-            "logprobs": [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]}
+    result = {"tokens": [list(o["output_ids"]) for o in outs],
+              # (logprob, token id, text) per token; the first input token has None
+              "logprobs": [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] +
+                           [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]}
+    if str(engine.server_args.kv_cache_dtype).startswith("fp8"):
+        try:
+            result["kv_scales"] = kv_scales(engine)
+        except Exception as e:  # noqa: BLE001 -- reported (the scales checks then fail), the outputs still count
+            result["kv_scales_error"] = f"{type(e).__name__}: {e}"
+    return result
+
+
+def kv_scales(engine) -> dict:
+    """The FP8 KV scales rank 0 serves with ({layer: {k, v}}), through the runtime's scheduler RPC."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="flashrl-kv-") as tmp:
+        path = Path(tmp) / "scales.json"
+        engine.collective_rpc("flashrl_kv_scales", path=str(path))
+        report = json.loads(path.read_text())
+    if report["stale"]:
+        raise RuntimeError("the FP8 KV scales are stale after a rollout")
+    return report["scales"]
 
 
 def push(engine, step: dict) -> dict:

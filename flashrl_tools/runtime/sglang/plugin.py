@@ -13,17 +13,27 @@ refuses to start) instead of here.
 | direct_updates | `WeightUpdater.update_weights_from_tensor` (before) | scheduler | refuse `load_format="direct"` and custom loaders (they bypass `load_weights`) |
 | request_guard | `Scheduler._add_request_to_queue` (before) | scheduler | abort requests while the weights are incomplete |
 | release_weights | `SchedulerWeightUpdaterManager.release_memory_occupation` (after) | scheduler | SGLang's sleep freed the weights (no CPU backup): refuse until a full sync |
+| kv_calibrate | `TokenizerManager.generate_request` (around) | engine / server | FP8 KV cache: calibrate before the next rollout after an update (kv_front.py) |
+| kv_after_* | `TokenizerManager.update_weights_from_*` (around) | engine / server | the same: mark the scales stale |
+
+With an FP8 KV cache the model_runner hook also attaches the scheduler side of the scales
+(kv_scales.py), request_guard routes the calibration requests to it, and `Scheduler.flashrl_kv_scales(path)`
+(for `Engine.collective_rpc`) writes rank 0's scales as JSON.
 """
 
 from __future__ import annotations
 
 import logging
 
+from flashrl_tools.runtime.sglang import kv_front
+
 log = logging.getLogger("flashrl_tools.runtime")
 
 _LINEAR = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsLinearMethod"
 _MOE = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsFusedMoEMethod"
-_state: dict = {}  # this process: "rc", "error", "loaded" (LoadedParams), "syncs"
+_TOKENIZER = "sglang.srt.managers.tokenizer_manager"
+_CONTROL = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin"
+_state: dict = {}  # this process: "rc", "error", "loaded" (LoadedParams), "syncs", "kvs" (KVScales)
 
 
 def _config():
@@ -60,16 +70,38 @@ def layout(original, method, layer, *args, **kwargs):
 
 def model_runner(result, runner, *args, **kwargs):
     from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.kv_calibration import has_kv_scales
+    from flashrl_tools.runtime.sglang.kv_scales import KVScales, uses_fp8_kv
     from flashrl_tools.runtime.sglang.weight_sync import attach
 
     if getattr(runner, "is_draft_worker", False):
         return result
     try:
         sync = attach(runner.model, runner.model_config.model_path, _config(), _state["loaded"])
+        if uses_fp8_kv(runner):
+            _state["kvs"].append(KVScales(runner, sync, has_kv_scales(runner.model_config.model_path)))
+            _add_scales_rpc()
     except FlashRLError as e:
         raise RuntimeError(e.message) from None
     _state["syncs"].append(sync)
     return result
+
+
+def _add_scales_rpc() -> None:
+    from sglang.srt.managers.scheduler import Scheduler
+
+    Scheduler.flashrl_kv_scales = dump_kv_scales
+
+
+def dump_kv_scales(scheduler, path: str) -> None:
+    """`Engine.collective_rpc("flashrl_kv_scales", path=...)`: rank 0's current FP8 KV scales as JSON."""
+    import json
+
+    from flashrl_tools.fsutil import atomic_write_text
+
+    if getattr(scheduler, "tp_rank", 0) == 0 and _state.get("kvs"):
+        kv = _state["kvs"][0]
+        atomic_write_text(path, json.dumps({"scales": kv.current, "stale": kv.stale()}))
 
 
 def direct_updates(updater, named_tensors=None, load_format=None, *args, **kwargs):
@@ -101,6 +133,8 @@ def request_guard(scheduler, req, is_retracted=False, *args, **kwargs):
     if is_retracted or getattr(req, "finished_reason", None) is not None:
         return
     problem = next((s for s in (sync.status() for sync in _state["syncs"]) if s), None)
+    if problem is None:
+        problem = next((s for s in (kv.on_request(req.rid) for kv in _state.get("kvs", ())) if s), None)
     if problem is not None:
         req.set_finish_with_abort(problem)
     elif getattr(req, "return_logprob", False) and not _state.get("warned_truncation") and _truncates(req):
@@ -129,6 +163,10 @@ HOOKS = [  # (name, target, hook, HookType name)
     ("request_guard", "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", request_guard, "BEFORE"),
     ("release_weights", "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
                         "release_memory_occupation", release_weights, "AFTER"),
+    ("kv_calibrate", f"{_TOKENIZER}.TokenizerManager.generate_request", kv_front.generate_request, "AROUND"),
+] + [(f"kv_after_{kind}", f"{_CONTROL}.update_weights_from_{kind}", kv_front.weights_changed, "AROUND")
+     for kind in ("tensor", "distributed", "ipc")] + [
+    ("kv_after_disk", f"{_TOKENIZER}.TokenizerManager.update_weights_from_disk", kv_front.weights_changed, "AROUND"),
 ]
 
 
@@ -152,6 +190,6 @@ def register(registry=None, hook_type=None) -> None:
     if rc is None:
         return
     configure_logging()
-    _state.update(rc=rc, loaded=LoadedParams(), syncs=[])
+    _state.update(rc=rc, loaded=LoadedParams(), syncs=[], kvs=[])
     for _name, target, hook, kind in HOOKS:
         registry.register(target, hook, getattr(hook_type, kind))

@@ -1,15 +1,19 @@
 """SGLang's `ServerArgs`: which checkpoint the engine serves for a config (the same online-quantized
-cache or calibrated checkpoint as for vLLM), the policy's tokenizer, and refusals at start for what
-the SGLang side does not serve yet."""
+cache or calibrated checkpoint as for vLLM), the policy's tokenizer, the FP8 KV cache
+(FLASHRL_KV_CACHE_DTYPE; its scales: kv_scales.py), and refusals at start for what the SGLang side
+does not serve."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.model_structure import is_moe
 from flashrl_tools.quantizer import QuantFn
+
+log = logging.getLogger("flashrl_tools.runtime")
 
 # the quantized layouts SGLang keeps in the storage it loaded (runtime/sglang/weight_sync.py):
 # per-channel INT8 and FP8. Per-tensor FP8 of fused layers is requantized to one scale at load.
@@ -31,11 +35,9 @@ def overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     from flashrl_tools.runtime.online_cache import ensure_profile_applied, ensure_quantized
 
     entry, fmt = rc.entry, sglang_format(rc)
-    if entry.fp8_kv_cache:
-        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: an FP8 KV cache is not served on SGLang yet", None,
-                           "unset FLASHRL_KV_CACHE_DTYPE (and kv_cache_dtype in the YAML), or run the rollouts on vLLM")
+    kv = {"kv_cache_dtype": kv_cache_dtype(rc)} if entry.fp8_kv_cache else {}
     if fmt is None:
-        return {}
+        return kv
     if fmt not in SERVED:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {fmt.value} checkpoints are not served on SGLang "
                            "(it re-quantizes fused per-tensor layers at load; block FP8 is unchecked)", None,
@@ -52,7 +54,12 @@ def overrides(rc: RuntimeConfig, policy_model: str) -> dict:
     else:
         out = {"model_path": str(ensure_quantized(Path(policy_model), fmt, keep, entry.fp8_scale_pow2))}
     out["tokenizer_path"] = policy_model
-    return out
+    return {**out, **kv}
+
+
+def kv_cache_dtype(rc: RuntimeConfig) -> str:
+    """SGLang's name of the config's FP8 KV-cache dtype (its `--kv-cache-dtype` choices)."""
+    return {"fp8": "fp8_e4m3"}.get(rc.entry.kv_cache_dtype, rc.entry.kv_cache_dtype)
 
 
 def apply_overrides(rc: RuntimeConfig, args) -> dict:
@@ -64,6 +71,14 @@ def apply_overrides(rc: RuntimeConfig, args) -> dict:
     if getattr(args, "load_format", "auto") == "flash_rl":
         raise FlashRLError(f"load_format='flash_rl' (SGLang's own online FP8) and FLASHRL_CONFIG={rc.source} "
                            "would both quantize the pushed weights", None, "drop load_format, or unset FLASHRL_CONFIG")
+    asked = getattr(args, "kv_cache_dtype", "auto")
+    if rc.entry.fp8_kv_cache and asked not in ("auto", kv_cache_dtype(rc)):
+        raise FlashRLError(f"kv_cache_dtype={asked!r} passed to SGLang conflicts with FLASHRL_CONFIG={rc.source}'s "
+                           f"{rc.entry.kv_cache_dtype} KV cache", None,
+                           "drop the kv_cache_dtype argument, or unset FLASHRL_KV_CACHE_DTYPE")
+    if not rc.entry.fp8_kv_cache and str(asked).startswith("fp8"):  # as on vLLM: recalibrated all the same
+        log.info("flashrl: kv_cache_dtype=%s set by the caller: its scales are recalibrated after every weight "
+                 "sync, as with FLASHRL_KV_CACHE_DTYPE", asked)
     changed = overrides(rc, args.model_path)
     if args.tokenizer_path:  # the caller's own tokenizer stays
         changed.pop("tokenizer_path", None)

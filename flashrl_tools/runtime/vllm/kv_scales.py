@@ -11,7 +11,6 @@ import contextvars
 import logging
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -224,12 +223,6 @@ def default_attention_scales(model: torch.nn.Module) -> int:
                 layer._prob_scale.fill_(1.0)
             layer._prob_scale_float = 1.0
     return len(layers)
-
-
-def has_kv_scales(loaded_dir: Path) -> bool:
-    from flashrl_tools.model_structure import read_config
-
-    return bool(read_config(loaded_dir).get("quantization_config", {}).get("kv_cache_scheme"))
 
 
 def calibrator(worker) -> KVCalibrator:

@@ -25,7 +25,7 @@ from flashrl_tools.runtime.vllm import inplace
 from flashrl_tools.runtime.vllm.digest import write_after_sync
 from flashrl_tools.runtime.vllm.engine_args import fp8_kv
 from flashrl_tools.runtime.vllm.inplace import InPlacePlan
-from flashrl_tools.runtime.vllm.kv_scales import has_kv_scales
+from flashrl_tools.runtime.kv_calibration import has_kv_scales
 
 log = logging.getLogger("flashrl_tools.runtime")
 
