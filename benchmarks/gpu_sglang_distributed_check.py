@@ -143,6 +143,17 @@ def _load(name: str):
     return module
 
 
+def _config_in_subprocess(name: str, work: Path) -> dict:
+    import subprocess
+    import sys
+
+    out = work / f"dist-{name}.json"
+    subprocess.run([sys.executable, __file__, "--configs", name, "--workdir", str(work), "--json", str(out)])
+    if not out.is_file():
+        return {"config": name, "error": "the config's process wrote no result", "passed": False}
+    return json.loads(out.read_text())["rows"][0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path, default=Path("gpu_sglang_distributed_check.json"))
@@ -158,14 +169,17 @@ def main() -> None:
     models = _load("gpu_sglang_check").make_models(work, {"dense"})["dense"]
     import torch.distributed as dist  # a default group in the trainer, as a trainer has one
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    rows = []
-    for name in args.configs.split(","):
-        config, kv = name.removesuffix("+kv"), "fp8" if name.endswith("+kv") else None
+    if len(args.configs.split(",")) == 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    names = args.configs.split(",")
+    if len(names) > 1:  # one process per config: the runtime's plugin state (and FLASHRL_CONFIG) is per process,
+        rows = [_config_in_subprocess(name, work) for name in names]  # a second Engine here kept the first's
+    else:
+        config, kv = names[0].removesuffix("+kv"), "fp8" if names[0].endswith("+kv") else None
         try:
-            rows.append(run_config(config, kv, models, work, ekw))
-        except Exception as e:  # noqa: BLE001 -- one config's failure is a row, the next still runs
-            rows.append({"config": config, "kv": kv, "error": f"{type(e).__name__}: {e}", "passed": False})
+            rows = [run_config(config, kv, models, work, ekw)]
+        except Exception as e:  # noqa: BLE001 -- the failure is the row
+            rows = [{"config": config, "kv": kv, "error": f"{type(e).__name__}: {e}", "passed": False}]
         print(json.dumps(rows[-1]), flush=True)
     result = {"device": torch.cuda.get_device_name(), "sglang": sglang.__version__, "group_backend": "gloo",
               "engines": f"CUDA graphs, triton attention, {json.dumps(ekw)}", "rows": rows}
