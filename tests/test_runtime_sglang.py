@@ -41,11 +41,27 @@ def _fresh_plugin_state():
     plugin._state.clear()
 
 
-def test_plugin_registers_nothing_without_a_config(monkeypatch):
+def test_plugin_changes_nothing_without_a_config(monkeypatch):
     monkeypatch.delenv("FLASHRL_CONFIG", raising=False)
+    monkeypatch.delenv("FLASHRL_KV_CACHE_DTYPE", raising=False)
     reg = Registry()
     plugin.register(reg, Kinds)
-    assert reg.hooks == []
+    assert [t for t, _, _ in reg.hooks] == [plugin.HOOKS[0][1], plugin.HOOKS[1][1]]  # the server-args hooks only
+    args = _args("some/model")
+    reg.hooks[0][1](args)
+    assert vars(args) == vars(_args("some/model"))
+
+
+def test_an_engine_whose_config_changed_after_the_plugins_loaded_is_refused(monkeypatch):
+    """SGLang loads plugins once per process: a second engine started there after FLASHRL_CONFIG changed
+    would run with the first one's state (on the H100 it hung): it is refused at start instead."""
+    monkeypatch.delenv("FLASHRL_CONFIG", raising=False)
+    monkeypatch.delenv("FLASHRL_KV_CACHE_DTYPE", raising=False)
+    reg = Registry()
+    plugin.register(reg, Kinds)
+    monkeypatch.setenv("FLASHRL_CONFIG", "int8")
+    with pytest.raises(RuntimeError, match="were \\(None, None\\) when SGLang loaded its plugins"):
+        reg.hooks[0][1](_args("some/model"))
 
 
 def test_plugin_registers_its_hook_table(monkeypatch):

@@ -1,5 +1,6 @@
 """SGLang general plugin (entry point group `sglang.srt.plugins`): with FLASHRL_CONFIG set, registers
-the hooks of `HOOKS` with SGLang's `HookRegistry`. SGLang only logs an exception raised by a plugin,
+the hooks of `HOOKS` with SGLang's `HookRegistry` (without it, the two server-args hooks only: they
+refuse an engine whose config changed after SGLang loaded the plugins, once per process). SGLang only logs an exception raised by a plugin,
 so an invalid config is raised from the first hook that runs (`ServerArgs.__post_init__`: the engine
 refuses to start) instead of here.
 
@@ -55,6 +56,12 @@ def server_args(self, *args, **kwargs):
 
     if getattr(self, "_flashrl_applied", False):
         return
+    if _env() != _state.get("env"):  # SGLang loads plugins once per process: a later engine's env is not read
+        raise RuntimeError(f"flashrl: FLASHRL_CONFIG / FLASHRL_KV_CACHE_DTYPE are {_env()} for this SGLang engine "
+                           f"but were {_state.get('env')} when SGLang loaded its plugins in this process (once per "
+                           "process); start each engine with another config in its own process")
+    if "rc" not in _state and "error" not in _state:
+        return  # no FLASHRL_CONFIG: plain SGLang
     try:
         changed = apply_overrides(_config(), self)
     except FlashRLError as e:
@@ -170,9 +177,16 @@ HOOKS = [  # (name, target, hook, HookType name)
 ]
 
 
+def _env() -> tuple:
+    import os
+
+    return tuple(os.environ.get(k) or None for k in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE"))
+
+
 def register(registry=None, hook_type=None) -> None:
     """SGLang's entry point. `registry` / `hook_type`: SGLang's HookRegistry and HookType (tests pass
-    stand-ins). Nothing happens without FLASHRL_CONFIG."""
+    stand-ins). Without FLASHRL_CONFIG only the two server-args hooks, which change nothing but refuse an
+    engine whose config differs from the one read here (SGLang loads plugins once per process)."""
     from flashrl_tools.config.resolve import from_env
     from flashrl_tools.errors import FlashRLError
     from flashrl_tools.runtime.logs import configure_logging
@@ -180,14 +194,14 @@ def register(registry=None, hook_type=None) -> None:
 
     if registry is None:
         from sglang.srt.plugins.hook_registry import HookRegistry as registry, HookType as hook_type
+    _state["env"] = _env()
     try:
         rc = from_env()
     except FlashRLError as e:  # raised by the server_args hook, where SGLang does not swallow it
         _state["error"], rc = e, None
+    if rc is None:
         for _name, target, hook, _kind in HOOKS[:2]:  # the two server-args hooks
             registry.register(target, hook, hook_type.BEFORE)
-        return
-    if rc is None:
         return
     configure_logging()
     _state.update(rc=rc, loaded=LoadedParams(), syncs=[], kvs=[])
