@@ -448,6 +448,9 @@ def test_an_abandoned_kv_calibration_restores_the_scales_in_use():
     assert "not calibrated" in kv.on_request("rollout")  # the front end gave up: still refused
     assert not kv.armed and kv.scales() == in_use and runner.prefill_cuda_graph_runner == "graphs"
     assert not any(l._forward_pre_hooks for l in kv.layers.values())
+    kv.on_request(f"{CALIBRATION_RID}v-0")  # a calibration that saw no attention layer fails, refused with why
+    kv.on_request(f"{CALIBRATION_RID}v-finish")
+    assert kv.stale() and kv.scales() == in_use and "calibration saw 0 of 2" in kv.on_request("rollout")
 
 
 def test_checkpoint_kv_scales_serve_until_the_first_sync():

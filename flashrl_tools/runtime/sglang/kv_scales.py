@@ -69,6 +69,7 @@ class KVScales:
         self._absmax = None
         self._hooks: list = []
         self._prefill_graphs = None
+        self.error: str | None = None  # why the last calibration failed
 
     @property
     def armed(self) -> bool:
@@ -85,15 +86,18 @@ class KVScales:
             if self.armed:  # the front end gave up on a calibration: back to the scales in use
                 self.abandon()
             if self.stale():
-                return ("flashrl: the FP8 KV scales are not calibrated for the current weights (the request did "
-                        "not pass SGLang's TokenizerManager, where the runtime calibrates them after a sync)")
+                why = (f"the last calibration failed: {self.error}" if self.error else "the request did not pass "
+                       "SGLang's TokenizerManager, where the runtime calibrates them after a sync")
+                return f"flashrl: the FP8 KV scales are not calibrated for the current weights ({why})"
             return None
         if index == "0" and self.stale():
             self.arm()
         elif index == FINISH and self.armed:
             try:
                 self.finish()
-            except Exception:  # raised here, it would end the scheduler: rollouts are refused instead
+                self.error = None
+            except Exception as e:  # raised here, it would end the scheduler: rollouts are refused instead
+                self.error = f"{type(e).__name__}: {e}"
                 log.exception("flashrl: FP8 KV calibration failed; rollouts are refused until one succeeds")
         return None
 
