@@ -31,7 +31,6 @@ Usage: python benchmarks/gpu_lifecycle_check.py --json OUT [--cases dense-int8,m
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -42,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import load_sibling  # noqa: E402
 PROBE = HERE.parent / "examples" / "lifecycle_probe.py"
 SEQS = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
 # config name -> FLASHRL_CONFIG (a shortcut, or a YAML written into the work dir)
@@ -53,12 +54,6 @@ YAMLS = {
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "dense-fp8_channel", "dense-fp8_block", "dense-int8_keep",
          "moe-int8", "moe-fp8"]
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_sq(work: Path, sq: Path, grc) -> tuple[Path, Path, Path, Path, Path]:
@@ -95,7 +90,7 @@ def entries_differing(a: Path, b: Path) -> int:
 
 
 def make_models(work: Path, sq: Path | None = None) -> dict[str, tuple[Path, ...]]:
-    grc, moe = _load("gpu_runtime_check"), _load("gpu_moe_check")
+    grc, moe = load_sibling("gpu_runtime_check"), load_sibling("gpu_moe_check")
     out = {}
     if sq is not None:
         out["sq"] = make_sq(work, sq, grc)

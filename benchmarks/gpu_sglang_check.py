@@ -28,14 +28,16 @@ Prints a table, writes JSON. Usage: python benchmarks/gpu_sglang_check.py --json
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import load_sibling  # noqa: E402
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8"]
 KV_CASES = ["dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv"]
 FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel"}  # runtime/sglang/server_args.sglang_format
@@ -44,15 +46,9 @@ PROMPTS = [[5, 70, 75, 82, 3], [7, 8, 9, 10, 11, 200], [30, 31, 32], [100, 120, 
 TEMP, TOP_K, TOP_P = 0.8, 50, 0.9
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def make_models(work: Path, archs: set[str]) -> dict[str, tuple[Path, Path]]:
-    grc, moe = _load("gpu_runtime_check"), _load("gpu_moe_check")
+    grc, moe = load_sibling("gpu_runtime_check"), load_sibling("gpu_moe_check")
     out = {}
     for arch, hf in (("dense", "qwen3"), ("moe", "qwen3_moe")):
         if arch not in archs:

@@ -22,9 +22,13 @@ import socket
 import tempfile
 import threading
 import time
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import load_sibling  # noqa: E402
+
 GROUP = "flashrl-check"
 
 
@@ -89,7 +93,7 @@ def run_config(config: str, kv: str | None, models, work: Path, ekw: dict) -> di
 
     from flashrl_tools.verify.sglang_job import observe
 
-    gsc = _load("gpu_sglang_check")
+    gsc = load_sibling("gpu_sglang_check")
     orig, pert = models
     fmt = gsc.FORMAT[config]
     os.environ["FLASHRL_CONFIG"] = config
@@ -134,14 +138,6 @@ def run_config(config: str, kv: str | None, models, work: Path, ekw: dict) -> di
     return row
 
 
-def _load(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def _config_in_subprocess(name: str, work: Path) -> dict:
     import subprocess
@@ -166,7 +162,7 @@ def main() -> None:
     ekw = {"mem_fraction_static": 0.3, "max_total_tokens": 8192, "cuda_graph_max_bs_decode": 8, "context_length": 512}
     work = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-sglang-dist-"))
     work.mkdir(parents=True, exist_ok=True)
-    models = _load("gpu_sglang_check").make_models(work, {"dense"})["dense"]
+    models = load_sibling("gpu_sglang_check").make_models(work, {"dense"})["dense"]
     import torch.distributed as dist  # a default group in the trainer, as a trainer has one
 
     if len(args.configs.split(",")) == 1:

@@ -26,9 +26,12 @@ import os
 import socket
 import tempfile
 import time
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import load_sibling  # noqa: E402
 
 
 def _free_port() -> int:
@@ -76,7 +79,7 @@ def run_config(config: str, models, work: Path, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from verl.workers.rollout.sglang_rollout.http_server_engine import AsyncHttpServerAdapter
 
-    gsc = _load("gpu_sglang_check")
+    gsc = load_sibling("gpu_sglang_check")
     orig, pert = models
     kv = "fp8" if config.endswith("+kv") else None
     fmt = gsc.FORMAT[config.removesuffix("+kv")]
@@ -122,14 +125,6 @@ def run_config(config: str, models, work: Path, args) -> dict:
     return row
 
 
-def _load(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -148,7 +143,7 @@ def main() -> None:
     multiprocessing.set_start_method("spawn", force=True)  # verl's adapter starts the server with mp.Process
     work = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-verl-sglang-"))
     work.mkdir(parents=True, exist_ok=True)
-    models = _load("gpu_sglang_check").make_models(work, {"dense"})["dense"]
+    models = load_sibling("gpu_sglang_check").make_models(work, {"dense"})["dense"]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     rows = []
     for config in args.configs.split(","):
