@@ -31,13 +31,3 @@ def run_worker(script: str, spec: dict, env: dict) -> dict:
             sys.stderr.write(res.stderr[-4000:])
             return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
         return json.loads(out.read_text())
-
-
-def load_sibling(name: str):
-    """Another script of benchmarks/ as a module (they are scripts, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import QWEN3_MOE  # noqa: E402
 
-from flashrl_tools.quantizer import QuantFn  # noqa: E402
-from flashrl_tools.runtime.convert import WeightConverter  # noqa: E402
+from flashrl_tools.quant.quantizer import QuantFn  # noqa: E402
+from flashrl_tools.runtime.core.convert import WeightConverter  # noqa: E402
 from flashrl_tools.config.schema import ConfigFn  # noqa: E402
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flashrl_tools.quant_config import quantization_config
-from flashrl_tools.quantizer import QuantFn, quantize_weight, smooth_norm, smooth_weight
+from flashrl_tools.quant.quant_config import quantization_config
+from flashrl_tools.quant.quantizer import QuantFn, quantize_weight, smooth_norm, smooth_weight
 
 PRESETS = {
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import QWEN25  # noqa: E402
 
-from flashrl_tools.kernels import int8_triton  # noqa: E402
-from flashrl_tools.quantizer import int8_scale, quantize_int8_with_scale  # noqa: E402
+from flashrl_tools.quant.kernels import int8_triton  # noqa: E402
+from flashrl_tools.quant.quantizer import int8_scale, quantize_int8_with_scale  # noqa: E402
 
 
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:

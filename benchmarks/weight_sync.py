@@ -64,11 +64,11 @@ def sync_in_worker(model_path: str, native: bool, repeats: int, inplace: bool = 
 
         results = []
         sync = getattr(model, "flashrl_sync", None)
-        plan = sync.inplace if sync is not None else None
+        plan = sync.writer.inplace if sync is not None else None
         if sync is not None and not inplace:
             from flashrl_tools.runtime.vllm.inplace import InPlacePlan
 
-            sync.inplace = InPlacePlan()
+            sync.writer.inplace = InPlacePlan()
         for _ in range(repeats):
             gen["s"] = 0.0
             before_convert = sync.convert_seconds if sync else 0.0
@@ -91,7 +91,7 @@ def sync_in_worker(model_path: str, native: bool, repeats: int, inplace: bool = 
                             "syncs_completed": sync.completed if sync else None, "tensors": len(shapes),
                             "inplace_layers": sum(plan.kinds.values()) if plan is not None and inplace else 0})
         if sync is not None:
-            sync.inplace = plan
+            sync.writer.inplace = plan
         return results
 
     return run

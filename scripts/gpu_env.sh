@@ -4,6 +4,6 @@
 # Usage: source scripts/gpu_env.sh   (from the repository root)
 mkdir -p /tmp/site/flashrl_tools-0.1.0.dist-info
 printf 'Metadata-Version: 2.1\nName: flashrl_tools\nVersion: 0.1.0\n' > /tmp/site/flashrl_tools-0.1.0.dist-info/METADATA
-printf '[vllm.general_plugins]\nflashrl = flashrl_tools.runtime.plugin:register\n\n[sglang.srt.plugins]\nflashrl = flashrl_tools.runtime.sglang.plugin:register\n' \
+printf '[vllm.general_plugins]\nflashrl = flashrl_tools.runtime.vllm.plugin:register\n\n[sglang.srt.plugins]\nflashrl = flashrl_tools.runtime.sglang.plugin:register\n' \
   > /tmp/site/flashrl_tools-0.1.0.dist-info/entry_points.txt
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 FLASHRL_HOME=/tmp/flashrl_home

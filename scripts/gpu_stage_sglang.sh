@@ -11,7 +11,7 @@
 #                 `import sglang.srt` ("'qwen3_asr' is already used by a Transformers config")
 # Seen 2026-11-25: s1 44 MB, x 10 MB, tf 14 MB. On the host (parts copied to /root/sgl/{s1,x,tf}):
 #   bash scripts/gpu_install_sglang.sh /root/sgl  -> /tmp/site_sgl, /tmp/site_sgl_tf (both first on
-#   PYTHONPATH for SGLang processes: scripts/gpu_sglang_session.sh sets it).
+#   PYTHONPATH for SGLang processes: scripts/gpu_tests.sh sets it).
 # EXTRA="pkg==ver ..." adds wheels to the tarball (what scripts/gpu_sglang_probe.py reports missing).
 set -euo pipefail
 OUT=${1:?usage: gpu_stage_sglang.sh OUT}

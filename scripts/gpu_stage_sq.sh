@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The calibrated case of benchmarks/gpu_lifecycle_check.py (--cases sq-int8 --sq DIR) on the GPU host:
+# The calibrated case of tests/gpu/test_vllm_lifecycle.py (sq-int8, FLASHRL_GPU_SQ=DIR) on the GPU host:
 # a `flashrl profile` of the SmoothQuant W8A8 SmolLM2 checkpoint (tests' fixture, made by
 # llmcompressor in its own venv: scripts/make_smoothquant_fixture.sh) and that checkpoint's
 # config.json (its quantization_config) -- ~1.3 MB, carried instead of the 160 MB checkpoint; the

@@ -5,7 +5,7 @@
 # first and alone; once it has logged its first step (its engine is up and sleeping/waking), the verl
 # runs (fixed KV size, scripts/gpu_verl_runs.sh) and the CHECK command (engines with a fixed KV size)
 # start beside it. A second TRL config would have to start alone again: use one per machine.
-#   TRL=bf16 VERL="int8:2 fp8:1" CHECK="python benchmarks/gpu_lifecycle_check.py ..." \
+#   TRL=bf16 VERL="int8:2 fp8:1" CHECK="python3 -m pytest tests/gpu/test_vllm_lifecycle.py ..." \
 #     setsid nohup bash scripts/gpu_trainer_session.sh /root/res > /root/res/session.out 2>&1 < /dev/null &
 # -> RES/trl (gpu_trl_runs.sh), RES/verl (gpu_verl_runs.sh), RES/check.log, RES/SESSIONDONE.
 set -uo pipefail

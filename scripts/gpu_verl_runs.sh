@@ -2,7 +2,7 @@
 # Issue 30's verl runs on one lent GPU, side by side (DEVELOPERS.md "GPU (device tool)"): every RUN
 # (CONFIG:SEED) is examples/verl/run_grpo_smollm2.sh with FINAL_CHECK=1 in its own Ray cluster and
 # its own /tmp (scripts/private_tmp.sh: verl's sync socket path is the same for every cluster),
-# then benchmarks/verl_final_check.py with the same FLASHRL_CONFIG. Started under setsid after
+# then examples/verl/final_check.py with the same FLASHRL_CONFIG. Started under setsid after
 # scripts/gpu_install.sh:
 #   STEPS=100 setsid nohup bash scripts/gpu_verl_runs.sh /root/res/verl bf16:0 int8:0 fp8:0 moe-int8:0 ... &
 # (moe-CONFIG:SEED: issue 30's MoE run, `flashrl models tiny --arch qwen3_moe`, MOE_STEPS=20 steps)
@@ -43,7 +43,7 @@ for spec in "$@"; do
     mv "$OUT/$run.log" "$OUT/$run.try$try.log"; sleep $(( RANDOM % 20 + 5 ))
     done
     FLASHRL_CONFIG=$cfg VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
-      python3 benchmarks/verl_final_check.py "$OUT" "$run" > "$OUT/$run.check.log" 2>&1
+      python3 examples/verl/final_check.py "$OUT" "$run" > "$OUT/$run.check.log" 2>&1
     echo "check exit $?" >> "$OUT/$run.log"
     touch "$OUT/$run.done"
   ) &

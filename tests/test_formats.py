@@ -1,12 +1,12 @@
-"""The format table (flashrl_tools/formats.py): every name has its properties, names parse (with
+"""The format table (flashrl_tools/quant/formats.py): every name has its properties, names parse (with
 flash-llm-rl's aliases), and a checkpoint's compressed-tensors scheme maps back to its format."""
 
 from __future__ import annotations
 
 import pytest
 
-from flashrl_tools.formats import FORMATS, ROLLOUT, ConfigFn, QuantFn, Strategy
-from flashrl_tools.quant_config import quantization_config, scheme_for
+from flashrl_tools.quant.formats import FORMATS, ROLLOUT, ConfigFn, QuantFn, Strategy
+from flashrl_tools.quant.quant_config import quantization_config, scheme_for
 
 
 def test_every_name_has_one_row():

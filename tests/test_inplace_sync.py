@@ -539,7 +539,9 @@ def test_runtime_keeps_each_moe_layers_start_up_kernel_alive(monkeypatch):
         compressed_tensors_moe_w8a8_fp8 as fp8_moe,
     )
 
+    from flashrl_tools.runtime.core.hooks import wrap
     from flashrl_tools.runtime.vllm import fixes
+    from flashrl_tools.runtime.vllm.adapter import HOOKS
 
     class Kernel:
         pass
@@ -548,9 +550,9 @@ def test_runtime_keeps_each_moe_layers_start_up_kernel_alive(monkeypatch):
         self.moe_kernel = Kernel()
 
     cls = fp8_moe.CompressedTensorsW8A8Fp8MoEMethod
-    monkeypatch.setattr(cls, "process_weights_after_loading", build)
-    fixes.keep_captured_moe_kernels(None)
-    assert cls.process_weights_after_loading is not build  # wrapped
+    hook = next(h for h in HOOKS if h.name == "moe_kernels_fp8")
+    assert hook.target.endswith(f"{cls.__name__}.process_weights_after_loading")
+    monkeypatch.setattr(cls, "process_weights_after_loading", wrap(build, hook))  # as the table installs it
     method, layer = cls.__new__(cls), torch.nn.Module()
     method.moe_kernel = None
     method.process_weights_after_loading(layer)  # engine start

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl_tools.quantizer import int8_scale, quantize_int8_with_scale
+from flashrl_tools.quant.quantizer import int8_scale, quantize_int8_with_scale
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton)")
 
@@ -18,7 +18,7 @@ def _reference(w):
 @cuda
 @pytest.mark.parametrize("shape", [(1, 1), (7, 1000), (256, 4096), (3584, 18944), (129, 5121)])
 def test_triton_int8_bit_identical(shape):
-    from flashrl_tools.kernels import int8_triton
+    from flashrl_tools.quant.kernels import int8_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(shape, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
@@ -37,7 +37,7 @@ def test_triton_int8_bit_identical(shape):
 
 
 def test_off_switch_and_cpu_fallback(monkeypatch):
-    from flashrl_tools.kernels import int8_triton
+    from flashrl_tools.quant.kernels import int8_triton
 
     assert not int8_triton.available(torch.zeros(2, 2, dtype=torch.bfloat16))  # CPU tensor
     monkeypatch.setenv("FLASHRL_TRITON", "0")

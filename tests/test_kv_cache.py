@@ -15,10 +15,10 @@ import torch
 from conftest import run_cli
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.config.resolve import resolve
-from flashrl_tools.runtime.kv_calibration import MIN_SCALE, RANGES, AbsMax, calibration_sequences, scale_for
+from flashrl_tools.runtime.core.kv_math import MIN_SCALE, RANGES, AbsMax, calibration_sequences, scale_for
 from flashrl_tools.config.schema import load_config
 
-ASYNC_PROBE = Path(__file__).resolve().parents[1] / "examples" / "async_kv_probe.py"
+ASYNC_PROBE = Path(__file__).resolve().parent / "probes" / "async_kv_probe.py"
 FP8_KV_ON_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -26,16 +26,12 @@ FP8_KV_ON_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_suppo
 
 @pytest.mark.parametrize("config", ["bf16", "fp8", "int8"])
 def test_env_adds_fp8_kv_cache_to_any_config(monkeypatch, config):
-    from flashrl_tools.runtime.vllm.engine_args import engine_overrides
-
+    """(What each engine is started with: tests/test_runtime_contract.py.)"""
     monkeypatch.delenv("FLASHRL_KV_CACHE_DTYPE", raising=False)
     assert resolve(config).entry.kv_cache_dtype is None
-    assert "kv_cache_dtype" not in engine_overrides(resolve("bf16"), "unused")
     monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "fp8")
     rc = resolve(config)
     assert rc.entry.kv_cache_dtype == "fp8" and rc.entry.fp8_kv_cache
-    if config == "bf16":  # (int8/fp8 overrides quantize the model first)
-        assert engine_overrides(rc, "unused")["kv_cache_dtype"] == "fp8"
     monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", "auto")
     assert not resolve(config).entry.fp8_kv_cache
 
@@ -163,7 +159,7 @@ def test_checkpoint_kv_scales_serve_until_the_first_sync_then_recalibrate(tmp_pa
     from safetensors.torch import load_file, save_file
 
     from flashrl_tools.models.tiny import make_tiny_model
-    from flashrl_tools.quantize import quantize
+    from flashrl_tools.quant.quantize import quantize
     from flashrl_tools.verify.engines import run_engine
     from flashrl_tools.verify.perturb import perturb
 

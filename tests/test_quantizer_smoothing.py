@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrl_tools.quantizer import requantize_int8, smooth_norm, smooth_weight
+from flashrl_tools.quant.quantizer import requantize_int8, smooth_norm, smooth_weight
 
 
 def test_smooth_weight_rounds_like_inplace_bf16_updates():

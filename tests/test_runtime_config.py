@@ -8,10 +8,10 @@ import torch
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.profile.apply import requantize_tensor
 from flashrl_tools.profile.build import build_profile
-from flashrl_tools.quantize import quantize
+from flashrl_tools.quant.quantize import quantize
 from flashrl_tools.runtime import apply
 from flashrl_tools.config.resolve import resolve
-from flashrl_tools.runtime.convert import WeightConverter
+from flashrl_tools.runtime.core.convert import WeightConverter
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.config.schema import ConfigFn
 
@@ -25,16 +25,12 @@ def test_shortcuts_and_unset(monkeypatch):
     assert apply() is None  # unset: nothing installed, vLLM untouched
 
 
-def test_lmhead_fp32_sets_vllms_head_dtype_and_keeps_user_overrides(monkeypatch):
+def test_lmhead_fp32_keeps_the_callers_hf_overrides():
+    """(What FLASHRL_LMHEAD_FP32 sets on each engine: tests/test_runtime_contract.py.)"""
     from types import SimpleNamespace
 
-    from flashrl_tools.runtime.vllm.engine_args import engine_overrides, merge_hf_overrides
+    from flashrl_tools.runtime.vllm.engine_args import merge_hf_overrides
 
-    monkeypatch.delenv("FLASHRL_LMHEAD_FP32", raising=False)
-    assert "hf_overrides" not in engine_overrides(resolve("bf16"), "unused")
-    monkeypatch.setenv("FLASHRL_LMHEAD_FP32", "1")
-    rc = resolve("bf16")
-    assert rc.lmhead_fp32 and engine_overrides(rc, "unused")["hf_overrides"] == {"head_dtype": "float32"}
     extra = {"head_dtype": "float32"}
     assert merge_hf_overrides({"rope_theta": 1.0}, extra) == {"rope_theta": 1.0, "head_dtype": "float32"}
     cfg = merge_hf_overrides(lambda c: SimpleNamespace(**vars(c), seen=True), extra)(SimpleNamespace(a=1))

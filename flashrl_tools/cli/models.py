@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from flashrl_tools.cli.common import err, out
+from flashrl_tools.fsutil import check_writable
 from flashrl_tools.models.default import ensure_default_model
 from flashrl_tools.models.tiny import TinyArch, make_tiny_model
 
@@ -39,4 +40,5 @@ def tiny(
     except ValueError:
         raise FlashRLError(f"unknown --arch {arch!r}", None,
                            "use one of: " + ", ".join(a.value for a in TinyArch)) from None
+    check_writable(output)
     out.print(str(make_tiny_model(output, arch_, tied=tied, seed=seed, force=force)), soft_wrap=True)

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from flashrl_tools.cli.common import err, model_path, out
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.fsutil import atomic_write_text
+from flashrl_tools.fsutil import atomic_write_text, check_writable
 
 SHOWN_ROWS = 15
 
@@ -30,9 +30,11 @@ def command(
     from flashrl_tools.profile.build import build_profile
     from flashrl_tools.profile.format import save_profile
     from flashrl_tools.profile.legacy import convert_flashrl_profile
-    from flashrl_tools.quantize import parse_fn
+    from flashrl_tools.quant.quantize import parse_fn
 
     fn_ = parse_fn(fn)
+    check_writable(output)
+    check_writable(report, "--report")
     for path in (output, report):
         if path is not None and path.exists() and not force:
             raise FlashRLError("output already exists", str(path), "pass --force to replace it")

@@ -8,7 +8,8 @@ import typer
 from rich.table import Table
 
 from flashrl_tools.cli.common import ModelOption, err, model_path, out
-from flashrl_tools.quantizer import QuantFn
+from flashrl_tools.fsutil import check_writable
+from flashrl_tools.quant.quantizer import QuantFn
 
 FN_HELP = " | ".join(f.value for f in QuantFn)
 
@@ -25,11 +26,12 @@ def command(
                                      "power of two (NeMo-RL style)"),
 ) -> None:
     """Write an 8-bit checkpoint (weights + config.json + tokenizer) that vLLM loads without flags."""
-    from flashrl_tools.mixed import KeepSpec
-    from flashrl_tools.quantize import check_pow2, parse_fn, quantize  # compressed-tensors: seconds to import
+    from flashrl_tools.quant.mixed import KeepSpec
+    from flashrl_tools.quant.quantize import check_pow2, parse_fn, quantize  # compressed-tensors: seconds to import
 
     fn_ = parse_fn(fn)  # validate before any slow work
     check_pow2(fn_, pow2_scales)
+    check_writable(output)
     src = model_path(model)
     with err.status(f"quantizing {src.name} ({fn_.value})"):
         result = quantize(src, output, fn_, force=force,

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from flashrl_tools.cli.common import out
+from flashrl_tools.fsutil import check_writable
 from flashrl_tools.setup.write import build_entry, parse_assignments, setup
 
 
@@ -20,8 +21,9 @@ def command(
     fields: list[str] = typer.Argument(None, help="extra key=value fields (YAML values)"),
 ) -> None:
     """Write (or append to) a flash-llm-rl compatible config; set FLASHRL_CONFIG to its path."""
-    entry = build_entry(fn, model, profile, parse_assignments(fields or []))
     path = output.expanduser()
+    check_writable(path, "-o")
+    entry = build_entry(fn, model, profile, parse_assignments(fields or []))
     config = setup(path, entry, append=append)
     out.print(f"wrote {path} ({len(config.configs)} config(s)); use it with FLASHRL_CONFIG={path}",
               highlight=False, soft_wrap=True)

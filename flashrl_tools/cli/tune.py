@@ -10,6 +10,7 @@ from rich.table import Table
 
 from flashrl_tools.cli.common import ModelOption, err, model_path, out
 from flashrl_tools.errors import FlashRLError
+from flashrl_tools.fsutil import check_writable
 
 
 def command(
@@ -31,10 +32,12 @@ def command(
 ) -> None:
     """Measure each layer's share of the drift, keep the fewest layers in BF16 that meet the budget,
     verify the pick with the engine (`verify drift`, fresh prompts), write the config and a report."""
-    from flashrl_tools.quantize import parse_fn
+    from flashrl_tools.quant.quantize import parse_fn
     from flashrl_tools.tune.run import TuneSettings, tune
 
     fn_ = parse_fn(fn)
+    check_writable(output)
+    check_writable(report, "--report")
     for name, value in (("--max-kl", max_kl), ("--max-kl-ratio", max_kl_ratio)):
         if value is not None and value <= 0:
             raise FlashRLError(f"{name} must be > 0, got {value}")

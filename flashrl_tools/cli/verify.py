@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from flashrl_tools.cli.common import MODEL_HELP, err, model_path, out
-from flashrl_tools.fsutil import atomic_write_text
+from flashrl_tools.fsutil import atomic_write_text, check_writable
 from flashrl_tools.config.resolve import RuntimeConfig, resolve
 
 app = typer.Typer(help="Check an 8-bit rollout config: weight-sync consistency and logprob drift.",
@@ -46,6 +46,8 @@ def reload(
     fresh engine on the offline-quantized weights; then push updated weights, then restore."""
     from flashrl_tools.verify.reload import checks_json, verify_reload
 
+    check_writable(json_out, "--json")
+    check_writable(work_dir and work_dir / "x", "--work-dir")
     rc, bf16 = _config_and_model(config, model)
     with tempfile.TemporaryDirectory(prefix="flashrl-verify-") as tmp:
         work = work_dir or Path(tmp)
@@ -102,6 +104,8 @@ def drift(
 
     from flashrl_tools.verify.drift import Settings, Thresholds, plot_histogram, run_drift
 
+    check_writable(json_out, "--json")
+    check_writable(plot, "--plot")
     rc, bf16 = _config_and_model(config, model)
     limits = {k: v for k, v in (("max_kl_k3", max_kl), ("max_mean_abs_log_ratio", max_mean_abs),
                                 ("max_tis_truncated_frac", max_truncated), ("min_ess_token", min_ess)) if v is not None}

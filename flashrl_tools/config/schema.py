@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError, model_validator
 
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.formats import FN_ALIASES, ConfigFn
+from flashrl_tools.quant.formats import FN_ALIASES, ConfigFn
 
 CONFIG_VERSION = 1
 
@@ -40,7 +40,7 @@ class RolloutConfig(BaseModel):
     logprobs_mode: LogprobsMode | None = None  # what vLLM returns as sampling logprobs
     profile_sha256: str | None = None  # checked before the profile is used
     kv_cache_dtype: KVCacheDtype | None = None  # FLASHRL_KV_CACHE_DTYPE overrides it
-    # mixed precision (flashrl_tools/mixed.py): linear layers kept in BF16 (fused partners too)
+    # mixed precision (flashrl_tools/quant/mixed.py): linear layers kept in BF16 (fused partners too)
     keep_bf16: list[str] = []  # glob patterns of module names
     first_layers_bf16: NonNegativeInt = 0
     last_layers_bf16: NonNegativeInt = 0

@@ -39,7 +39,7 @@ class Settings:
     config_index: str  # which entry of a multi-config YAML (validated where it is used)
     kv_cache_dtype: str  # "fp8" adds an FP8 KV cache to any config; "" / "auto": vLLM's default
     lmhead_fp32: bool
-    inplace_sync: str  # "1" (default), "0" off, "tp" also for tensor-parallel layers
+    inplace_sync: str  # "1" (default), "0" off, "tp" also for tensor-parallel layers (others refused at start)
     home: Path
     logging_level: str
     logging_file: str
@@ -48,14 +48,16 @@ class Settings:
     sync_timing: bool
     triton: bool  # the fused Triton INT8 quantizer on CUDA
     allow_legacy_pickle: bool
-    engine_args: str  # JSON: extra vllm.LLM arguments for the engines `verify` starts
+    engine_args: str  # JSON: extra engine arguments (vllm.LLM / sglang.Engine) for the engines `verify` starts
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> Settings:
         raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
         flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle"}
         values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
-        values["inplace_sync"] = raw["inplace_sync"].lower()
+        inplace = raw["inplace_sync"].lower()
+        values["inplace_sync"] = {"": "1", "true": "1", "yes": "1", "on": "1", "false": "0", "no": "0",
+                                  "off": "0"}.get(inplace, inplace)
         values["logging_level"] = raw["logging_level"].upper()
         values["home"] = Path(raw["home"] or Path.home() / ".cache" / "flashrl").expanduser()
         return cls(**values)

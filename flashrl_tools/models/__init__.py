@@ -14,4 +14,11 @@ def resolve_model(name: str | Path, step: Callable[[str], None] = lambda s: None
         from flashrl_tools.models.default import ensure_default_model
 
         return ensure_default_model(step=step)
-    return Path(name)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        from flashrl_tools.errors import FlashRLError
+
+        raise FlashRLError("model directory not found" if not path.is_dir() else "no config.json in the model "
+                           "directory", str(path), "pass a directory holding config.json and *.safetensors, "
+                           "or 'default'")
+    return path

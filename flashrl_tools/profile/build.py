@@ -20,9 +20,9 @@ from flashrl_tools.model_structure import model_layout, read_config
 from flashrl_tools.profile.format import ModelRef, Profile, ProfileMeta
 from flashrl_tools.profile.groups import layer_groups
 from flashrl_tools.profile.recover import Member, Stats, fit_factors, score
-from flashrl_tools.quant_config import QUANT_EXTRA_SUFFIXES, ignored_by
-from flashrl_tools.quantize import parse_fn
-from flashrl_tools.quantizer import QuantFn, smooth_norm
+from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, ignored_by
+from flashrl_tools.quant.quantize import parse_fn
+from flashrl_tools.quant.quantizer import QuantFn, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
 
 # A fit must beat "no smoothing" by this much to be kept (otherwise it only fits noise, e.g.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashrl_tools.quantizer import (
+from flashrl_tools.quant.quantizer import (
     INT8_MAX,
     INT8_MIN,
     int8_quotient,

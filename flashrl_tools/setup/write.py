@@ -29,7 +29,7 @@ def parse_assignments(items: list[str]) -> dict:
 
 
 def build_entry(fn: str, model: Path | None, profile: Path | None, extra: dict) -> RolloutConfig:
-    from flashrl_tools.formats import FN_ALIASES
+    from flashrl_tools.quant.formats import FN_ALIASES
 
     fn = FN_ALIASES.get(fn, fn)
     entry = dict(DEFAULTS.get(fn, {"fn": fn}))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from flashrl_tools.mixed import units
+from flashrl_tools.quant.mixed import units
 from flashrl_tools.profile.format import Profile
-from flashrl_tools.quantizer import QuantFn, dequantize, fake_quant_activation, quantize_weight, requantize_int8
+from flashrl_tools.quant.quantizer import QuantFn, dequantize, fake_quant_activation, quantize_weight, requantize_int8
 
 
 @dataclass

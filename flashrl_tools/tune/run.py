@@ -24,8 +24,8 @@ from pathlib import Path
 
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_write_text
-from flashrl_tools.mixed import fp8_block_unservable, kept_modules, layer_index
-from flashrl_tools.formats import QuantFn, Strategy
+from flashrl_tools.quant.mixed import fp8_block_unservable, kept_modules, layer_index
+from flashrl_tools.quant.formats import QuantFn, Strategy
 from flashrl_tools.config.schema import RolloutConfig
 from flashrl_tools.tune import search
 

@@ -21,14 +21,16 @@ FAULTS = {
 def inject(fault: str) -> None:
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
-    from flashrl_tools.runtime.vllm import kv_scales, weight_sync
-    from flashrl_tools.runtime.convert import WeightConverter
+    from flashrl_tools.runtime.core.convert import WeightConverter
+    from flashrl_tools.runtime.core.kv_state import KVScaleState
+    from flashrl_tools.runtime.core.session import SyncSession
+    from flashrl_tools.runtime.vllm.weight_sync import LayerwiseWriter
 
     if fault == "skip_kv_recalibration":
-        kv_scales.KVCalibrator.stale = lambda self: self.calibrated_at is None
+        KVScaleState.stale = lambda self: self.calibrated_at is None
         return
     if fault == "keep_caller_views":
-        weight_sync.WeightSync._own = lambda self, tensor, callers: tensor
+        LayerwiseWriter._own = lambda self, tensor, callers: tensor
         return
 
     if fault == "noop":
@@ -37,7 +39,7 @@ def inject(fault: str) -> None:
                 pass
             return set()
 
-        weight_sync.WeightSync.load_weights = load_weights
+        SyncSession.load_weights = load_weights
         return
 
     convert = WeightConverter.convert

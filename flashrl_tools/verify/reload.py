@@ -19,7 +19,7 @@ from pathlib import Path
 
 from flashrl_tools.fsutil import atomic_write_text
 
-from flashrl_tools.mixed import KeepSpec
+from flashrl_tools.quant.mixed import KeepSpec
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.verify.engines import engine_job, run_engine
 from flashrl_tools.verify.perturb import ALL_TRAINED, perturb
@@ -59,22 +59,23 @@ def reference_model(rc: RuntimeConfig, bf16: Path, out: Path, engine: str = "vll
     if not rc.fn.quantized:
         return bf16, None
     fn = rc.fn.value
-    if engine == "sglang":  # what the SGLang runtime serves (`fp8`: per-channel FP8 checkpoints)
-        from flashrl_tools.runtime.sglang.server_args import sglang_format
-
-        fn = sglang_format(rc).value
-    elif rc.fn.vllm_online_fp8:  # vLLM's online FP8 of the BF16 weights
+    if engine == "vllm" and rc.fn.vllm_online_fp8:  # vLLM's online FP8 of the BF16 weights (its runtime)
         return bf16, "fp8"
+    from flashrl_tools.model_structure import is_moe
+    from flashrl_tools.runtime import engine_capabilities
+    from flashrl_tools.runtime.core.plan import served_format
+
+    fn = served_format(rc, engine_capabilities(engine), is_moe(rc.entry.model or bf16))[0].value
     if rc.entry.profile is not None:
         from flashrl_tools.profile.apply import requantize_checkpoint
         from flashrl_tools.profile.format import load_profile
 
         return requantize_checkpoint(bf16, load_profile(Path(rc.entry.profile)), out, force=True,
                                      keep=KeepSpec.of(rc.entry)), None
-    from flashrl_tools.quantize import quantize
+    from flashrl_tools.quant.quantize import quantize
 
     from flashrl_tools.model_structure import read_config
-    from flashrl_tools.quant_config import has_pow2_scales
+    from flashrl_tools.quant.quant_config import has_pow2_scales
 
     # online: the config's key; a given checkpoint: its own mark
     model_pow2 = rc.entry.model is not None and has_pow2_scales(read_config(Path(rc.entry.model)))

@@ -1,6 +1,7 @@
-"""The SGLang coupling of the runtime (issue 32): every module that touches SGLang internals is in this
-package, as runtime/vllm/ is for vLLM. SGLang runs `flashrl_tools.runtime.sglang.plugin:register`
-(entry point group `sglang.srt.plugins`) in the engine, the server launcher and every scheduler (TP
-rank) process; `register` adds the hooks of `plugin.HOOKS` to SGLang's `HookRegistry`, which applies
-them. Importing this package changes nothing. Written against SGLang 0.5.17; GPU-checked on an H100 (RESULTS "SGLang backend").
-"""
+"""The SGLang adapter of the runtime: every module that touches SGLang is in this package, as
+runtime/vllm/ is for vLLM. adapter.py declares what SGLang serves and the hook table (registered with
+SGLang's HookRegistry); plugin.py is SGLang's entry point (`sglang.srt.plugins`); server_args.py (the
+serving plan into ServerArgs), weight_sync.py (the `ModelWriter`: SGLang's own loader into the storage
+its kernels read), scheduler.py (admission, sleep, refused update paths), kv_scales.py (where attention
+keeps its FP8 KV scales), kv_front.py (the KV calibration front end). Importing this package changes
+nothing."""

@@ -1,26 +1,26 @@
-"""Weight sync, SGLang side. SGLang's compressed-tensors INT8 / FP8 per-channel layers replace their
-`weight` by a transposed view and `weight_scale` by a new Parameter over the same storage after
-loading, which drops the `weight_loader` SGLang's own `load_weights` needs: a second load crashes,
-and SGLang never re-quantizes pushed BF16. So, per quantized layer, `LoadedParams` keeps the
-Parameters SGLang loaded into (with their loaders) when `process_weights_after_loading` replaced them
-by views of the same storage, and refuses the engine at start when a layer's processed tensors are
-not such views (a layout this runtime cannot write). A sync converts the trainer's tensors to the
-checkpoint's format (runtime/convert.py), puts the loaded Parameters back for the length of one call
-to the model's own `load_weights` (its name mapping, fused shards and TP slicing), which writes into
-the storage the kernels read, then restores the processed ones. Completion and refusal are the
-engine-independent `SyncState`."""
+"""Weight sync, SGLang side: the `ModelWriter` of a model SGLang loaded (the loop, conversion and refusal
+are the core's `SyncSession`, which replaces `model.load_weights`).
+
+SGLang's compressed-tensors INT8 / FP8 per-channel layers replace their `weight` by a transposed view
+and `weight_scale` by a new Parameter over the same storage after loading, which drops the
+`weight_loader` SGLang's own `load_weights` needs: a second load crashes, and SGLang never
+re-quantizes pushed BF16. So, per quantized layer, `LoadedParams` keeps the Parameters SGLang loaded
+into (with their loaders) when `process_weights_after_loading` replaced them by views of the same
+storage, and refuses the engine at start when a layer's processed tensors are not such views (a layout
+this runtime cannot write). The writer puts the loaded Parameters back for the length of one call to
+the model's own `load_weights` (its name mapping, fused shards and TP slicing), which writes into the
+storage the kernels read, then restores the processed ones."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.runtime.convert import WeightConverter
-from flashrl_tools.runtime.sync_state import SyncState
+from flashrl_tools.runtime.core.session import Converted, SyncSession, open_session
 
 log = logging.getLogger("flashrl_tools.runtime")
 _FLUSH_BYTES = 256 << 20  # converted tensors loaded at once (bounds the memory a whole-model push takes)
@@ -40,7 +40,6 @@ class LoadedParams:
         self.layers: list[tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]] = []
 
     def around_processing(self, original, method, layer, *args, **kwargs):
-        """AROUND hook of a quant method's `process_weights_after_loading(layer)`."""
         before = dict(layer._parameters)
         result = original(method, layer, *args, **kwargs)
         replaced = {}
@@ -76,63 +75,83 @@ def loaders_back(layers: list[tuple[torch.nn.Module, dict[str, torch.nn.Paramete
             layer._parameters.update(params)
 
 
-class WeightSync:
-    """Replaces `model.load_weights` of a model SGLang loaded."""
+class LoaderWriter:
+    """Writes converted tensors through SGLang's own `load_weights`, in batches of `_FLUSH_BYTES` (SGLang
+    copies them at once: nothing of the caller's is kept past the call)."""
 
-    def __init__(self, model: torch.nn.Module, converter: WeightConverter, layers):
-        self.model, self.converter, self.layers = model, converter, layers
-        self.state = SyncState(frozenset(converter.expected))
-        self.original_load_weights = model.load_weights
-        self.ignored: set[str] = set()
+    def __init__(self, model: torch.nn.Module, layers):
+        self.load_weights, self.layers = model.load_weights, layers
 
-    def load_weights(self, weights, *args, **kwargs):
+    def begin(self, reopen: bool) -> None:
+        pass
+
+    def load(self, converted: Iterator[Converted], *args, **kwargs) -> set[str]:
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for group in self.converter.checkpoint_groups(weights, self.ignored):
-            names = [name for name, _ in group]
-            if self.state.must_begin(names):
-                self._flush(batch, args, kwargs)
-                batch, size = [], 0
-                if self.state.active and not self.state.failed:
-                    log.warning("flashrl: %s received twice; starting the weight sync over", names[0])
-                self.state.begin()
-            self.state.receive(names)
-            for name, tensor in self.converter.convert_group(group):
+        for item in converted:
+            for name, tensor in item.tensors:
                 batch.append((name, tensor))
                 size += tensor.numel() * tensor.element_size()
             if size >= _FLUSH_BYTES:
                 self._flush(batch, args, kwargs)
                 batch, size = [], 0
         self._flush(batch, args, kwargs)
+        return set()
 
     def _flush(self, batch, args, kwargs) -> None:
         if batch:
-            try:
-                with loaders_back(self.layers):
-                    self.original_load_weights(batch, *args, **kwargs)
-            except Exception as e:
-                self.state.fail(f"{type(e).__name__}: {e}")
-                raise
-        if self.state.active and not self.state.failed and self.state.done():
-            self.state.complete()
-            log.info("flashrl: weight sync %d complete (%d tensors)", self.state.completed, len(self.state.seen))
+            with loaders_back(self.layers):
+                self.load_weights(batch, *args, **kwargs)
 
-    def status(self) -> str | None:
-        return self.state.status()
-
-    def discard(self, reason: str) -> None:
-        self.state.discard(reason)
-        self.converter.drop_device_cache()
+    def finish(self) -> None:
+        pass
 
 
-def attach(model: torch.nn.Module, loaded_dir: str, rc, loaded: LoadedParams) -> WeightSync:
-    converter = WeightConverter.for_checkpoint(rc.fn, Path(loaded_dir), rc.entry.profile)
-    layers = loaded.of(model)
-    if converter.served is not None and not layers:
-        raise FlashRLError(f"flashrl: SGLang loaded {loaded_dir} without the compressed-tensors layers this runtime "
-                           "writes into", loaded_dir, "check that SGLang reads the checkpoint's quantization_config")
-    sync = WeightSync(model, converter, layers)
-    model.load_weights = sync.load_weights
-    log.info("flashrl: SGLang weight sync for %d quantized layers (%s)", len(layers),
-             converter.served.value if converter.served else "bf16")
-    return sync
+def attach(model: torch.nn.Module, loaded_dir: str, rc, loaded: LoadedParams, rank: int = 0) -> SyncSession:
+    def writer_for(converter) -> LoaderWriter:
+        layers = loaded.of(model)
+        if converter.served is not None and not layers:
+            raise FlashRLError(f"flashrl: SGLang loaded {loaded_dir} without the compressed-tensors layers this "
+                               "runtime writes into", loaded_dir,
+                               "check that SGLang reads the checkpoint's quantization_config")
+        log.info("flashrl: SGLang weight sync for %d quantized layers (%s)", len(layers),
+                 converter.served.value if converter.served else "bf16")
+        return LoaderWriter(model, layers)
+
+    session = open_session(model, loaded_dir, rc, writer_for, "sglang", rank)
+    model.load_weights = session.load_weights
+    return session
+
+
+_loaded: list[LoadedParams] = []
+
+
+def loaded() -> LoadedParams:
+    """This process's LoadedParams (one per scheduler process)."""
+    if not _loaded:
+        _loaded.append(LoadedParams())
+    return _loaded[0]
+
+
+def around_processing(original, method, layer, *args, **kwargs):
+    """AROUND a compressed-tensors method's `process_weights_after_loading` (linear and MoE)."""
+    return loaded().around_processing(original, method, layer, *args, **kwargs)
+
+
+def runner_loaded(result, runner, *args, **kwargs):
+    """AFTER `ModelRunner.load_model` (scheduler): the sync session, and the FP8 KV scales' state."""
+    from flashrl_tools.runtime.core import process
+    from flashrl_tools.runtime.core.kv_math import has_kv_scales
+    from flashrl_tools.runtime.core.kv_state import KVScaleState
+    from flashrl_tools.runtime.sglang.kv_scales import RadixAttentionScales, uses_fp8_kv
+    if getattr(runner, "is_draft_worker", False):
+        return result
+    path = runner.model_config.model_path
+    try:
+        session = attach(runner.model, path, process.config(), loaded(), getattr(runner, "tp_rank", 0))
+        if uses_fp8_kv(runner):
+            process.kv_states().append(KVScaleState(RadixAttentionScales(runner), session, has_kv_scales(path)))
+    except FlashRLError as e:
+        raise RuntimeError(e.message) from None
+    process.sessions().append(session)
+    return result

@@ -1,132 +1,214 @@
-"""The front end's requests and the workers' named methods. Requests are refused while any worker's
-weights are incomplete (a sync in progress or failed, weights discarded by sleep(level=2)) -- in the
-caller, so the engine stays up -- and the FP8 KV scales are recalibrated before the first request
-after a sync. Worker methods are named (`collective_rpc("flashrl_sync_status")`): callables need
-VLLM_ALLOW_INSECURE_SERIALIZATION across processes, names do not."""
+"""vLLM's front end: where requests enter (`LLM`, `AsyncLLM`), and the workers' named methods the front
+end asks through `collective_rpc` (names, not callables: those need VLLM_ALLOW_INSECURE_SERIALIZATION
+across processes). Admission (core/admission.py): refused in the caller while any worker's weights are
+incomplete -- the model's own refusal would kill a multiprocess engine core. FP8 KV cache: the core's
+calibration driver (core/kv_driver.py) runs before the first request after a sync, through the
+`KVFront`s below."""
 
 from __future__ import annotations
 
-import logging
+import asyncio
 
-from flashrl_tools.config.resolve import RuntimeConfig
-from flashrl_tools.runtime.sync_state import SyncIncomplete
-from flashrl_tools.runtime.vllm.engine_args import fp8_kv
-from flashrl_tools.runtime.vllm.kv_scales import (
-    calibrating,
-    calibrating_task,
-    calibrate_kv_if_stale,
-    calibrate_kv_if_stale_async,
-    calibrator,
-)
-
-log = logging.getLogger("flashrl_tools.runtime")
+from flashrl_tools.runtime.core.admission import admit
+from flashrl_tools.runtime.core.kv_driver import NoLock, calibrate, calibrating, run_sync
+from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 
 
-def worker_sync_status(worker) -> str | None:
-    """Runs in each worker (collective_rpc): the sync state of its model."""
-    sync = getattr(worker.model_runner.model, "flashrl_sync", None)
-    return None if sync is None else sync.status()
+# -- worker methods (collective_rpc by name) ----------------------------------------------------
+
+def _model(worker):
+    return worker.model_runner.model
 
 
-def worker_inplace_layers(worker) -> dict[str, int]:
-    """Runs in each worker: how many linear layers sync in place, per processed layout."""
-    sync = getattr(worker.model_runner.model, "flashrl_sync", None)
-    return {} if sync is None else dict(sync.inplace.kinds)
+def _kv(worker):
+    kv = getattr(_model(worker), "flashrl_kv", None)
+    if kv is None:
+        raise RuntimeError("flashrl: this engine has no FP8 KV cache to calibrate")
+    return kv
 
 
-def hook_worker_methods(rc: RuntimeConfig) -> None:
-    """A named worker method, so `collective_rpc("flashrl_sync_status")` works in every executor
-    (callables need VLLM_ALLOW_INSECURE_SERIALIZATION across processes; names do not)."""
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    WorkerBase.flashrl_sync_status = worker_sync_status
-    WorkerBase.flashrl_inplace_layers = worker_inplace_layers
-    WorkerBase.flashrl_kv_stale = lambda worker: calibrator(worker).stale()
-    WorkerBase.flashrl_kv_arm = lambda worker: calibrator(worker).arm(worker.model_runner)
-    WorkerBase.flashrl_kv_finish = lambda worker: calibrator(worker).finish()
-    WorkerBase.flashrl_kv_scales = lambda worker: calibrator(worker).scales()
+def sync_status(worker) -> str | None:
+    """The sync state of the worker's model (None: one complete set of weights)."""
+    session = getattr(_model(worker), "flashrl_sync", None)
+    return None if session is None else session.status()
 
 
-def hook_async_llm(rc: RuntimeConfig) -> None:
-    """vLLM's async engine (`AsyncLLM`: `vllm serve`, verl's rollout server) takes requests one
-    `generate` call each. Before a request enters: refuse it while the workers' weights are
-    incomplete (a sync in progress or failed, weights discarded by sleep(level=2)) -- the model's
-    own refusal would kill the engine-core process -- and recalibrate the FP8 KV scales when a
-    sync has completed since the last calibration (`calibrate_kv_if_stale_async`). The workers
-    are asked once per change: every `collective_rpc` (verl pushes weights through one), `sleep`
-    and `wake_up` through this engine makes the front end ask again."""
-    try:
-        from vllm.v1.engine.async_llm import AsyncLLM
-    except ImportError:
+def inplace_layers(worker) -> dict[str, int]:
+    """How many linear layers sync in place, per processed layout."""
+    session = getattr(_model(worker), "flashrl_sync", None)
+    return {} if session is None else dict(session.writer.inplace.kinds)
+
+
+def kv_stale(worker) -> bool:
+    return _kv(worker).stale()
+
+
+def kv_arm(worker) -> int:
+    kv = _kv(worker)
+    kv.kv.runner = worker.model_runner
+    return kv.arm()
+
+
+def kv_finish(worker) -> dict:
+    return _kv(worker).finish()
+
+
+def kv_abandon(worker) -> None:
+    _kv(worker).abandon()
+
+
+def kv_scales(worker) -> dict:
+    return _kv(worker).scales()
+
+
+def digest(worker) -> dict[str, str]:
+    """The worker's weight digest (core/digest.py): compare a synced engine with a fresh one."""
+    from flashrl_tools.runtime.core.digest import model_digest
+
+    return model_digest(_model(worker), "vllm")
+
+
+def small_values(worker) -> dict[str, list[float]]:
+    from flashrl_tools.runtime.core.digest import small_values as values
+
+    return values(_model(worker), "vllm")
+
+
+def discard(worker, reason: str = "discarded by the caller") -> None:
+    """What vLLM's sleep(level=2) does to the weights, for engines without sleep mode (CPU tests)."""
+    _model(worker).flashrl_sync.discard(reason)
+
+
+WORKER_METHODS = {f"flashrl_{f.__name__}": f for f in (sync_status, inplace_layers, kv_stale, kv_arm, kv_finish,
+                                                       kv_abandon, kv_scales, digest, small_values, discard)}
+
+
+# -- the synchronous front end: vllm.LLM ------------------------------------------------------
+
+class LLMFront:
+    """`KVFront` of `vllm.LLM` (no request runs while one is added: no step ever waits)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def lock(self):
+        return NoLock()
+
+    async def stale(self) -> bool:
+        return any(self.llm.collective_rpc("flashrl_kv_stale"))
+
+    async def in_flight(self) -> int:
+        return 0
+
+    async def flush(self) -> bool:
+        self.llm.reset_prefix_cache()  # blocks of the old weights / the reference scales
+        return True
+
+    def sequences(self) -> list[list[int]]:
+        try:
+            tokenizer = self.llm.get_tokenizer()
+        except ValueError:  # skip_tokenizer_init=True: seeded token ids instead of the built-in prompts
+            tokenizer = None
+        config = self.llm.llm_engine.model_config
+        return calibration_inputs(tokenizer, config.get_vocab_size(), config.max_model_len)
+
+    async def arm(self) -> None:
+        self.llm.collective_rpc("flashrl_kv_arm")
+
+    async def prefill(self, ids: list[int], rid: str) -> bool:
+        from vllm import SamplingParams
+
+        self.llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                       detokenize=False), use_tqdm=False)
+        return True
+
+    async def finish(self, token: str, ok: bool) -> bool:
+        self.llm.collective_rpc("flashrl_kv_finish" if ok else "flashrl_kv_abandon")
+        return ok
+
+    def calibrated(self) -> None:
+        pass
+
+
+def add_requests(llm, *args, **kwargs) -> None:
+    """BEFORE the method `LLM` adds requests with (0.26: `_render_and_add_requests`, 0.32:
+    `_validate_and_add_requests`): refuse while a sync is incomplete; calibrate stale FP8 KV scales."""
+    if calibrating():
         return
-    original = AsyncLLM.generate
-    if getattr(original, "_flashrl", False):
-        return
-
-    async def generate(self, *args, **kwargs):
-        if not calibrating_task.get():
-            await _check_sync_async(self)
-            if fp8_kv(self.vllm_config.cache_config.cache_dtype):
-                await calibrate_kv_if_stale_async(self)
-        async for out in original(self, *args, **kwargs):
-            yield out
-
-    generate._flashrl = True
-    AsyncLLM.generate = generate
-    for name in ("collective_rpc", "sleep", "wake_up"):
-        method = getattr(AsyncLLM, name, None)
-        if method is None:
-            continue
-
-        async def invalidating(self, *args, _method=method, _name=name, **kwargs):
-            rpc = kwargs.get("method", args[0] if args else None)
-            if _name != "collective_rpc" or not (isinstance(rpc, str) and rpc.startswith("flashrl_")):
-                self._flashrl_ready_epoch = None
-                self._flashrl_epoch = getattr(self, "_flashrl_epoch", 0) + 1
-            return await _method(self, *args, **kwargs)
-
-        setattr(AsyncLLM, name, invalidating)
+    admit(llm.collective_rpc("flashrl_sync_status"))
+    if is_fp8_kv(llm.llm_engine.vllm_config.cache_config.cache_dtype):
+        run_sync(calibrate(LLMFront(llm)))
 
 
-async def _check_sync_async(engine) -> None:
-    """Raise SyncIncomplete while any worker lacks a complete set of weights (asked once per epoch)."""
+# -- the asynchronous front end: AsyncLLM (verl's rollout server, `vllm serve`) -----------------
+
+class AsyncLLMFront:
+    """`KVFront` of `AsyncLLM`: requests arriving meanwhile wait on its lock."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def lock(self):
+        return self.engine.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
+
+    async def stale(self) -> bool:
+        return any(await self.engine.collective_rpc("flashrl_kv_stale"))
+
+    async def in_flight(self) -> int:
+        return self.engine.output_processor.get_num_unfinished_requests()
+
+    async def flush(self) -> bool:
+        await self.engine.reset_prefix_cache()
+        return True
+
+    def sequences(self) -> list[list[int]]:
+        config = self.engine.model_config
+        return calibration_inputs(self.engine.tokenizer, config.get_vocab_size(), config.max_model_len)
+
+    async def arm(self) -> None:
+        await self.engine.collective_rpc("flashrl_kv_arm")
+
+    async def prefill(self, ids: list[int], rid: str) -> bool:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+        async for _ in self.engine.generate({"prompt_token_ids": ids}, params, rid):
+            pass
+        return True
+
+    async def finish(self, token: str, ok: bool) -> bool:
+        await self.engine.collective_rpc("flashrl_kv_finish" if ok else "flashrl_kv_abandon")
+        return ok
+
+    def calibrated(self) -> None:
+        pass
+
+
+async def generate(original, engine, *args, **kwargs):
+    """AROUND `AsyncLLM.generate`: before a request enters, refuse it while the workers' weights are
+    incomplete (asked once per change: see `changed`), and calibrate stale FP8 KV scales."""
+    if not calibrating():
+        await _admit_async(engine)
+        if is_fp8_kv(engine.vllm_config.cache_config.cache_dtype):
+            await calibrate(AsyncLLMFront(engine))
+    async for out in original(engine, *args, **kwargs):
+        yield out
+
+
+def changed(engine, *args, **kwargs) -> None:
+    """BEFORE `AsyncLLM.collective_rpc` / `sleep` / `wake_up`: the workers' state may change (verl
+    pushes weights through collective_rpc), so the next request asks them again (not after the
+    runtime's own flashrl_* RPCs, which read the state, except flashrl_discard)."""
+    rpc = kwargs.get("method", args[0] if args else None)
+    if not (isinstance(rpc, str) and rpc.startswith("flashrl_")) or rpc == "flashrl_discard":
+        engine._flashrl_ready_epoch = None
+        engine._flashrl_epoch = getattr(engine, "_flashrl_epoch", 0) + 1
+
+
+async def _admit_async(engine) -> None:
     epoch = getattr(engine, "_flashrl_epoch", 0)
     if getattr(engine, "_flashrl_ready_epoch", None) == epoch:
         return
-    problems = [p for p in await engine.collective_rpc("flashrl_sync_status") if p]
-    if problems:
-        raise SyncIncomplete(problems[0])
+    admit(await engine.collective_rpc("flashrl_sync_status"))
     if getattr(engine, "_flashrl_epoch", 0) == epoch:  # nothing changed while we asked
         engine._flashrl_ready_epoch = epoch
-
-
-def hook_request_guard(rc: RuntimeConfig) -> None:
-    """Refuse new requests in the caller while a sync is incomplete or failed; the engine stays
-    alive to receive the rest of the weights. (The model's forward also refuses, as a last line,
-    but an exception there kills a multiprocess engine core.) The method that adds requests is
-    found on LLM's MRO: its name and defining class move between vLLM versions
-    (0.26: offline_utils, 0.32: entrypoints/common/offline)."""
-    from vllm import LLM
-
-    for attr in ("_render_and_add_requests", "_validate_and_add_requests"):
-        owner = next((k for k in LLM.__mro__ if attr in k.__dict__), None)
-        if owner is not None:
-            break
-    else:
-        log.warning("flashrl: no request entry point found on vllm.LLM; a generate call during an "
-                    "incomplete sync will fail inside the engine instead of being refused")
-        return
-    original = owner.__dict__[attr]
-    if getattr(original, "_flashrl", False):
-        return
-
-    def guarded(self, *args, **kwargs):
-        problems = [p for p in self.collective_rpc("flashrl_sync_status") if p]
-        if problems:
-            raise SyncIncomplete(problems[0])
-        if fp8_kv(self.llm_engine.vllm_config.cache_config.cache_dtype) and not calibrating.active:
-            calibrate_kv_if_stale(self)
-        return original(self, *args, **kwargs)
-
-    guarded._flashrl = True
-    setattr(owner, attr, guarded)

@@ -20,54 +20,13 @@ kernel objects create in `process_weights_after_loading`.
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 
 import torch
 
+from flashrl_tools.runtime.core.digest import kernel_held_tensors
+
 log = logging.getLogger("flashrl_tools.runtime")
-_MAX_DEPTH = 6
-# nn.Module internals that hold no kernel state of their own (parameters, buffers and submodules
-# are restored or visited separately; hooks are functions)
-_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
-
-
-def kernel_held_tensors(model: torch.nn.Module, extra_roots=(), device_type: str = "cuda") -> dict[str, torch.Tensor]:
-    """Tensors on `device_type` reachable from the model's modules (and `extra_roots`: kernels kept alive for
-    captured CUDA graphs) through vLLM objects -- quant methods, kernels, their lists and dicts --
-    that share no storage with a parameter or buffer. Keyed by the path they were found at."""
-    owned = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
-    found: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-
-    def visit(obj, path: str, depth: int) -> None:
-        if depth > _MAX_DEPTH or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type == device_type and obj.untyped_storage().data_ptr() not in owned:
-                found[path] = obj
-        elif isinstance(obj, torch.nn.Module):
-            return  # visited from the model's own tree
-        elif isinstance(obj, (list, tuple)):
-            for i, value in enumerate(obj):
-                visit(value, f"{path}[{i}]", depth + 1)
-        elif isinstance(obj, dict):
-            for key, value in obj.items():
-                visit(value, f"{path}[{key!r}]", depth + 1)
-        elif type(obj).__module__.startswith("vllm") and hasattr(obj, "__dict__"):
-            for key, value in vars(obj).items():
-                visit(value, f"{path}.{key}", depth + 1)
-
-    for name, module in model.named_modules():
-        for key, value in vars(module).items():
-            if key not in _MODULE_INTERNALS and not isinstance(value, torch.nn.Module):
-                visit(value, f"{name}.{key}" if name else key, 1)
-    for i, root in enumerate(extra_roots):
-        visit(root, f"<kept kernel {i}>", 1)
-    return found
-
-
 # Parameters no trainer pushes: attention's q/k/v (and prob) scales. vLLM 0.26's compressed-tensors
 # KV-cache method makes them parameters (not buffers), so a level-2 wake does not restore them.
 ATTENTION_SCALES = frozenset({"_q_scale", "_k_scale", "_v_scale", "_prob_scale", "q_scale", "k_scale", "v_scale",
@@ -107,7 +66,7 @@ class KernelTensorBackup:
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def save(self, model: torch.nn.Module, extra_roots=()) -> int:
-        tensors = in_weights_pool({**kernel_held_tensors(model, extra_roots), **unsynced_parameters(model)})
+        tensors = in_weights_pool({**kernel_held_tensors(model, "vllm", extra_roots), **unsynced_parameters(model)})
         self.saved = [(t, t.detach().to("cpu", copy=True)) for t in tensors.values()]
         if tensors:
             log.info("flashrl: sleep(level=2): %d kernel-held tensors (%s%s) kept on the host (vLLM restores "
@@ -129,66 +88,39 @@ class KernelTensorBackup:
 SHARED_GPU_ASSERT = "Memory usage increased after sleeping."
 
 
-def hook_sleep_mode(rc) -> None:
-    """Sleep levels 1 and 2 under the runtime (the kept MoE kernels are roots of the backup)."""
+def sleep(original, worker, level: int = 1, *args, **kwargs):
+    """AROUND vLLM's GPU worker `sleep`: before level 2, keep what vLLM's wake does not restore (the
+    kept MoE kernels are roots of the backup); after it, the session refuses requests until a
+    complete sync."""
     from flashrl_tools.runtime.vllm.fixes import first_moe_kernels
 
-    install_sleep_hooks(lambda: list(first_moe_kernels.values()))
-
-
-def install_sleep_hooks(kept_kernels) -> None:
-    """Wrap vLLM's GPU worker `sleep` / `wake_up` (CPU workers have no sleep mode: nothing to do).
-    `kept_kernels()`: the MoE kernels the runtime keeps alive for captured CUDA graphs."""
+    model = worker.model_runner.model
+    session = getattr(model, "flashrl_sync", None)
+    backup = worker.__dict__.setdefault("_flashrl_kernel_backup", KernelTensorBackup())
+    if level >= 2 and session is not None:
+        backup.save(model, list(first_moe_kernels.values()))
     try:
-        from vllm.v1.worker.gpu_worker import Worker
-    except ImportError:
-        return
-    if getattr(Worker.sleep, "_flashrl", False):
-        return
-    sleep, wake_up = wrap_sleep(Worker.sleep, kept_kernels), wrap_wake_up(Worker.wake_up)
-    sleep._flashrl = wake_up._flashrl = True
-    Worker.sleep, Worker.wake_up = sleep, wake_up
+        result = original(worker, level, *args, **kwargs)
+    except AssertionError as e:
+        if str(e) != SHARED_GPU_ASSERT:
+            raise
+        result = None  # the pools were suspended; only vLLM's device-wide accounting failed
+        log.warning("flashrl: vLLM's sleep(level=%d) check failed (%s): the device's free memory fell "
+                    "while the engine slept, which another process on the same GPU causes; the sleep "
+                    "itself completed", level, e)
+    if level >= 2 and session is not None:
+        session.discard(f"vLLM sleep(level={level})")
+    return result
 
 
-def wrap_sleep(original_sleep, kept_kernels):
-    """vLLM's worker `sleep` with the runtime around it: before level 2, keep what vLLM's wake
-    does not restore; after it, refuse requests until a complete sync."""
-
-    def sleep(self, level: int = 1, *args, **kwargs):
-        model = self.model_runner.model
-        sync = getattr(model, "flashrl_sync", None)
-        backup = self.__dict__.setdefault("_flashrl_kernel_backup", KernelTensorBackup())
-        if level >= 2 and sync is not None:
-            backup.save(model, kept_kernels())
-        try:
-            result = original_sleep(self, level, *args, **kwargs)
-        except AssertionError as e:
-            if str(e) != SHARED_GPU_ASSERT:
-                raise
-            result = None  # the pools were suspended; only vLLM's device-wide accounting failed
-            log.warning("flashrl: vLLM's sleep(level=%d) check failed (%s): the device's free memory fell "
-                        "while the engine slept, which another process on the same GPU causes; the sleep "
-                        "itself completed", level, e)
-        if level >= 2 and sync is not None:
-            sync.discard(f"vLLM sleep(level={level})")
-        return result
-
-    return sleep
-
-
-def wrap_wake_up(original_wake_up):
-    """vLLM's worker `wake_up`, then the kept tensors (weights) and the calibrated FP8 KV scales
+def wake_up(result, worker, tags: list[str] | None = None, *args, **kwargs):
+    """AFTER vLLM's GPU worker `wake_up`: the kept tensors (weights) and the calibrated FP8 KV scales
     (kv_cache) written back."""
-
-    def wake_up(self, tags: list[str] | None = None, *args, **kwargs):
-        result = original_wake_up(self, tags, *args, **kwargs)
-        model = self.model_runner.model
-        backup = self.__dict__.get("_flashrl_kernel_backup")
-        if backup is not None and backup.saved and (tags is None or "weights" in tags):
-            backup.restore()
-        kv = getattr(model, "flashrl_kv", None)
-        if kv is not None and (tags is None or "kv_cache" in tags):
-            kv.reapply()
-        return result
-
-    return wake_up
+    model = worker.model_runner.model
+    backup = worker.__dict__.get("_flashrl_kernel_backup")
+    if backup is not None and backup.saved and (tags is None or "weights" in tags):
+        backup.restore()
+    kv = getattr(model, "flashrl_kv", None)
+    if kv is not None and (tags is None or "kv_cache" in tags):
+        kv.reapply()
+    return result

@@ -1,1 +1,0 @@
-"""Fused GPU kernels for the hot path of a weight sync (same math as flashrl_tools/quantizer.py)."""

@@ -1,0 +1,126 @@
+"""The one interface between the runtime core and an engine (vLLM, SGLang): what an adapter declares
+and what the core asks of it. An adapter (`runtime/<engine>/adapter.py`) is data plus small objects:
+
+- `Capabilities`: what the engine serves (formats, MoE, FP8 KV cache, sleep, push paths) and how it
+  honours each FLASHRL_* variable. Start-up refusals read it (plan.py, `check_settings`); the README's
+  engine table is rendered from it (tests/test_runtime_contract.py compares them).
+- `hooks`: a table of `Hook`s, installed by one function (hooks.py for vLLM; SGLang's HookRegistry),
+  the table being the documentation of where the runtime touches the engine.
+- for a loaded model: a `ModelWriter` (session.py: how converted tensors reach the storage the kernels
+  read) and, with an FP8 KV cache, `KVLayers` (kv_state.py: where its attention keeps the scales);
+  in the front end, a `KVFront` (kv_driver.py: how a calibration's steps are done on this engine).
+Everything else -- the sync loop, conversion, the serving plan, KV calibration, admission, settings --
+is the core's, written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from flashrl_tools.config.settings import VARIABLES, Settings
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.quant.formats import QuantFn
+
+
+class HookKind(str, Enum):
+    """SGLang's HookType semantics (sglang/srt/plugins/hook_registry.py), plus ADD."""
+
+    BEFORE = "before"  # fn(self, *args, **kwargs) before the original
+    AFTER = "after"  # fn(result, self, *args, **kwargs) -> new result or None
+    AROUND = "around"  # fn(original, self, *args, **kwargs)
+    REPLACE = "replace"  # fn(self, *args, **kwargs) instead of the original
+    ADD = "add"  # a new attribute (a named method for RPCs): the target must not exist yet
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str
+    target: str  # "package.module.Class.attribute"; alternatives for other versions: "...a|...b"
+    fn: Callable
+    kind: HookKind
+    process: str  # where it runs: front end, worker, scheduler, ...
+    does: str  # what it does (the table is the documentation)
+    optional: bool = False  # the target exists only in some builds / versions: skipped where absent
+    always: bool = False  # installed without FLASHRL_CONFIG too (a refusal that must still run)
+
+    @property
+    def targets(self) -> list[str]:
+        return self.target.split("|")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How an engine honours one FLASHRL_* variable."""
+
+    how: str  # what it does on this engine, or why a value is refused
+    values: tuple[str, ...] | None = None  # the values honoured (others refused); None: every value
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    engine: str  # as users name it: "vLLM", "SGLang"
+    versions: str
+    formats: frozenset[QuantFn]  # 8-bit checkpoint formats served (dense models)
+    formats_note: str  # why others are not
+    moe_formats: frozenset[QuantFn]  # 8-bit formats served for MoE experts
+    moe_note: str
+    fp8_dense: QuantFn | None  # how FLASHRL_CONFIG=fp8 is served on dense models (None: the engine's online FP8)
+    fp8_moe: QuantFn  # ... and on MoE models (our per-channel FP8 checkpoint on both engines)
+    checkpoint_quantization: str  # the engine's `quantization` name for the checkpoints it loads
+    online_quantization: tuple[str, ...]  # ... and for its own online FP8 (empty: none)
+    fp8_kv_cache: bool
+    kv_scales: tuple[str, ...]  # the scales its FP8 KV cache uses (its KVLayers' kinds)
+    fp8_kv_note: str  # which scales, when they are recalibrated
+    kv_dtype_names: dict[str, str]  # the config's KV dtype -> the engine's name for it
+    lmhead_fp32: str  # the engine's switch FLASHRL_LMHEAD_FP32 sets
+    sleep: str  # sleep / release of the weights and what the runtime does about it
+    push_paths: tuple[str, ...]  # how trainers push weights into it (all exact)
+    logprobs: str  # which distribution the rollout logprobs come from
+    logprobs_modes: tuple[str, ...]  # the config `logprobs_mode` values it honours
+    settings: dict[str, Setting] = field(default_factory=dict)  # every FLASHRL_* variable
+
+    def kv_dtype(self, config_dtype: str) -> str:
+        return self.kv_dtype_names.get(config_dtype, config_dtype)
+
+
+INPLACE_VALUES = ("1", "0", "tp")
+
+# FLASHRL_* variables whose effect is the same on every engine (read by the config, the quantizer, the
+# core's session); an adapter adds how it honours the engine-specific ones.
+COMMON_SETTINGS = {
+    "FLASHRL_CONFIG": Setting("the config: the engine starts from its serving plan (core/plan.py)"),
+    "FLASHRL_CONFIG_INDEX": Setting("which entry of a multi-config YAML"),
+    "FLASHRL_HOME": Setting("where online-quantized checkpoints and Hub configs are cached"),
+    "FLASHRL_LOGGING_LEVEL": Setting("the runtime's log level in every engine process"),
+    "FLASHRL_LOGGING_FILE": Setting("the runtime's log file in every engine process"),
+    "FLASHRL_TEST_RELOAD": Setting("at start, the policy's own weights pushed through the sync session; changes "
+                                   "logged"),
+    "FLASHRL_SYNC_TIMING": Setting("each sync's conversion timed with device synchronisation"),
+    "FLASHRL_TRITON": Setting("the fused Triton INT8 quantizer on CUDA (0: torch)"),
+    "FLASHRL_ALLOW_LEGACY_PICKLE": Setting("a Hub config's flash-llm-rl .pt profile accepted"),
+}
+
+
+def check_settings(caps: Capabilities, s: Settings, source: str) -> None:
+    """Refuse at start a FLASHRL_* value this engine does not honour (never silently ignored)."""
+    if s.inplace_sync not in INPLACE_VALUES:
+        raise FlashRLError(f"invalid FLASHRL_INPLACE_SYNC={s.inplace_sync!r}", source,
+                           f"allowed: {' | '.join(INPLACE_VALUES)} (or 0 / false / off), or unset")
+    for var, (attr, _default) in VARIABLES.items():
+        setting = caps.settings.get(var)
+        value = str(getattr(s, attr))
+        if setting is None:
+            raise FlashRLError(f"{caps.engine} adapter declares nothing for {var}", source,
+                               "a runtime bug: every FLASHRL_* variable must be declared by every adapter")
+        if setting.values is not None and value not in setting.values:
+            raise FlashRLError(f"{var}={value} is not honoured on {caps.engine}: {setting.how}", source,
+                               f"on {caps.engine} use {' | '.join(setting.values)}, or unset {var}")
+
+
+def hook_table(hooks) -> str:
+    """An adapter's hook table as markdown (docs/internals/<engine>.md)."""
+    rows = [f"| {h.name} | `{h.target.replace('|', '` / `')}` | {h.kind.value} | {h.process} | {h.does} |"
+            for h in hooks]
+    return "\n".join(["| hook | target | kind | process | what it does |", "| --- | --- | --- | --- | --- |", *rows])

@@ -1,0 +1,162 @@
+"""Trainer BF16 tensors -> the checkpoint-format tensors the engine was loaded from.
+
+Pure torch (the quantizer and the profile), no vLLM: one incoming (name, tensor) becomes
+(name, int8/fp8 weight) + (name_scale, scale) for a quantized linear, a rescaled norm for a
+SmoothQuant-smoothed norm, or itself. Runs on the tensor's device. Trainer names that the
+checkpoint does not use (transformers 5's fused MoE experts, renamed modules) are first mapped
+to checkpoint names (`to_checkpoint`, trainer_names.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from flashrl_tools.model_structure import has_weights, meta_model, model_layout, read_config, unquantized_names
+from flashrl_tools.profile.apply import requantize_tensor
+from flashrl_tools.profile.format import Profile, load_profile
+from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales
+from flashrl_tools.quant.quantizer import QuantFn, as_served, quantize_weight, quantize_weights
+from flashrl_tools.safetensors_io import CheckpointReader
+from flashrl_tools.config.schema import ConfigFn
+from flashrl_tools.trainer_names import TrainerNames
+
+log = logging.getLogger("flashrl_tools.runtime")
+_CHUNK_ELEMENTS = 1 << 26  # stacked source elements quantized at once (128 MiB of BF16)
+
+
+class WeightConverter:
+    # Devices where `convert_group` stacks experts: on CUDA a small expert weight costs kernel
+    # launches more than bytes; on CPU stacking only adds a copy (measured slower with 2 cores,
+    # benchmarks/results/moe_convert_cpu.json), so experts are converted one by one there.
+    batch_devices: frozenset[str] = frozenset({"cuda"})
+
+    def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None,
+                 model_dir: Path | None = None, expected: set[str] | None = None,
+                 served: QuantFn | None = None, pow2: bool = False):
+        self.fn = fn
+        self.pow2 = pow2  # the checkpoint's FP8 scales are powers of two (quantize --pow2-scales)
+        # the 8-bit format of the tensors the engine loaded; None when it loaded BF16 (bf16, vLLM's
+        # online fp8). FLASHRL_CONFIG=fp8 on a MoE model serves our fp8_channel checkpoint.
+        self.served = served if served is not None else fn.quant_fn
+        self.quantized = quantized  # checkpoint names of the linear weights the engine holds in 8 bit
+        self.profile = profile
+        # linears the profile smooths but the engine keeps in BF16 (mixed precision)
+        self.kept = frozenset() if profile is None else frozenset(
+            k.removesuffix("_scale") for k in profile.tensors if k.endswith(".weight_scale")) - frozenset(quantized)
+        self.model_dir, self.expected = model_dir, expected  # for trainer-name translation
+        self._names: TrainerNames | None = None
+        self._device_cache: dict[tuple[str, torch.device], torch.Tensor | None] = {}
+
+    @classmethod
+    def for_checkpoint(cls, fn: ConfigFn, loaded_dir: Path, profile_path: str | None) -> WeightConverter:
+        """Derive what to quantize from the checkpoint the engine actually loaded (from the
+        model's structure when it is config-only: dummy weights)."""
+        profile = load_profile(Path(profile_path)) if profile_path else None
+        served = served_format(loaded_dir)
+        pow2 = has_pow2_scales(read_config(loaded_dir))
+        if not has_weights(loaded_dir):  # config only: the linears its quantization_config does not ignore
+            ignored = {f"{m}.weight" for m in read_config(loaded_dir).get("quantization_config", {}).get("ignore", [])}
+            quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights - ignored if served else set()
+            return cls(fn, set(quantized), profile, loaded_dir, cls.expected_names(loaded_dir), served, pow2)
+        reader = CheckpointReader(loaded_dir)
+        quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
+        return cls(fn, quantized, profile, loaded_dir, cls.expected_names(loaded_dir), served, pow2)
+
+    @staticmethod
+    def expected_names(loaded_dir: Path) -> set[str]:
+        """BF16 names a full sync must deliver (the checkpoint's, without quantization extras)."""
+        if not has_weights(loaded_dir):
+            return unquantized_names(loaded_dir)
+        return {n for n in CheckpointReader(loaded_dir).names() if not n.endswith(QUANT_EXTRA_SUFFIXES)}
+
+    def to_checkpoint(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A trainer's (name, tensor) as checkpoint-named BF16 tensors: itself when the checkpoint
+        has that name, else transformers' save-time conversion (fused experts split per expert)."""
+        if self.expected is None or name in self.expected:
+            return [(name, tensor)]
+        if self._names is None:
+            self._names = TrainerNames(meta_model(self.model_dir), frozenset(self.expected))
+        return self._names.translate(name, tensor)
+
+    def checkpoint_groups(self, weights, ignored: set[str]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Checkpoint-named tensors of what a trainer pushes, one list per trainer tensor (fused MoE
+        experts split per expert, renamed modules mapped back). Names the served checkpoint does not
+        have (a tied lm_head, buffers) are dropped, logged once (`ignored`): an engine would skip them,
+        and they must not open a sync of their own."""
+        for trainer_name, trainer_tensor in weights:
+            group = []
+            for name, tensor in self.to_checkpoint(trainer_name, trainer_tensor):
+                if name in self.expected:
+                    group.append((name, tensor))
+                elif name not in ignored:
+                    ignored.add(name)
+                    log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
+            if group:
+                yield group
+
+    def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if self.served is None:  # vLLM itself handles BF16 / online FP8
+            return [(name, tensor)]
+        if self.profile is not None:  # the same step as `profile apply`
+            return requantize_tensor(self.profile, name, tensor, self.kept,
+                                     on=lambda key, t: self._on(key, t, tensor.device))
+        if name in self.quantized:  # trainers push fp32 masters (quantizer.served_dtype)
+            q = quantize_weight(self.served, as_served(tensor), self.pow2)
+            return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
+        return [(name, tensor)]
+
+    def convert_group(self, group: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`convert` of the checkpoint tensors one trainer tensor became (a fused MoE tensor split
+        per expert): quantized together in chunks of stacked slices when they are all 8-bit
+        weights of one shape (bit-identical with one `convert` each; thousands of experts per
+        sync otherwise pay thousands of small kernels)."""
+        if not self._batchable(group):
+            return [pair for name, tensor in group for pair in self.convert(name, tensor)]
+        out: list[tuple[str, torch.Tensor]] = []
+        rows, cols = group[0][1].shape
+        step = max(1, _CHUNK_ELEMENTS // (rows * cols))
+        for start in range(0, len(group), step):
+            chunk = group[start:start + step]
+            stacked = as_served(torch.stack([t for _, t in chunk]))
+            for (name, _), q in zip(chunk, quantize_weights(self.served, stacked, self.pow2)):
+                out += [(name, q.weight), (f"{name}_scale", q.weight_scale)]
+        return out
+
+    def _batchable(self, group: list[tuple[str, torch.Tensor]]) -> bool:
+        if len(group) < 2 or self.served is None or self.profile is not None:
+            return False
+        first = group[0][1]
+        return first.dim() == 2 and first.device.type in self.batch_devices and all(
+            name in self.quantized and t.shape == first.shape and t.dtype == first.dtype
+            and t.device == first.device for name, t in group)
+
+    def convert_all(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            yield from self.convert(name, tensor)
+
+    def drop_device_cache(self) -> None:
+        """Forget the profile tensors copied to devices (after the engine freed their memory)."""
+        self._device_cache.clear()
+
+    def _on(self, key: str, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        if t is None:
+            return None
+        cache_key = (key, device)
+        if cache_key not in self._device_cache:
+            self._device_cache[cache_key] = t.to(device)
+        return self._device_cache[cache_key]
+
+
+def served_format(loaded_dir: Path) -> QuantFn | None:
+    """Which of our 8-bit formats the engine's checkpoint holds (None: a BF16 checkpoint)."""
+    from flashrl_tools.model_structure import read_config
+
+    if "quantization_config" not in read_config(loaded_dir):
+        return None
+    from flashrl_tools.profile.build import checkpoint_format
+
+    return checkpoint_format(loaded_dir)

@@ -1,0 +1,108 @@
+"""Install an adapter's hook table: each `Hook` wraps (or adds) one attribute of an engine class, once
+per process, with SGLang's HookRegistry semantics (core/adapter.py `HookKind`). vLLM has no hook
+registry: its table is installed here. SGLang's table goes to SGLang's own registry (ADD entries,
+which it has no kind for, come here)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import pkgutil
+import threading
+
+from flashrl_tools.runtime.core.adapter import Hook, HookKind
+
+log = logging.getLogger("flashrl_tools.runtime")
+_installed: set[str] = set()
+_lock = threading.Lock()
+MARK = "_flashrl_hook"  # set on every wrapper: the name of the hook that made it
+
+
+def resolve(hook: Hook) -> tuple[object, str] | None:
+    """(owner, attribute) of the first of the hook's targets that exists in this build, else None."""
+    for target in hook.targets:
+        owner_path, attr = target.rsplit(".", 1)
+        try:
+            owner = pkgutil.resolve_name(owner_path)
+        except (ImportError, AttributeError):
+            continue
+        if hook.kind is HookKind.ADD or hasattr(owner, attr):
+            return owner, attr
+    return None
+
+
+def wrap(original, hook: Hook):
+    """The wrapper of one hook around `original` (functions, coroutine and async-generator functions)."""
+    fn, kind = hook.fn, hook.kind
+    if kind is HookKind.REPLACE:
+        wrapper = fn
+    elif kind is HookKind.BEFORE:
+        def wrapper(*args, **kwargs):
+            changed = fn(*args, **kwargs)
+            if changed is not None:  # (args, kwargs) to call the original with
+                args, kwargs = changed
+            return original(*args, **kwargs)
+    elif kind is HookKind.AFTER:
+        if inspect.iscoroutinefunction(original):
+            async def wrapper(*args, **kwargs):
+                result = await original(*args, **kwargs)
+                changed = fn(result, *args, **kwargs)
+                return result if changed is None else changed
+        else:
+            def wrapper(*args, **kwargs):
+                result = original(*args, **kwargs)
+                changed = fn(result, *args, **kwargs)
+                return result if changed is None else changed
+    elif kind is HookKind.AROUND:
+        if inspect.isasyncgenfunction(fn):
+            async def wrapper(*args, **kwargs):
+                async for item in fn(original, *args, **kwargs):
+                    yield item
+        elif inspect.iscoroutinefunction(fn):
+            async def wrapper(*args, **kwargs):
+                return await fn(original, *args, **kwargs)
+        else:
+            def wrapper(*args, **kwargs):
+                return fn(original, *args, **kwargs)
+    else:
+        raise ValueError(f"{hook.name}: {kind} hooks are added, not wrapped")
+    if kind is not HookKind.REPLACE:
+        wrapper = functools.wraps(original)(wrapper)
+    setattr(wrapper, MARK, hook.name)
+    return wrapper
+
+
+def install(hooks, registry=None, hook_type=None) -> list[str]:
+    """Install each hook once per process. With an engine registry (SGLang's HookRegistry and its
+    HookType), wrapping hooks are registered there (each call: the registry applies them once) and only
+    ADD hooks are installed here. Returns the
+    names of the hooks whose target this build does not have (optional ones)."""
+    skipped = []
+    with _lock:
+        for hook in hooks:
+            if registry is not None and hook.kind is not HookKind.ADD:  # (SGLang loads plugins once)
+                registry.register(hook.target, hook.fn, getattr(hook_type, hook.kind.name))
+                continue
+            key = f"{hook.name}:{hook.target}"
+            if key in _installed:
+                continue
+            found = resolve(hook)
+            if found is None:
+                if not hook.optional:
+                    raise RuntimeError(f"flashrl: hook {hook.name}: none of {hook.targets} exists in this "
+                                       "engine build (an unsupported version?)")
+                skipped.append(hook.name)
+                _installed.add(key)
+                continue
+            owner, attr = found
+            if hook.kind is HookKind.ADD:
+                setattr(owner, attr, hook.fn)
+            else:
+                original = inspect.getattr_static(owner, attr)
+                if getattr(original, MARK, None) != hook.name:
+                    setattr(owner, attr, wrap(getattr(owner, attr), hook))
+            _installed.add(key)
+    if skipped:
+        log.debug("flashrl: hooks without a target in this build: %s", ", ".join(skipped))
+    return skipped

@@ -1,0 +1,120 @@
+"""FP8 KV cache, the front end's side: when a calibration runs and what it waits for, for every engine.
+
+Before the first rollout after a weight update (and before the first one at all) the front end runs
+the calibration: it takes a lock (rollouts arriving meanwhile wait), waits for the requests already in
+flight to finish (they would add their q / k / v to the maxima, and run with the reference scales),
+flushes the prefix cache (blocks computed by the old weights), arms the model side, sends the fixed
+calibration sequences one prefill each (so the batches -- and the kernels' results -- are those of a
+fresh engine), finishes (the model side writes the scales), and flushes again (the calibration's
+blocks were written with the reference scales). The adapter's `KVFront` says how each step is done
+on its engine; `calibrate` is written once, as a coroutine, and `run_sync` drives it for a
+synchronous front end (vLLM's `LLM`), whose steps never wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import time
+import uuid
+from typing import Protocol
+
+log = logging.getLogger("flashrl_tools.runtime")
+
+_calibrating: contextvars.ContextVar[bool] = contextvars.ContextVar("flashrl_kv_calibrating", default=False)
+
+
+def calibrating() -> bool:
+    """Whether the caller is the calibration itself (its requests pass the request hooks untouched)."""
+    return _calibrating.get()
+
+
+class KVFront(Protocol):
+    """The adapter's front end (every method a coroutine; a synchronous engine's return at once)."""
+
+    def lock(self) -> contextlib.AbstractAsyncContextManager: ...
+
+    async def stale(self) -> bool:
+        """Whether the scales may not be those of the current weights."""
+
+    async def in_flight(self) -> int:
+        """Requests the engine is still serving."""
+
+    async def flush(self) -> bool: ...
+
+    def sequences(self) -> list[list[int]]:
+        """The calibration token ids for this engine (kv_math.calibration_inputs)."""
+
+    async def arm(self) -> None: ...
+
+    async def prefill(self, ids: list[int], rid: str) -> bool:
+        """One calibration sequence, one token generated; False if the engine aborted it."""
+
+    async def finish(self, token: str, ok: bool) -> bool:
+        """The model side writes the scales (ok) or goes back to the ones in use (not ok); False if
+        the scales were not written."""
+
+    def calibrated(self) -> None:
+        """The calibration completed: the scales are those of the current weights."""
+
+
+async def calibrate(front: KVFront) -> bool:
+    """Calibrate if the scales are stale; True when they are those of the current weights."""
+    from flashrl_tools.runtime.core.kv_state import calibration_rid
+
+    if not await front.stale():
+        return True
+    async with front.lock():
+        if not await front.stale():
+            return True  # calibrated by the request that held the lock before this one
+        t0 = time.perf_counter()
+        while await front.in_flight():
+            await asyncio.sleep(0.005)
+        sequences = front.sequences()
+        token = uuid.uuid4().hex[:12]
+        marker = _calibrating.set(True)
+        sent = written = False  # stay False if a step raises: the model side goes back to its scales
+        try:
+            if await front.flush():
+                await front.arm()
+                sent = True
+                for i, ids in enumerate(sequences):
+                    if not await front.prefill(ids, calibration_rid(token, i)):
+                        sent = False
+                        break
+        finally:
+            try:
+                written = await front.finish(token, sent)
+            finally:
+                ok = await front.flush() and sent and written
+                _calibrating.reset(marker)
+        if ok:
+            front.calibrated()
+            log.info("flashrl: FP8 KV calibration done (%d sequences, %.2f s)", len(sequences),
+                     time.perf_counter() - t0)
+        else:
+            log.warning("flashrl: FP8 KV calibration did not complete (a weight sync in progress?); the next "
+                        "request tries again, rollouts are refused until it completes")
+        return ok
+
+
+def run_sync(coroutine):
+    """Run a coroutine whose awaits never suspend (a synchronous engine's steps) to its result."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("flashrl: a synchronous KV calibration step waited on an event loop")
+
+
+class NoLock:
+    """`KVFront.lock` of a synchronous front end (its calls never interleave)."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False

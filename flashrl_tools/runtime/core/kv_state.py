@@ -1,0 +1,159 @@
+"""FP8 KV-cache scales of one model (one worker / scheduler rank), kept for the weights it holds now.
+
+After every complete sync the scales are stale. A calibration arms (fixed reference scales, forward
+pre-hooks on the attention layers recording absmax, the engine's graphs set aside), runs the fixed
+calibration sequences (kv_driver.py sends them), and finishes: the scales computed by kv_math.py are
+written where the engine's attention reads them. Engine-neutral: where the layers keep their scales,
+how a pre-hook sees q / k / v and how graphs are set aside is the adapter's `KVLayers`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from flashrl_tools.runtime.core.kv_math import AbsMax
+
+log = logging.getLogger("flashrl_tools.runtime")
+
+REFERENCE_SCALE = 1.0  # every scale while calibrating: the calibration's own attention reads the FP8 cache
+CALIBRATION_RID = "flashrl-kv-calibration-"  # + token + "-" + index; the last one is FINISH
+FINISH = "finish"
+
+
+def calibration_rid(token: str, index: int | str) -> str:
+    return f"{CALIBRATION_RID}{token}-{index}"
+
+
+def calibration_index(rid) -> str | None:
+    """'0', '1', ... or FINISH for a calibration request's rid, None for any other request."""
+    if not isinstance(rid, str) or not rid.startswith(CALIBRATION_RID):
+        return None
+    return rid.rsplit("-", 1)[-1]
+
+
+class KVLayers(Protocol):
+    """The adapter's attention layers with an FP8 KV cache."""
+
+    kinds: tuple[str, ...]  # the scales the engine's FP8 cache uses: ("q", "k", "v") or ("k", "v")
+    layers: dict[str, torch.nn.Module]
+
+    def read(self, layer: torch.nn.Module) -> dict[str, float]: ...
+
+    def write(self, layer: torch.nn.Module, scales: dict[str, float]) -> None:
+        """In place (captured graphs keep the tensors' addresses), with any float copies."""
+
+    def inputs(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+        """The kinds' tensors of one forward pre-hook call, padding rows cut off."""
+
+    def eager(self, on: bool) -> None:
+        """While calibrating, forwards run eagerly (a compiled or captured graph skips the hooks)."""
+
+    def changed(self) -> None:
+        """New scales were written (an engine that bakes them into captured graphs captures again)."""
+
+
+class KVScaleState:
+    def __init__(self, layers: KVLayers, session, checkpoint_scales: bool):
+        from flashrl_tools.errors import FlashRLError
+
+        if not layers.layers:
+            raise FlashRLError("an FP8 KV cache was configured but no attention layer of the model uses one",
+                               None, "this model's attention is not supported with an FP8 KV cache; "
+                               "unset FLASHRL_KV_CACHE_DTYPE / kv_cache_dtype")
+        self.kv, self.session = layers, session
+        # checkpoint scales (compressed-tensors kv_cache_scheme) serve until the first sync
+        self.calibrated_at: int | None = session.completed if checkpoint_scales else None
+        self.current = self.scales()  # the scales the layers should hold (and graphs were built with)
+        self.error: str | None = None  # why the last calibration failed
+        self._absmax: AbsMax | None = None
+        self._hooks: list = []
+
+    @property
+    def armed(self) -> bool:
+        return self._absmax is not None
+
+    def stale(self) -> bool:
+        return self.calibrated_at != self.session.completed
+
+    def arm(self) -> int:
+        self._remove_hooks()
+        self._absmax = AbsMax()
+        reference = dict.fromkeys(self.kv.kinds, REFERENCE_SCALE)
+        for layer in self.kv.layers.values():  # fixed scales while calibrating, whatever the last ones were
+            self.kv.write(layer, reference)
+        for name, layer in self.kv.layers.items():
+            def record(module, args, kwargs, name=name):
+                self._absmax.update(name, **self.kv.inputs(module, args, kwargs))
+            self._hooks.append(layer.register_forward_pre_hook(record, with_kwargs=True))
+        self.kv.eager(True)
+        return len(self._hooks)
+
+    def finish(self) -> dict[str, dict[str, float]]:
+        """Write the calibrated scales; raises (scales in use restored) if a layer saw no token."""
+        t0 = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the hooks' maxima were computed on the forward stream
+        scales = self._absmax.scales() if self._absmax is not None else {}
+        if set(scales) != set(self.kv.layers):
+            self.abandon()
+            raise RuntimeError(f"KV calibration saw {len(scales)} of {len(self.kv.layers)} attention layers")
+        self._disarm()
+        for name, layer in self.kv.layers.items():
+            self.kv.write(layer, scales[name])
+        changed = scales != self.current
+        if changed:
+            self.kv.changed()
+        self.current, self.calibrated_at, self.error = scales, self.session.completed, None
+        log.info("flashrl: FP8 KV scales recalibrated for the current weights (%d layers, %s, %.2f s)",
+                 len(scales), "changed" if changed else "unchanged", time.perf_counter() - t0)
+        return scales
+
+    def abandon(self) -> None:
+        """A calibration that did not complete: back to the scales in use."""
+        self._disarm()
+        self.reapply()
+
+    def reapply(self) -> None:
+        """Write the current scales again (after the engine reset them: vLLM's KV-cache wake)."""
+        for name, layer in self.kv.layers.items():
+            self.kv.write(layer, self.current[name])
+
+    def scales(self) -> dict[str, dict[str, float]]:
+        return {name: self.kv.read(layer) for name, layer in self.kv.layers.items()}
+
+    def on_request(self, rid) -> str | None:
+        """For an engine whose calibration requests are routed by rid (the request's entry in the
+        model's process): arms on a calibration's first sequence, finishes on its last; returns why a
+        rollout must be refused (it would read stale scales)."""
+        index = calibration_index(rid)
+        if index is None:
+            if self.armed:  # the front end gave up on a calibration
+                self.abandon()
+            if self.stale():
+                why = (f"the last calibration failed: {self.error}" if self.error else "the request did not pass "
+                       "the engine's front end, where the runtime calibrates them after a sync")
+                return f"flashrl: the FP8 KV scales are not calibrated for the current weights ({why})"
+            return None
+        if index == "0" and self.stale():
+            self.arm()
+        elif index == FINISH and self.armed:
+            try:
+                self.finish()
+            except Exception as e:  # raised here, it would end the engine's process: rollouts are refused
+                self.error = f"{type(e).__name__}: {e}"
+                log.exception("flashrl: FP8 KV calibration failed; rollouts are refused until one succeeds")
+        return None
+
+    def _disarm(self) -> None:
+        self._remove_hooks()
+        self._absmax = None
+        self.kv.eager(False)
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,78 @@
+"""The SGLang adapter's hook table: where the runtime touches SGLang (`HOOKS`, registered with SGLang's own
+HookRegistry by `register`, from SGLang's plugin entry point, in the engine, the server launcher and
+every scheduler (TP rank) process); what SGLang serves is capabilities.py. `core.adapter.hook_table(HOOKS)`
+renders the table as markdown (docs/internals/sglang.md). Written against SGLang 0.5.17; nothing here
+imports SGLang at import time.
+
+SGLang only logs an exception raised by a plugin, so a config that cannot be read is raised from the
+first hook that runs (`ServerArgs.__post_init__`: the engine refuses to start). SGLang loads plugins
+once per process: the process's state is process.py, and an engine started after FLASHRL_CONFIG /
+FLASHRL_KV_CACHE_DTYPE changed is refused there (`check_env`)."""
+
+from __future__ import annotations
+
+from flashrl_tools.runtime.core.adapter import Hook, HookKind
+from flashrl_tools.runtime.sglang import kv_front, process, scheduler, server_args, weight_sync
+
+_CT = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
+_TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_CONTROL = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin"
+HOOKS: tuple[Hook, ...] = (
+    Hook("server_args", "sglang.srt.server_args.ServerArgs.__post_init__", server_args.server_args, HookKind.BEFORE,
+         "engine / launcher", "the serving plan: checkpoint, tokenizer, KV-cache dtype, lm head; refusals at start",
+         always=True),
+    Hook("late_server_args", "sglang.srt.server_args.ServerArgs.check_server_args", server_args.server_args,
+         HookKind.BEFORE, "engine / launcher", "the same, once, for ServerArgs built before the plugins loaded "
+         "(verl's server)", always=True),
+    Hook("linear_layout", f"{_CT}.CompressedTensorsLinearMethod.process_weights_after_loading",
+         weight_sync.around_processing, HookKind.AROUND, "scheduler",
+         "keep the loaded Parameters; refuse layouts in new memory"),
+    Hook("moe_layout", f"{_CT}.CompressedTensorsFusedMoEMethod.process_weights_after_loading",
+         weight_sync.around_processing, HookKind.AROUND, "scheduler", "the same for MoE experts"),
+    Hook("model_runner", "sglang.srt.model_executor.model_runner.ModelRunner.load_model", weight_sync.runner_loaded,
+         HookKind.AFTER, "scheduler", "a sync session replaces `model.load_weights`; FP8 KV scales state"),
+    Hook("direct_updates", "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
+         "update_weights_from_tensor", scheduler.direct_updates, HookKind.BEFORE, "scheduler",
+         "refuse `load_format=\"direct\"` and custom loaders (they bypass `load_weights`)"),
+    Hook("request_guard", "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", scheduler.add_request,
+         HookKind.BEFORE, "scheduler", "abort requests while the weights are incomplete or the FP8 KV scales "
+         "stale; route the calibration's requests"),
+    Hook("release_weights", "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
+         "release_memory_occupation", scheduler.release_weights, HookKind.AFTER, "scheduler",
+         "SGLang's sleep freed the weights (no CPU backup): refuse until a full sync"),
+    Hook("rpc_kv_scales", "sglang.srt.managers.scheduler.Scheduler.flashrl_kv_scales", scheduler.dump_kv_scales,
+         HookKind.ADD, "scheduler", "`Engine.collective_rpc(\"flashrl_kv_scales\", path=...)`: rank 0's FP8 KV "
+         "scales as JSON", optional=True),
+    Hook("kv_calibrate", f"{_TOKENIZER}.generate_request", kv_front.generate_request, HookKind.AROUND,
+         "engine / server", "FP8 KV cache: calibrate before the next rollout after an update"),
+    *(Hook(f"kv_after_{kind}", f"{_CONTROL}.update_weights_from_{kind}", kv_front.weights_changed, HookKind.AROUND,
+           "engine / server", "FP8 KV cache: the scales are stale after this update")
+      for kind in ("tensor", "distributed", "ipc")),
+    Hook("kv_after_disk", f"{_TOKENIZER}.update_weights_from_disk", kv_front.weights_changed, HookKind.AROUND,
+         "engine / server", "the same for a reload from disk"),
+)
+
+def register(registry=None, hook_type=None) -> None:
+    """SGLang's entry point. `registry` / `hook_type`: SGLang's HookRegistry and HookType (tests pass
+    stand-ins). Without FLASHRL_CONFIG only the `always` hooks, which change nothing but refuse an
+    engine whose config differs from the one read here."""
+    from flashrl_tools.config.resolve import from_env
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.core import process as core_process
+    from flashrl_tools.runtime.core.hooks import install
+    from flashrl_tools.runtime.core.logs import configure_logging
+
+    if registry is None:
+        from sglang.srt.plugins.hook_registry import HookRegistry as registry, HookType as hook_type
+    process.reset()
+    process.remember_env()
+    try:
+        rc, error = from_env(), None
+    except FlashRLError as e:  # raised by the server_args hook, where SGLang does not swallow it
+        rc, error = None, e
+    core_process.serve(rc, error)
+    if rc is None:
+        install([h for h in HOOKS if h.always], registry, hook_type)
+        return
+    configure_logging()
+    install(HOOKS, registry, hook_type)

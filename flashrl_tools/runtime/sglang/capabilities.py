@@ -1,0 +1,42 @@
+"""What SGLang serves under the runtime: its `Capabilities` (core/adapter.py). Start-up refusals read it
+(core/plan.py); the README's engine table is rendered from it."""
+
+from __future__ import annotations
+
+from flashrl_tools.quant.formats import QuantFn, Strategy
+from flashrl_tools.runtime.core.adapter import COMMON_SETTINGS, Capabilities, Setting
+
+_SETTINGS = {
+    **COMMON_SETTINGS,
+    "FLASHRL_KV_CACHE_DTYPE": Setting("SGLang's kv_cache_dtype (fp8 -> fp8_e4m3, fp8_e5m2); k / v scales "
+                                      "recalibrated before the first rollout after every sync"),
+    "FLASHRL_LMHEAD_FP32": Setting("SGLang's enable_fp32_lm_head=True (the LM head's logits in fp32)"),
+    "FLASHRL_INPLACE_SYNC": Setting("SGLang has no separate in-place fast path: every layer is written through "
+                                    "SGLang's own loader into the storage its kernels read, so 1 and 0 are the "
+                                    "same and tp has nothing to enable", ("1", "0")),
+    "FLASHRL_SYNC_DIGEST": Setting("each scheduler (TP rank) writes its weight digest after every complete sync"),
+    "FLASHRL_ENGINE_ARGS": Setting("extra sglang.Engine arguments for the engines `flashrl verify --engine sglang` "
+                                   "starts"),
+}
+CAPABILITIES = Capabilities(
+    engine="SGLang", versions="0.5.17",
+    # SGLang keeps per-channel layouts in the storage it loaded (weight_sync.py); per-tensor FP8 of fused
+    # layers is re-quantized to one scale at load
+    formats=frozenset(f for f in QuantFn if f.strategy is Strategy.channel),
+    formats_note="SGLang re-quantizes fused per-tensor FP8 layers to one scale at load; block FP8 is unchecked",
+    moe_formats=frozenset(f for f in QuantFn if f.is_fp8 and f.strategy is Strategy.channel),
+    moe_note="SGLang 0.5.17 serves compressed-tensors INT8 MoE experts on NPU only",
+    fp8_dense=QuantFn.fp8_channel, fp8_moe=QuantFn.fp8_channel,
+    checkpoint_quantization="compressed-tensors", online_quantization=(),
+    fp8_kv_cache=True, kv_scales=("k", "v"), fp8_kv_note="k / v scales recalibrated before the first rollout after every sync "
+    "(decode CUDA graphs captured again when they change)", kv_dtype_names={"fp8": "fp8_e4m3"},
+    lmhead_fp32="enable_fp32_lm_head=True",
+    sleep="release / resume: with the weights' CPU backup (verl) synced weights survive; without it requests "
+          "are refused until a full sync",
+    push_paths=("update_weights_from_tensor per tensor and as flattened buckets", "update_weights_from_distributed",
+                "verl's SGLang rollout (CUDA IPC buckets)"),
+    logprobs="log softmax(logits / T): the sampled distribution for top_p = 1, top_k = -1; with truncation "
+             "read output_token_sampling_logprobs (return_sampling_mask=True)",
+    logprobs_modes=("processed_logprobs",),
+    settings=_SETTINGS,
+)

@@ -1,0 +1,68 @@
+"""SGLang's schedulers (one process per TP rank): where requests reach the model's process (admission,
+core/admission.py), SGLang's sleep (`release_memory_occupation`), the update paths the runtime cannot
+take, and the scales RPC."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from flashrl_tools.runtime.core import process
+from flashrl_tools.runtime.core.admission import model_refusal
+
+log = logging.getLogger("flashrl_tools.runtime")
+_warned: set[str] = set()
+
+
+def add_request(scheduler, req, is_retracted=False, *args, **kwargs):
+    """BEFORE `Scheduler._add_request_to_queue`: abort a request while the weights are incomplete or the
+    FP8 KV scales are stale (the calibration's own requests are routed to the scales' state)."""
+    if is_retracted or getattr(req, "finished_reason", None) is not None:
+        return
+    problem = model_refusal(process.sessions(), process.kv_states(), req.rid)
+    if problem is not None:
+        req.set_finish_with_abort(problem)
+    elif getattr(req, "return_logprob", False) and "truncation" not in _warned and _truncates(req):
+        _warned.add("truncation")
+        log.warning("flashrl: SGLang returns log softmax(logits / T) before top-p / top-k truncation: with top_p < 1 "
+                    "or top_k set these are not the logprobs of the distribution sampled from (vLLM's "
+                    "processed_logprobs are); importance weights computed from them are off. Sample with top_p=1, "
+                    "top_k=-1, or ask return_sampling_mask=True (with a finite top_k) and read "
+                    "meta_info['output_token_sampling_logprobs'] (renormalised over the sampled support)")
+
+
+def _truncates(req) -> bool:
+    params = getattr(req, "sampling_params", None)
+    top_p, top_k = getattr(params, "top_p", 1.0), getattr(params, "top_k", -1)
+    return top_p < 1.0 or 0 < top_k < (1 << 30)  # SGLang's TOP_K_ALL = 1 << 30: the whole vocabulary
+
+
+def release_weights(result, manager, recv_req=None, *args, **kwargs):
+    """AFTER `release_memory_occupation(tags)` (SGLang's sleep): with "weights" (or no tags) it frees the
+    weights' memory and restores only buffers on resume (`_export_static_state`): refuse until a full
+    sync. With `enable_weights_cpu_backup` (verl's hybrid engine sets it) the memory saver copies the
+    weights' memory to the CPU and back on resume, synced 8-bit weights included: nothing is lost."""
+    tags = getattr(recv_req, "tags", None)
+    runner = getattr(getattr(manager, "tp_worker", None), "model_runner", None)
+    if getattr(getattr(runner, "server_args", None), "enable_weights_cpu_backup", False):
+        return result
+    if not tags or "weights" in tags:
+        for session in process.sessions():
+            session.discard("SGLang release_memory_occupation(weights)")
+    return result
+
+
+def direct_updates(updater, named_tensors=None, load_format=None, *args, **kwargs):
+    """BEFORE `WeightUpdater.update_weights_from_tensor`: loads that bypass `load_weights` are refused."""
+    if load_format not in (None, "flattened_bucket"):
+        raise RuntimeError(f"flashrl: update_weights_from_tensor(load_format={load_format!r}) writes parameters "
+                           "without re-quantizing them; push with load_format=None or 'flattened_bucket'")
+
+
+def dump_kv_scales(scheduler, path: str) -> None:
+    """`Engine.collective_rpc("flashrl_kv_scales", path=...)`: rank 0's current FP8 KV scales as JSON."""
+    from flashrl_tools.fsutil import atomic_write_text
+
+    if getattr(scheduler, "tp_rank", 0) == 0 and process.kv_states():
+        kv = process.kv_states()[0]
+        atomic_write_text(path, json.dumps({"scales": kv.current, "stale": kv.stale()}))

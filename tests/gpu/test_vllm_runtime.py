@@ -1,0 +1,60 @@
+"""The vLLM runtime on a GPU, dense model (HF-initialised random Qwen2), eager engines, one process per
+engine (tests/probes/sync_probe.py). Per FLASHRL_CONFIG, with and without the FP8 KV cache: the perturbed
+BF16 weights pushed one tensor per `load_weights` call (GPU tensors, as a trainer pushes them), then the
+originals back; the same through vLLM's `reload_weights` and its weight-transfer API. Each must equal a
+fresh engine on the same weights with the same config (0.0, greedy tokens, FP8 KV scales bit-equal)."""
+
+from __future__ import annotations
+
+import pytest
+
+import gpu_harness as h
+
+CASES = ["int8", "fp8", "fp8_channel", "bf16+kv", "int8+kv", "fp8+kv", "fp8_channel+kv"]
+FRESH = {"bf16": None, "int8": "int8", "fp8": None, "fp8_channel": "fp8_channel"}  # its offline checkpoint
+
+
+def run_case(case: str, work) -> dict:
+    config, kv = case.removesuffix("+kv"), case.endswith("+kv")
+    orig, pert = h.model_pair(work, "qwen2")
+    env = {"FLASHRL_CONFIG": h.config_value(work, config), **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {})}
+    ekw = dict(h.VLLM_ENGINE)
+    # the fresh engine: the runtime too where it calibrates FP8 KV scales (it serves its checkpoint unchanged)
+    fresh_env = {"FLASHRL_CONFIG": "bf16", "FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}
+    if config == "fp8":  # vLLM's online FP8 of the perturbed BF16 weights
+        fresh_ekw = {**ekw, "quantization": "fp8"}
+    else:
+        fresh_ekw = ekw
+    fresh = h.run_probe("sync_probe", work, f"rt-{case}-fresh", fresh_env,
+                        {"model": str(h.quantized(pert, FRESH[config], work)), "engine_kwargs": fresh_ekw})
+    synced = h.run_probe("sync_probe", work, f"rt-{case}-synced", env,
+                         {"model": str(orig), "push": [str(pert), str(orig)], "reload": [str(pert), str(orig)],
+                          "transfer": [str(pert)], "push_device": "cuda", "engine_kwargs": ekw})
+    if "error" in fresh or "error" in synced:
+        return {"error": fresh.get("error") or synced.get("error"),
+                "log_tail": fresh.get("log_tail") or synced.get("log_tail")}
+    f = fresh["stages"][0]
+    start, pushed, back, reloaded, reloaded_back, transferred = synced["stages"]
+    row = {"push_vs_fresh": h.same(pushed, f), "push_restore_vs_start": h.same(back, start),
+           "reload_vs_fresh": h.same(reloaded, f), "reload_restore_vs_start": h.same(reloaded_back, start),
+           "transfer_vs_fresh": h.same(transferred, f), "changed_by_sync": h.max_diff(start, pushed),
+           "sync_s": pushed.get("seconds"), "inplace_layers": synced.get("inplace_layers")}
+    if kv:
+        row["kv_scales_changed_by_sync"] = start.get("kv_scales") != pushed.get("kv_scales")
+    return row
+
+
+@pytest.fixture(scope="module")
+def rows(request, gpu_work, gpu_jobs) -> dict:
+    cases = h.selected(request, "case", CASES)
+    rows = h.run_cases(lambda c: run_case(c, gpu_work), cases, gpu_jobs, "vllm_runtime", engines="eager")
+    return rows
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sync_equals_a_fresh_engine(rows, case):
+    row = rows[case]
+    assert "error" not in row, row
+    assert h.failures(row) == []
+    if case.endswith("+kv"):
+        assert row["kv_scales_changed_by_sync"]  # recalibrated for the new weights
