@@ -7,7 +7,8 @@ weights. This times the runtime converter on one layer of a MoE shape (benchmark
 bit-identical, prints a table and writes JSON. Conversion only: the vLLM loader calls that follow
 are timed by weight_sync.py.
 
-    python benchmarks/moe_convert.py --shape 30b-a3b --fns int8,fp8_tensor,fp8_channel,fp8_block --json benchmarks/results/moe_convert_cpu.json
+    python benchmarks/moe_convert.py --shape 30b-a3b --fns int8,fp8_tensor,fp8_channel,fp8_block \
+        --json benchmarks/results/moe_convert_cpu.json
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def main() -> None:
     for fn in args.fns.split(","):
         conv = WeightConverter(ConfigFn(fn), names, served=QuantFn(fn))
         conv.batch_devices = frozenset({args.device})  # time stacking even where the runtime skips it
-        one, ref = timed(lambda: [p for grp in groups for n, t in grp for p in conv.convert(n, t)], args.repeats, args.device)
-        grouped, got = timed(lambda: [p for grp in groups for p in conv.convert_group(grp)], args.repeats, args.device)
+        one, ref = timed(lambda conv=conv: [p for grp in groups for n, t in grp for p in conv.convert(n, t)],
+                         args.repeats, args.device)
+        grouped, got = timed(lambda conv=conv: [p for grp in groups for p in conv.convert_group(grp)], args.repeats,
+                              args.device)
         exact = [n for n, _ in ref] == [n for n, _ in got] and all(
             torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
             for (_, a), (_, b) in zip(ref, got))

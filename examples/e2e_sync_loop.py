@@ -84,7 +84,7 @@ def main() -> None:
         opt.step()
         state = {k: v.detach() for k, v in learner.state_dict().items()}
         t0 = time.perf_counter()
-        llm.collective_rpc(lambda worker: push(worker, state))
+        llm.collective_rpc(lambda worker, state=state: push(worker, state))
         sync_s = time.perf_counter() - t0
         text, lp = engine_view()
         rows.append({"step": step, "engine_output": text, "engine_target_logprob": lp, "sync_s": sync_s,

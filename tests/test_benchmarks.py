@@ -34,7 +34,7 @@ def test_rollout_throughput_benchmark_smoke(tmp_path):
     (the embedded model's engines are covered by the runtime tests)."""
     rows = {(r["shape"], r["config"]): r for r in _bench(tmp_path, "rollout_throughput")["rows"]}
     assert set(rows) == {("tiny", c) for c in ("bf16", "int8")}
-    for (shape, config), r in rows.items():
+    for (_shape, config), r in rows.items():
         assert r["output_tokens"] == 4 * 4 and r["output_tok_per_s"] > 0 and r["kv_cache_tokens"] > 0
         assert r["quantization"] == ("compressed-tensors" if config == "int8" else None)
         assert r["speedup_vs_bf16"] > 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES, run_cli
+from conftest import run_cli
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.profile.apply import requantize_checkpoint
 from flashrl_tools.profile.build import build_profile

@@ -210,7 +210,8 @@ def rss():
 base = rss()
 with open("/proc/self/clear_refs", "w") as f: f.write("5")  # reset the high-water mark
 quantize(src, {str(tmp_path / 'out')!r}, "int8")
-print(json.dumps({{"base": base, "peak": hwm(), "model": sum(PlannedTensor(n, s, torch.bfloat16).nbytes for n, s in shapes.items())}}))
+print(json.dumps({{"base": base, "peak": hwm(),
+                  "model": sum(PlannedTensor(n, s, torch.bfloat16).nbytes for n, s in shapes.items())}}))
 """
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr

@@ -18,7 +18,8 @@ from flashrl_tools.quant.mixed import KeepSpec, kept_modules, kept_weights
 from flashrl_tools.model_structure import read_config
 from flashrl_tools.profile.format import Profile
 from flashrl_tools.quant.quantize import copy_side_files
-from flashrl_tools.quant.quantizer import QuantFn, as_served, output_specs, quantize_weight, requantize_int8, smooth_norm, smooth_weight
+from flashrl_tools.quant.quantizer import (QuantFn, as_served, output_specs, quantize_weight, requantize_int8, smooth_norm,
+                                           smooth_weight)
 from flashrl_tools.safetensors_io import CheckpointReader, PlannedTensor, write_checkpoint
 
 

@@ -29,7 +29,8 @@ import traceback
 
 def push_checkpoint(path: str):
     """A function for collective_rpc: stream a checkpoint into the worker's model, one tensor per
-    `model.load_weights` call. Every tensor is handed over as a view into one staging buffer on the model's device that is overwritten with NaN right after the
+    `model.load_weights` call. Every tensor is handed over as a view into one staging buffer on the model's
+    device that is overwritten with NaN right after the
     call, as a trainer reuses its transfer buffer (verl's bucket buffer): a sync that kept a view
     of what it was given instead of a copy serves NaN."""
 

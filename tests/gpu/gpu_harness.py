@@ -125,8 +125,8 @@ def max_diff(a: dict, b: dict) -> float:
 def same(a: dict, b: dict) -> dict:
     """How an observation compares with a reference: max |Δ log p|, greedy tokens, FP8 KV scales."""
     out = {"max_dlogp": max_diff(a, b), "tokens_equal": a["tokens"] == b["tokens"]}
-    if "kv_scales" in a or "kv_scales" in b:
-        out["kv_scales_equal"] = a.get("kv_scales") == b.get("kv_scales") and bool(a.get("kv_scales"))
+    if "kv_scales" in a and "kv_scales" in b:  # (verl's HTTP path cannot be asked for them: logprobs only)
+        out["kv_scales_equal"] = a["kv_scales"] == b["kv_scales"] and bool(a["kv_scales"])
     return out
 
 

@@ -24,7 +24,8 @@ def run_case(case: str, work) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     env.update(FLASHRL_CONFIG=config, FLASHRL_KV_CACHE_DTYPE="fp8", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     args = [sys.executable, str(h.PROBES / "async_kv_probe.py"), str(orig), str(pert),
-            "--engine-args", json.dumps(h.VLLM_ENGINE)] + (["--eager"] if mode == "eager" else [])
+            "--engine-args", json.dumps(h.VLLM_ENGINE), "--prompt", json.dumps(h.SEQS[0][:6])] + \
+        (["--eager"] if mode == "eager" else [])
     res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")), None)
     if line is None:

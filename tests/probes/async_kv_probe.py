@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # functions sen
 PROMPT = [1, 504, 3575, 282, 4649, 314]
 
 
-async def main(original: str, perturbed: str, eager: bool, engine_args: dict) -> dict:
+async def main(original: str, perturbed: str, eager: bool, engine_args: dict, prompt: list[int] = PROMPT) -> dict:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -36,7 +36,7 @@ async def main(original: str, perturbed: str, eager: bool, engine_args: dict) ->
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
 
     async def gen(tag):
-        out = [o async for o in engine.generate({"prompt_token_ids": PROMPT}, params, tag)]
+        out = [o async for o in engine.generate({"prompt_token_ids": prompt}, params, tag)]
         c = out[-1].outputs[0]
         return {"tokens": list(c.token_ids), "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]}
 
@@ -80,6 +80,7 @@ if __name__ == "__main__":
     ap.add_argument("perturbed")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--engine-args", type=json.loads, default={})
+    ap.add_argument("--prompt", type=json.loads, default=PROMPT, help="token ids (JSON) within the model's vocabulary")
     a = ap.parse_args()
     if not os.path.exists(a.perturbed):  # in a child: torch CPU work here before AsyncLLM forks its engine
         # core hangs that core on a GPU host (DEVELOPERS.md, "default multiprocess engine")
@@ -88,7 +89,7 @@ if __name__ == "__main__":
 
         subprocess.run([sys.executable, "-c", "import sys; from flashrl_tools.verify.perturb import perturb; "
                         "perturb(sys.argv[1], sys.argv[2])", a.original, a.perturbed], check=True)
-    print("RESULT" + json.dumps(asyncio.run(main(a.original, a.perturbed, a.eager, a.engine_args))), flush=True)
+    print("RESULT" + json.dumps(asyncio.run(main(a.original, a.perturbed, a.eager, a.engine_args, a.prompt))), flush=True)
     from flashrl_tools.verify.engine_job import exit_engine_process
 
     exit_engine_process(0)

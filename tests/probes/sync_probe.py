@@ -183,7 +183,6 @@ def verl_cpu_platform(worker=None):
     synchronous). Runs in the trainer process and, through collective_rpc, in each worker."""
     import types
 
-    import torch
     from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import set_platform
 

@@ -60,8 +60,8 @@ class TokenizerFront:
         obj = GenerateReqInput(input_ids=ids, rid=rid, sampling_params={"max_new_tokens": 1, "temperature": 0.0})
         out = None
         try:
-            async for out in self.original(self.manager, obj, None):
-                pass
+            async for item in self.original(self.manager, obj, None):
+                out = item
         except Exception as e:  # SGLang raises for an aborted request (RequestAbortedError)
             log.warning("flashrl: FP8 KV calibration request %s failed: %s", rid, e)
             return False
