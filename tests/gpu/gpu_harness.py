@@ -157,6 +157,41 @@ def run_cases(fn, cases: list, jobs: int, results: str, **meta) -> dict:
     return rows
 
 
+def module_rows(request, cases: list, run_case, work: Path, jobs: int, results: str, **meta) -> dict:
+    """For a module-scoped fixture: run the module's selected cases (`run_case(case, work)`) side by side."""
+    return run_cases(lambda c: run_case(c, work), selected(request, "case", cases), jobs, results, **meta)
+
+
+def assert_exact(row: dict) -> None:
+    assert "error" not in row, row
+    assert failures(row) == [] and not row.get("failures"), row
+
+
+def fresh_sglang(orig: Path, pert: Path, fmt: str | None, kv: str | None, work: Path) -> dict:
+    """Fresh SGLang engines on the offline quantization of the original and the perturbed weights (with an
+    FP8 KV cache the runtime runs there too: it calibrates them once at start): {tag: observation} or an error."""
+    step = {"op": "observe", "sequences": SEQS, "max_tokens": 8}
+    out = {tag: run_sglang(quantized(src, fmt, work), [step], "bf16" if kv else None, f"fresh {tag}", kv)
+           for tag, src in (("original", orig), ("perturbed", pert))}
+    errors = [v for v in out.values() if isinstance(v, str)]
+    return {"error": errors[0]} if errors else {tag: v[0] for tag, v in out.items()}
+
+
+def sglang_probe_case(probe: str, case: str, work: Path, formats: dict) -> tuple[dict, dict]:
+    """A probe driving SGLang in a process of its own (FLASHRL_CONFIG = the case, `+kv`: FP8 KV cache) on the
+    dense model, and the fresh engines to compare with: (the probe's result, fresh observations); an error
+    is returned as the first."""
+    config, kv = case.removesuffix("+kv"), "fp8" if case.endswith("+kv") else None
+    orig, pert = model_pair(work, "qwen3")
+    env = {"FLASHRL_CONFIG": config, **({"FLASHRL_KV_CACHE_DTYPE": kv} if kv else {})}
+    got = run_probe(probe, work, f"{probe}-{case}", env,
+                    {"original": str(orig), "perturbed": str(pert), "engine_kwargs": SGLANG_ENGINE})
+    if "error" in got:
+        return got, {}
+    fresh = fresh_sglang(orig, pert, formats[config], kv, work)
+    return (fresh, {}) if "error" in fresh else (got, fresh)
+
+
 def selected(request, name: str, params: list) -> list:
     """The parameter values of test `name` in this module that pytest will run (-k, node ids)."""
     ids = {item.callspec.params[name] for item in request.session.items

@@ -72,14 +72,13 @@ def run_case(case: str, work) -> dict:
     synced = h.run_sglang(orig, steps + sample_steps(base), config, f"synced {case}", kv)
     if isinstance(synced, str):
         return {"error": synced}
-    fresh_config = "bf16" if kv else None  # the runtime calibrates the scales: it runs in the fresh engines too
-    fresh_o = h.run_sglang(h.quantized(orig, fmt, work), [observe()], fresh_config, f"fresh original {case}", kv)
-    fresh_p = h.run_sglang(h.quantized(pert, fmt, work), [observe()], fresh_config, f"fresh perturbed {case}", kv)
-    if isinstance(fresh_o, str) or isinstance(fresh_p, str):
-        return {"error": fresh_o if isinstance(fresh_o, str) else fresh_p}
+    fresh = h.fresh_sglang(orig, pert, fmt, kv, work)
+    if "error" in fresh:
+        return fresh
     start, per_tensor, restore, bucket = synced[0], synced[2], synced[4], synced[6]
-    return {"start_vs_fresh": h.same(start, fresh_o[0]), "per_tensor_sync_vs_fresh": h.same(per_tensor, fresh_p[0]),
-            "bucket_restore_vs_start": h.same(restore, start), "bucket_sync_vs_fresh": h.same(bucket, fresh_p[0]),
+    return {"start_vs_fresh": h.same(start, fresh["original"]),
+            "per_tensor_sync_vs_fresh": h.same(per_tensor, fresh["perturbed"]),
+            "bucket_restore_vs_start": h.same(restore, start), "bucket_sync_vs_fresh": h.same(bucket, fresh["perturbed"]),
             "changed_by_sync": h.max_diff(start, per_tensor), "push_seconds": [synced[i]["seconds"] for i in (1, 3, 5)],
             "hand": hand_checks(*synced[base:base + 3]), "kv": kv,
             "kv_scales_changed_by_sync": start.get("kv_scales") != per_tensor.get("kv_scales") if kv else None}
@@ -87,10 +86,8 @@ def run_case(case: str, work) -> dict:
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    cases = h.selected(request, "case", CASES)
-    rows = h.run_cases(lambda c: run_case(c, gpu_work), cases, min(gpu_jobs, 3), "sglang",
+    return h.module_rows(request, CASES, run_case, gpu_work, min(gpu_jobs, 3), "sglang",
                        engines=f"CUDA graphs, triton attention, {h.SGLANG_ENGINE}")
-    return rows
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -99,8 +96,7 @@ def test_sglang_sync_equals_a_fresh_engine(rows, case):
     if case == "moe-int8":
         assert "INT8 MoE experts on NPU only" in row.get("error", ""), row  # refused at start, one line
         return
-    assert "error" not in row, row
-    assert h.failures(row) == []
+    h.assert_exact(row)
     hand = row["hand"]
     assert hand["truncated_vs_hand_max"] is not None and hand["truncated_vs_hand_max"] < 1e-4, hand
     assert not hand["truncated_missing"], hand  # (`sampled_outside_support`: near-ties at the top-p edge, recorded)

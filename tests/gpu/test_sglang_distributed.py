@@ -17,35 +17,22 @@ CASES = ["int8", "fp8", "int8+kv"]
 
 
 def run_case(case: str, work) -> dict:
-    config, kv = case.removesuffix("+kv"), "fp8" if case.endswith("+kv") else None
-    orig, pert = h.model_pair(work, "qwen3")
-    env = {"FLASHRL_CONFIG": config, **({"FLASHRL_KV_CACHE_DTYPE": kv} if kv else {})}
-    got = h.run_probe("sglang_distributed_probe", work, f"dist-{case}", env,
-                      {"original": str(orig), "perturbed": str(pert), "engine_kwargs": h.SGLANG_ENGINE})
+    got, fresh = h.sglang_probe_case("sglang_distributed_probe", case, work, FORMAT)
     if "error" in got:
         return got
-    fmt, fresh_config = FORMAT[config], "bf16" if kv else None
-    fresh = {tag: h.run_sglang(h.quantized(src, fmt, work), [{"op": "observe", "sequences": h.SEQS, "max_tokens": 8}],
-                               fresh_config, f"fresh {tag}", kv)
-             for tag, src in (("original", orig), ("perturbed", pert))}
-    if any(isinstance(v, str) for v in fresh.values()):
-        return {"error": fresh}
-    return {"start_vs_fresh": h.same(got["start"], fresh["original"][0]),
-            "per_tensor_sync_vs_fresh": h.same(got["per_tensor"], fresh["perturbed"][0]),
+    return {"start_vs_fresh": h.same(got["start"], fresh["original"]),
+            "per_tensor_sync_vs_fresh": h.same(got["per_tensor"], fresh["perturbed"]),
             "bucket_restore_vs_start": h.same(got["bucket_restore"], got["start"]),
-            "bucket_sync_vs_fresh": h.same(got["bucket"], fresh["perturbed"][0]),
+            "bucket_sync_vs_fresh": h.same(got["bucket"], fresh["perturbed"]),
             "changed_by_sync": h.max_diff(got["start"], got["per_tensor"]), "push_seconds": got["push_seconds"]}
 
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    cases = h.selected(request, "case", CASES)
-    rows = h.run_cases(lambda c: run_case(c, gpu_work), cases, min(gpu_jobs, 3), "sglang_distributed", group_backend="gloo")
-    return rows
+    return h.module_rows(request, CASES, run_case, gpu_work, min(gpu_jobs, 3), "sglang_distributed",
+                         group_backend="gloo")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_update_weights_from_distributed_equals_a_fresh_engine(rows, case):
-    row = rows[case]
-    assert "error" not in row, row
-    assert h.failures(row) == []
+    h.assert_exact(rows[case])

@@ -36,13 +36,9 @@ def run_case(case: str, work) -> dict:
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    cases = h.selected(request, "case", CASES)
-    rows = h.run_cases(lambda c: run_case(c, gpu_work), cases, gpu_jobs, "vllm_async_kv")
-    return rows
+    return h.module_rows(request, CASES, run_case, gpu_work, gpu_jobs, "vllm_async_kv")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_async_engine_recalibrates_once_per_sync(rows, case):
-    row = rows[case]
-    assert "error" not in row, row
-    assert all(row["checks"].values()), row["checks"]
+    h.assert_exact(rows[case])  # every check of the probe true

@@ -30,6 +30,4 @@ def rows(request, gpu_work, gpu_jobs) -> dict:
 def test_lifecycle_stays_exact(rows, case):
     if case.startswith("sq-") and SQ is None:
         pytest.skip("FLASHRL_GPU_SQ is not set (the staged SmoothQuant profile: scripts/gpu_stage_sq.sh)")
-    row = rows[case]
-    assert "error" not in row, row
-    assert row["failures"] == []
+    h.assert_exact(rows[case])

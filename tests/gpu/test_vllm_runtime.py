@@ -47,15 +47,11 @@ def run_case(case: str, work) -> dict:
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    cases = h.selected(request, "case", CASES)
-    rows = h.run_cases(lambda c: run_case(c, gpu_work), cases, gpu_jobs, "vllm_runtime", engines="eager")
-    return rows
+    return h.module_rows(request, CASES, run_case, gpu_work, gpu_jobs, "vllm_runtime", engines="eager")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_sync_equals_a_fresh_engine(rows, case):
-    row = rows[case]
-    assert "error" not in row, row
-    assert h.failures(row) == []
+    h.assert_exact(rows[case])
     if case.endswith("+kv"):
-        assert row["kv_scales_changed_by_sync"]  # recalibrated for the new weights
+        assert rows[case]["kv_scales_changed_by_sync"]  # recalibrated for the new weights
