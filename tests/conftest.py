@@ -100,3 +100,35 @@ def prepare_verl() -> None:
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     probe.prepare_verl()
+
+
+# -- the GPU tests (tests/gpu/): marked `gpu`, skipped without CUDA ------------------------------------
+# (one conftest for the whole suite: a second `conftest` module in tests/gpu/ would shadow this one's names)
+GPU_TESTS = Path(__file__).parent / "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tests/gpu/)")
+    for item in items:
+        if Path(str(item.fspath)).resolve().parent == GPU_TESTS:
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu_work() -> Path:
+    """FLASHRL_GPU_WORK keeps the GPU tests' models and engine logs (default: a temp dir)."""
+    import tempfile
+
+    work = Path(os.environ.get("FLASHRL_GPU_WORK") or tempfile.mkdtemp(prefix="flashrl-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+@pytest.fixture(scope="session")
+def gpu_jobs() -> int:
+    """FLASHRL_GPU_JOBS: how many engines the GPU tests run side by side (default 4)."""
+    return int(os.environ.get("FLASHRL_GPU_JOBS", "4"))
