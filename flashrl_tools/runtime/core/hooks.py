@@ -38,11 +38,18 @@ def wrap(original, hook: Hook):
     if kind is HookKind.REPLACE:
         wrapper = fn
     elif kind is HookKind.BEFORE:
-        def wrapper(*args, **kwargs):
+        def before(args, kwargs):
             changed = fn(*args, **kwargs)
-            if changed is not None:  # (args, kwargs) to call the original with
-                args, kwargs = changed
-            return original(*args, **kwargs)
+            return (args, kwargs) if changed is None else changed  # (args, kwargs) to call the original with
+
+        if inspect.iscoroutinefunction(original):  # stays a coroutine function for callers that check
+            async def wrapper(*args, **kwargs):
+                args, kwargs = before(args, kwargs)
+                return await original(*args, **kwargs)
+        else:
+            def wrapper(*args, **kwargs):
+                args, kwargs = before(args, kwargs)
+                return original(*args, **kwargs)
     elif kind is HookKind.AFTER:
         if inspect.iscoroutinefunction(original):
             async def wrapper(*args, **kwargs):
