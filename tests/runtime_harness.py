@@ -20,14 +20,13 @@ from flashrl_tools.safetensors_io import CheckpointReader
 
 
 def perturbed(bf16: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
-    """The BF16 policy's tensors, each x (1 + 0.05 N(0, 1)) (seed 0: unchanged): a trainer's step."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for name, t in sorted(CheckpointReader(bf16).iter_tensors()):
-        if seed:
-            t = (t.float() * (1 + 0.05 * torch.randn(t.shape, generator=g))).to(t.dtype)
-        out.append((name, t))
-    return out
+    """The BF16 policy's tensors, each x (1 + 0.05 N(0, 1)) (`verify.perturb`: a trainer's step), sorted."""
+    import tempfile
+
+    from flashrl_tools.verify.perturb import perturb
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return sorted(CheckpointReader(perturb(bf16, Path(tmp) / "p", seed=seed, match=("",))).iter_tensors())
 
 
 def write_checkpoint(bf16: Path, tensors: list[tuple[str, torch.Tensor]], out: Path) -> Path:
