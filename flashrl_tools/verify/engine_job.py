@@ -27,8 +27,9 @@ import time
 import traceback
 
 
-def push_checkpoint(path: str):
-    """A function for collective_rpc: stream a checkpoint into the worker's model, one tensor per
+def push_checkpoint(path: str, count: int | None = None):
+    """A function for collective_rpc: stream a checkpoint (its first `count` tensors: a sync left
+    incomplete) into the worker's model, one tensor per
     `model.load_weights` call. Every tensor is handed over as a view into one staging buffer on the model's
     device that is overwritten with NaN right after the
     call, as a trainer reuses its transfer buffer (verl's bucket buffer): a sync that kept a view
@@ -44,7 +45,9 @@ def push_checkpoint(path: str):
         size = max(reader.dtype(n).itemsize * math.prod(reader.shape(n)) for n in reader.names())
         staging = torch.empty(size, dtype=torch.uint8, device=next(model.parameters()).device)
         t0 = time.perf_counter()
-        for name, tensor in reader.iter_tensors():
+        for i, (name, tensor) in enumerate(reader.iter_tensors()):
+            if count is not None and i >= count:
+                break
             used = staging[:tensor.numel() * tensor.element_size()]
             view = used.view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)

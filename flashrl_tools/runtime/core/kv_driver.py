@@ -1,13 +1,15 @@
 """FP8 KV cache, the front end's side: when a calibration runs and what it waits for, for every engine.
 
-Before the first rollout after a weight update (and before the first one at all) the front end runs
-the calibration: it takes a lock (rollouts arriving meanwhile wait), waits for the requests already in
-flight to finish (they would add their q / k / v to the maxima, and run with the reference scales),
-flushes the prefix cache (blocks computed by the old weights), arms the model side, sends the fixed
-calibration sequences one prefill each (so the batches -- and the kernels' results -- are those of a
-fresh engine), finishes (the model side writes the scales), and flushes again (the calibration's
-blocks were written with the reference scales). The adapter's `KVFront` says how each step is done
-on its engine; `calibrate` is written once, as a coroutine, and `run_sync` drives it for a
+Before the first rollout after a weight update (and before the first one at all; vLLM: when a paused
+engine resumes) the front end runs the calibration: it takes a lock (rollouts arriving meanwhile
+wait), sets the requests in flight aside where the engine can (`KVFront.aside`: they stay frozen with
+their KV blocks, and their FP8 entries are re-encoded for the new scales when the calibration
+finishes -- no drain), else waits for them to finish (they would add their q / k / v to the maxima,
+and run with the reference scales), flushes the prefix cache (blocks computed by the old weights),
+arms the model side, sends the fixed calibration sequences one prefill each (so the batches -- and
+the kernels' results -- are those of a fresh engine), finishes (the model side writes the scales),
+and flushes again (the calibration's blocks were written with the reference scales). The adapter's
+`KVFront` says how each step is done on its engine; `calibrate` is written once, as a coroutine, and `run_sync` drives it for a
 synchronous front end (vLLM's `LLM`), whose steps never wait.
 """
 
@@ -36,6 +38,11 @@ class KVFront(Protocol):
 
     def lock(self) -> contextlib.AbstractAsyncContextManager: ...
 
+    def aside(self) -> contextlib.AbstractAsyncContextManager[int | None]:
+        """Set the requests in flight aside for the calibration (frozen, their KV blocks kept), and
+        bring them back after it: yields how many, or None where the engine cannot (then the
+        calibration waits for them to finish)."""
+
     async def stale(self) -> bool:
         """Whether the scales may not be those of the current weights."""
 
@@ -52,9 +59,9 @@ class KVFront(Protocol):
     async def prefill(self, ids: list[int], rid: str) -> bool:
         """One calibration sequence, one token generated; False if the engine aborted it."""
 
-    async def finish(self, token: str, ok: bool) -> bool:
+    async def finish(self, token: str, ok: bool, rescale: bool) -> bool:
         """The model side writes the scales (ok) or goes back to the ones in use (not ok); False if
-        the scales were not written."""
+        the scales were not written. `rescale`: requests set aside hold entries of the old scales."""
 
     def calibrated(self) -> None:
         """The calibration completed: the scales are those of the current weights."""
@@ -70,29 +77,32 @@ async def calibrate(front: KVFront) -> bool:
         if not await front.stale():
             return True  # calibrated by the request that held the lock before this one
         t0 = time.perf_counter()
-        while await front.in_flight():
-            await asyncio.sleep(0.005)
-        sequences = front.sequences()
-        token = uuid.uuid4().hex[:12]
-        marker = _calibrating.set(True)
-        sent = written = False  # stay False if a step raises: the model side goes back to its scales
-        try:
-            if await front.flush():
-                await front.arm()
-                sent = True
-                for i, ids in enumerate(sequences):
-                    if not await front.prefill(ids, calibration_rid(token, i)):
-                        sent = False
-                        break
-        finally:
+        async with front.aside() as kept:
+            if kept is None:
+                while await front.in_flight():
+                    await asyncio.sleep(0.005)
+            sequences = front.sequences()
+            token = uuid.uuid4().hex[:12]
+            marker = _calibrating.set(True)
+            sent = written = False  # stay False if a step raises: the model side goes back to its scales
             try:
-                written = await front.finish(token, sent)
+                if await front.flush():
+                    await front.arm()
+                    sent = True
+                    for i, ids in enumerate(sequences):
+                        if not await front.prefill(ids, calibration_rid(token, i)):
+                            sent = False
+                            break
             finally:
-                ok = await front.flush() and sent and written
-                _calibrating.reset(marker)
+                try:
+                    written = await front.finish(token, sent, bool(kept))
+                finally:
+                    ok = await front.flush() and sent and written
+                    _calibrating.reset(marker)
         if ok:
             front.calibrated()
-            log.info("flashrl: FP8 KV calibration done (%d sequences, %.2f s)", len(sequences),
+            log.info("flashrl: FP8 KV calibration done (%d sequences, %s, %.2f s)", len(sequences),
+                     "no request in flight" if not kept else f"{kept} requests kept in flight",
                      time.perf_counter() - t0)
         else:
             log.warning("flashrl: FP8 KV calibration did not complete (a weight sync in progress?); the next "
@@ -111,10 +121,11 @@ def run_sync(coroutine):
 
 
 class NoLock:
-    """`KVFront.lock` of a synchronous front end (its calls never interleave)."""
+    """`KVFront.lock` of a synchronous front end (its calls never interleave), and the `aside` of a
+    front end that cannot set requests aside (yields None)."""
 
     async def __aenter__(self):
-        return self
+        return None
 
     async def __aexit__(self, *exc):
         return False

@@ -10,7 +10,11 @@ attention layer's absolute maximum of q, k and v over all their tokens, and sets
                                  constants, Q/K/V_SCALE_CONSTANT, so the headroom is vLLM's)
 
 A fresh engine started on the same weights runs the same sequences through the same kernels,
-so it gets the same scales; whichever sync path delivered the weights does not enter. Pure
+so it gets the same scales; whichever sync path delivered the weights does not enter. Requests
+kept across an update (in-flight updates, asynchronous RL) hold cache entries written with the old
+scales: `rescale_fp8_` writes each again for the new ones (x = q * old, stored as fp8(x / new),
+saturated as the engines' cache writes are), so every entry is read with the scale it was written
+with. Pure
 torch here; the state per model is kv_state.py, the front end's protocol kv_driver.py, and each
 adapter's kv_scales.py says where its attention layers keep the scales.
 """
@@ -48,6 +52,27 @@ def scale_for(kind: str, absmax: float) -> float:
     """The FP8 scale of one of q / k / v from its calibration absmax (fp32, never zero)."""
     scale = float(torch.tensor(absmax, dtype=torch.float32) / torch.tensor(RANGES[kind], dtype=torch.float32))
     return max(scale, MIN_SCALE)
+
+
+RESCALE_CHUNK = 1 << 25  # elements converted at once: bounds the float32 temporary (128 MiB)
+
+
+def rescale_fp8_(cache: torch.Tensor, old: float, new: float, rows=None, chunk: int = RESCALE_CHUNK) -> None:
+    """Re-encode FP8 cache entries written with scale `old` for scale `new`, in place: q -> fp8(q x
+    (old / new)), saturated. `cache`: any view of an engine's cache with its blocks on dim 0; `rows`:
+    the blocks to convert (the kept requests'), all when None. A no-op when the scales are equal."""
+    if old == new or cache.numel() == 0:
+        return
+    limit = float(torch.finfo(cache.dtype).max)
+    factor = (torch.tensor(old, dtype=torch.float32) / torch.tensor(new, dtype=torch.float32)).to(cache.device)
+    index = (torch.arange(cache.shape[0]) if rows is None else torch.as_tensor(list(rows), dtype=torch.long))
+    index = index.to(cache.device)
+    raw = cache.view(torch.uint8)  # index kernels take bytes, not every FP8 dtype
+    step = max(1, chunk // max(1, cache[:1].numel()))
+    for start in range(0, index.numel(), step):
+        part = index[start:start + step]
+        values = raw.index_select(0, part).view(cache.dtype).to(torch.float32).mul_(factor).clamp_(-limit, limit)
+        raw.index_copy_(0, part, values.to(cache.dtype).view(torch.uint8))
 
 
 def is_fp8_kv(cache_dtype) -> bool:

@@ -55,6 +55,11 @@ class KVLayers(Protocol):
     def changed(self) -> None:
         """New scales were written (an engine that bakes them into captured graphs captures again)."""
 
+    def rescale(self, layer: torch.nn.Module, old: dict[str, float], new: dict[str, float], kept) -> None:
+        """Re-encode the FP8 entries of the requests kept across an update (`kept`: the adapter's
+        description of their blocks), written with `old`, for `new`, in place (kv_math.rescale_fp8_
+        on the engine's K and V halves)."""
+
 
 class KVScaleState:
     def __init__(self, layers: KVLayers, session, checkpoint_scales: bool):
@@ -92,8 +97,10 @@ class KVScaleState:
         self.kv.eager(True)
         return len(self._hooks)
 
-    def finish(self) -> dict[str, dict[str, float]]:
-        """Write the calibrated scales; raises (scales in use restored) if a layer saw no token."""
+    def finish(self, kept=None) -> dict[str, dict[str, float]]:
+        """Write the calibrated scales; raises (scales in use restored) if a layer saw no token.
+        `kept`: the blocks of requests kept across the update (the adapter's description), whose
+        entries were written with the scales in use until now: they are re-encoded for the new ones."""
         t0 = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the hooks' maxima were computed on the forward stream
@@ -104,12 +111,15 @@ class KVScaleState:
         self._disarm()
         for name, layer in self.kv.layers.items():
             self.kv.write(layer, scales[name])
+            if kept:
+                self.kv.rescale(layer, self.current[name], scales[name], kept)
         changed = scales != self.current
         if changed:
             self.kv.changed()
         self.current, self.calibrated_at, self.error = scales, self.session.completed, None
-        log.info("flashrl: FP8 KV scales recalibrated for the current weights (%d layers, %s, %.2f s)",
-                 len(scales), "changed" if changed else "unchanged", time.perf_counter() - t0)
+        log.info("flashrl: FP8 KV scales recalibrated for the current weights (%d layers, %s%s, %.2f s)",
+                 len(scales), "changed" if changed else "unchanged", ", kept entries rescaled" if kept else "",
+                 time.perf_counter() - t0)
         return scales
 
     def abandon(self) -> None:

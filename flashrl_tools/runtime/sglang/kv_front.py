@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from flashrl_tools.runtime.core.kv_driver import calibrate, calibrating
+from flashrl_tools.runtime.core.kv_driver import NoLock, calibrate, calibrating
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 from flashrl_tools.runtime.core.kv_state import FINISH, calibration_index, calibration_rid
 
@@ -29,6 +29,10 @@ class TokenizerFront:
 
     def lock(self):
         return self.manager.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
+
+    def aside(self):
+        """Requests in flight are not set aside on SGLang: the calibration waits for them."""
+        return NoLock()
 
     async def stale(self) -> bool:
         return getattr(self.manager, STALE, True)
@@ -68,7 +72,7 @@ class TokenizerFront:
         reason = ((out or {}).get("meta_info") or {}).get("finish_reason") or {}
         return reason.get("type") != "abort"
 
-    async def finish(self, token: str, ok: bool) -> bool:
+    async def finish(self, token: str, ok: bool, rescale: bool = False) -> bool:
         """A last request makes the schedulers write the scales (a failed calibration sends none: the
         schedulers go back to the scales in use at the next request)."""
         return ok and await self.prefill(self._first, calibration_rid(token, FINISH))

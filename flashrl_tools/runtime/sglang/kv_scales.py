@@ -62,6 +62,9 @@ class RadixAttentionScales:
         elif not on and self._prefill_graphs is not None:
             self.runner.prefill_cuda_graph_runner, self._prefill_graphs = self._prefill_graphs, None
 
+    def rescale(self, layer, old: dict[str, float], new: dict[str, float]) -> None:
+        raise NotImplementedError("flashrl: SGLang's FP8 KV entries are not rescaled (its front end drains)")
+
     def changed(self) -> None:
         """The decode CUDA graphs hold the old floats as kernel arguments: capture them again."""
         if getattr(self.runner, "decode_cuda_graph_runner", None) is not None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
-from flashrl_tools.runtime.vllm import engine_args, fixes, requests, sleep, weight_sync
+from flashrl_tools.runtime.vllm import async_front, engine_args, fixes, pause, requests, sleep, weight_sync
 
 _V1 = "vllm.v1.worker.worker_base.WorkerBase"
 _ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
+_CORE = "vllm.v1.engine.core.EngineCore"
 _CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe"
 HOOKS: tuple[Hook, ...] = (
     Hook("engine_args", "vllm.engine.arg_utils.EngineArgs.create_engine_config", engine_args.create_engine_config,
@@ -28,9 +29,16 @@ HOOKS: tuple[Hook, ...] = (
     Hook("request_guard", "vllm.LLM._render_and_add_requests|vllm.LLM._validate_and_add_requests",
          requests.add_requests, HookKind.BEFORE, "front end",
          "`LLM`'s request entry: refuse while weights are incomplete; calibrate stale FP8 KV scales"),
-    Hook("async_generate", f"{_ASYNC}.generate", requests.generate, HookKind.AROUND, "front end",
+    Hook("async_generate", f"{_ASYNC}.generate", async_front.generate, HookKind.AROUND, "front end",
          "the same for `AsyncLLM.generate` (verl's server, `vllm serve`)", optional=True),
-    *(Hook(f"async_{name}", f"{_ASYNC}.{name}", requests.changed, HookKind.BEFORE, "front end",
+    Hook("async_pause", f"{_ASYNC}.pause_generation", async_front.pause_generation, HookKind.AROUND, "front end",
+         "in-flight updates: new requests wait for the resume", optional=True),
+    Hook("async_resume", f"{_ASYNC}.resume_generation", async_front.resume_generation, HookKind.AROUND, "front end",
+         "refused while weights are incomplete; FP8 KV scales calibrated, kept requests' entries rescaled",
+         optional=True),
+    *(Hook(f"core_{fn.__name__}", f"{_CORE}.flashrl_{fn.__name__}", fn, HookKind.ADD, "engine core",
+           f"utility `flashrl_{fn.__name__}`: {(fn.__doc__ or '').splitlines()[0]}") for fn in (pause.hold, pause.release)),
+    *(Hook(f"async_{name}", f"{_ASYNC}.{name}", async_front.changed, HookKind.BEFORE, "front end",
            "the workers' state may change: the next request asks them again", optional=True)
       for name in ("collective_rpc", "sleep", "wake_up")),
     Hook("cpu_int8_kernel", "vllm.model_executor.kernels.linear.scaled_mm.cpu.CPUInt8ScaledMMLinearKernel."

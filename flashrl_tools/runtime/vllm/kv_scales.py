@@ -1,7 +1,9 @@
 """FP8 KV cache, vLLM worker side: where vLLM's attention layers keep their scales (the core's
 `KVScaleState` decides when and what to write: core/kv_state.py). vLLM's FP8 cache scales q, k and v:
 the tensors `_q_scale` / `_k_scale` / `_v_scale` (read inside CUDA graphs: written in place), their
-float copies (`_k_scale_float`, ...) and, on CPU, `_k_scale_cpu` / `_v_scale_cpu`."""
+float copies (`_k_scale_float`, ...) and, on CPU, `_k_scale_cpu` / `_v_scale_cpu`. Requests kept across
+an update: `kv_halves` says where each attention backend keeps K and V in its cache tensor, and
+`rescale` re-encodes them (core/kv_math.py `rescale_fp8_`)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,53 @@ class AttentionScales:
 
     def changed(self) -> None:
         """Nothing to do: vLLM's kernels read the scale tensors, also inside captured graphs."""
+
+    def rescalable(self) -> str | None:
+        """Why the kept entries cannot be rescaled on this engine (None: they can)."""
+        for layer in self.layers.values():
+            try:
+                kv_halves(layer)
+            except NotImplementedError as e:
+                return str(e)
+        return None
+
+    def rescale(self, layer, old: dict[str, float], new: dict[str, float], kept: list[list[int]]) -> None:
+        """`kept`: block ids per KV-cache group (the engine core's `hold`); this layer's group's."""
+        from flashrl_tools.runtime.core.kv_math import rescale_fp8_
+
+        groups = self.runner.kv_cache_config.kv_cache_groups
+        group = next(i for i, g in enumerate(groups) if layer.layer_name in g.layer_names)
+        if kept[group]:
+            for kind, half in zip("kv", kv_halves(layer)):
+                rescale_fp8_(half, old[kind], new[kind], kept[group])
+
+
+def kv_halves(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V entries of an attention layer's FP8 cache, as FP8 views of the engine's tensor.
+    vLLM 0.26's GPU backends (FLASH_ATTN, FLASHINFER, TRITON_ATTN) pack K and V in the content dim,
+    (blocks, heads, block size, 2 x head size): K is the first head size. vLLM-CPU's CPU_ATTN has the
+    same shape but packs per block and head: the first block size x head size values are K. Older
+    layouts keep K and V on a dim of their own, (2, blocks, ...) or (blocks, 2, ...)."""
+    cache = layer.kv_cache
+    cache = cache[0] if isinstance(cache, (list, tuple)) else cache
+    name = layer.attn_backend.get_name() if hasattr(layer, "attn_backend") else "?"
+    if cache.numel() == 0:
+        raise NotImplementedError(f"flashrl: attention backend {name} has no KV cache tensor bound to the layer")
+    if cache.dtype == torch.uint8:  # vLLM allocates FP8 caches as bytes; its kernels view them
+        e5m2 = str(getattr(layer, "kv_cache_dtype", "fp8")).endswith("e5m2")
+        cache = cache.view(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
+    d = layer.head_size
+    if name == "CPU_ATTN" and cache.dim() == 4:
+        return tuple(cache.view(cache.shape[0], cache.shape[1], 2, -1).unbind(2))
+    if cache.dim() == 4 and cache.shape[-1] == 2 * d and name in PACKED_BACKENDS:
+        return cache[..., :d], cache[..., d:]
+    if cache.dim() == 5 and 2 in cache.shape[:2]:
+        return tuple(cache.unbind(cache.shape[:2].index(2)))
+    raise NotImplementedError(f"flashrl: the KV-cache layout of attention backend {name} {tuple(cache.shape)} is "
+                              "not known to the runtime's rescale")
+
+
+PACKED_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
 
 
 def set_kv_scales(layer, q: float, k: float, v: float) -> None:

@@ -2,12 +2,10 @@
 end asks through `collective_rpc` (names, not callables: those need VLLM_ALLOW_INSECURE_SERIALIZATION
 across processes). Admission (core/admission.py): refused in the caller while any worker's weights are
 incomplete -- the model's own refusal would kill a multiprocess engine core. FP8 KV cache: the core's
-calibration driver (core/kv_driver.py) runs before the first request after a sync, through the
-`KVFront`s below."""
+calibration driver (core/kv_driver.py) runs before the first request after a sync, through `LLMFront`
+below (`AsyncLLM`'s front end, pause and resume: async_front.py)."""
 
 from __future__ import annotations
-
-import asyncio
 
 from flashrl_tools.runtime.core.admission import admit
 from flashrl_tools.runtime.core.kv_driver import NoLock, calibrate, calibrating, run_sync
@@ -49,8 +47,22 @@ def kv_arm(worker) -> int:
     return kv.arm()
 
 
-def kv_finish(worker) -> dict:
-    return _kv(worker).finish()
+def kv_finish(worker, kept: list[list[int]] | None = None) -> dict:
+    """Write the calibrated scales; `kept`: block ids (per KV-cache group) of requests kept in flight."""
+    kv = _kv(worker)
+    kv.kv.runner = worker.model_runner
+    return kv.finish(kept)
+
+
+def kv_rescalable(worker) -> str | None:
+    """Why kept FP8 KV entries cannot be rescaled on this worker (None: they can)."""
+    return _kv(worker).kv.rescalable()
+
+
+def version(worker) -> int:
+    """How many syncs the worker's model completed (the prefix-cache salt of new requests)."""
+    session = getattr(_model(worker), "flashrl_sync", None)
+    return 0 if session is None else session.completed
 
 
 def kv_abandon(worker) -> None:
@@ -80,7 +92,8 @@ def discard(worker, reason: str = "discarded by the caller") -> None:
 
 
 WORKER_METHODS = {f"flashrl_{f.__name__}": f for f in (sync_status, inplace_layers, kv_stale, kv_arm, kv_finish,
-                                                       kv_abandon, kv_scales, digest, small_values, discard)}
+                                                       kv_rescalable, kv_abandon, kv_scales, version, digest,
+                                                       small_values, discard)}
 
 
 # -- the synchronous front end: vllm.LLM ------------------------------------------------------
@@ -93,6 +106,9 @@ class LLMFront:
 
     def lock(self):
         return NoLock()
+
+    def aside(self):
+        return NoLock()  # no request is in flight while `LLM` adds requests
 
     async def stale(self) -> bool:
         return any(self.llm.collective_rpc("flashrl_kv_stale"))
@@ -118,12 +134,15 @@ class LLMFront:
     async def prefill(self, ids: list[int], rid: str) -> bool:
         from vllm import SamplingParams
 
-        self.llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1,
-                                                                       detokenize=False), use_tqdm=False)
+        self.llm.generate([calibration_prompt(ids, rid)], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                           detokenize=False), use_tqdm=False)
         return True
 
-    async def finish(self, token: str, ok: bool) -> bool:
-        self.llm.collective_rpc("flashrl_kv_finish" if ok else "flashrl_kv_abandon")
+    async def finish(self, token: str, ok: bool, rescale: bool = False) -> bool:
+        if ok:
+            self.llm.collective_rpc("flashrl_kv_finish")
+        else:
+            self.llm.collective_rpc("flashrl_kv_abandon")
         return ok
 
     def calibrated(self) -> None:
@@ -140,75 +159,7 @@ def add_requests(llm, *args, **kwargs) -> None:
         run_sync(calibrate(LLMFront(llm)))
 
 
-# -- the asynchronous front end: AsyncLLM (verl's rollout server, `vllm serve`) -----------------
-
-class AsyncLLMFront:
-    """`KVFront` of `AsyncLLM`: requests arriving meanwhile wait on its lock."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def lock(self):
-        return self.engine.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
-
-    async def stale(self) -> bool:
-        return any(await self.engine.collective_rpc("flashrl_kv_stale"))
-
-    async def in_flight(self) -> int:
-        return self.engine.output_processor.get_num_unfinished_requests()
-
-    async def flush(self) -> bool:
-        await self.engine.reset_prefix_cache()
-        return True
-
-    def sequences(self) -> list[list[int]]:
-        config = self.engine.model_config
-        return calibration_inputs(self.engine.tokenizer, config.get_vocab_size(), config.max_model_len)
-
-    async def arm(self) -> None:
-        await self.engine.collective_rpc("flashrl_kv_arm")
-
-    async def prefill(self, ids: list[int], rid: str) -> bool:
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-        async for _ in self.engine.generate({"prompt_token_ids": ids}, params, rid):
-            pass
-        return True
-
-    async def finish(self, token: str, ok: bool) -> bool:
-        await self.engine.collective_rpc("flashrl_kv_finish" if ok else "flashrl_kv_abandon")
-        return ok
-
-    def calibrated(self) -> None:
-        pass
-
-
-async def generate(original, engine, *args, **kwargs):
-    """AROUND `AsyncLLM.generate`: before a request enters, refuse it while the workers' weights are
-    incomplete (asked once per change: see `changed`), and calibrate stale FP8 KV scales."""
-    if not calibrating():
-        await _admit_async(engine)
-        if is_fp8_kv(engine.vllm_config.cache_config.cache_dtype):
-            await calibrate(AsyncLLMFront(engine))
-    async for out in original(engine, *args, **kwargs):
-        yield out
-
-
-def changed(engine, *args, **kwargs) -> None:
-    """BEFORE `AsyncLLM.collective_rpc` / `sleep` / `wake_up`: the workers' state may change (verl
-    pushes weights through collective_rpc), so the next request asks them again (not after the
-    runtime's own flashrl_* RPCs, which read the state, except flashrl_discard)."""
-    rpc = kwargs.get("method", args[0] if args else None)
-    if not (isinstance(rpc, str) and rpc.startswith("flashrl_")) or rpc == "flashrl_discard":
-        engine._flashrl_ready_epoch = None
-        engine._flashrl_epoch = getattr(engine, "_flashrl_epoch", 0) + 1
-
-
-async def _admit_async(engine) -> None:
-    epoch = getattr(engine, "_flashrl_epoch", 0)
-    if getattr(engine, "_flashrl_ready_epoch", None) == epoch:
-        return
-    admit(await engine.collective_rpc("flashrl_sync_status"))
-    if getattr(engine, "_flashrl_epoch", 0) == epoch:  # nothing changed while we asked
-        engine._flashrl_ready_epoch = epoch
+def calibration_prompt(ids: list[int], rid: str) -> dict:
+    """A calibration sequence with a salt of its own: it never reuses a cached block (an earlier
+    calibration's, or a kept request's), as on a fresh engine."""
+    return {"prompt_token_ids": ids, "cache_salt": f"flashrl-{rid}"}

@@ -1,0 +1,228 @@
+"""A continuous rollout stream with periodic in-flight weight updates, as asynchronous RL trainers run it
+(PipelineRL, prime-rl, verl's fully-async): vLLM's AsyncLLM keeps `--concurrency` requests in flight (a
+finished one is replaced at once: prompts of `--prompt-len` random tokens, output lengths long-tailed up
+to `--max-len`, T=1 with logprobs), and every `--every` seconds the trainer pauses in keep mode
+(`clear_cache=False`: kept requests keep their KV), pushes a full set of BF16 weights through
+`model.load_weights` one tensor per call (the runtime re-quantizes them), and resumes.
+
+Per config (each in a fresh process; `+kv`: FP8 KV cache, recalibrated at every resume with the kept
+requests set aside): output tokens/s over the run, and per update the pause, push and resume times and
+the bubble -- the longest stretch around the update in which no request got a token -- and the tokens
+still in flight when the first token after the resume arrived (0 would mean a drain). Prints a table,
+writes JSON. Same prompts and lengths for every config.
+
+    python benchmarks/async_stream.py --shapes 7b --configs bf16,int8,int8+kv --json benchmarks/results/async_stream_7b.json
+    python benchmarks/async_stream.py --preset smoke     # CPU, config-only tiny shape (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import preset_options, run_worker  # noqa: E402
+from rl_step import output_lengths  # noqa: E402
+from shapes import model_dir  # noqa: E402
+from weight_sync import sync_in_worker  # noqa: E402
+
+PRESETS = {
+    "gpu": dict(shapes="7b", configs="bf16,int8,int8+kv", concurrency=128, prompt_len=512, max_len=2048,
+                seconds=60.0, every=15.0),
+    "cpu": dict(shapes="default", configs="bf16,int8", concurrency=4, prompt_len=32, max_len=64, seconds=20.0,
+                every=6.0),
+    "smoke": dict(shapes="tiny", configs="bf16,int8", concurrency=3, prompt_len=16, max_len=24, seconds=6.0,
+                  every=2.5),
+}
+
+
+async def stream(spec: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    t0 = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
+        dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["max_len"] + 8, seed=0,
+        gpu_memory_utilization=spec["gpu_memory_utilization"], enforce_eager=not gpu, enable_prefix_caching=True))
+    start_s = time.perf_counter() - t0
+    config = engine.vllm_config
+    vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
+    lengths = output_lengths(100_000, spec["max_len"], seed=1)
+    stamps: list[float] = []  # one per streamed output (every request's every token, async scheduling: chunks)
+    counts = {"tokens": 0, "done": 0}
+    left: dict[str, int] = {}
+    stop = asyncio.Event()
+
+    async def one(i: int) -> None:
+        rng = random.Random(i)  # request i: the same prompt and length in every config
+        ids = [rng.randrange(10, vocab) for _ in range(spec["prompt_len"])]
+        params = SamplingParams(temperature=1.0, max_tokens=lengths[i], ignore_eos=True, logprobs=0, seed=i,
+                                detokenize=False)
+        seen = 0
+        left[str(i)] = lengths[i]
+        async for out in engine.generate({"prompt_token_ids": ids}, params, str(i)):
+            n = len(out.outputs[0].token_ids)
+            if n > seen:
+                stamps.append(time.perf_counter())
+                counts["tokens"] += n - seen
+                seen = n
+                left[str(i)] = lengths[i] - n
+        left.pop(str(i), None)
+        counts["done"] += 1
+
+    async def lane(first: int) -> None:
+        i = first
+        while not stop.is_set():
+            await one(i)
+            i += spec["concurrency"]
+
+    await one(10**6)  # warm-up (and, with an FP8 KV cache, the first calibration)
+    stamps.clear()
+    counts.update(tokens=0, done=0)
+    sync = sync_in_worker(spec["model"], native=False, repeats=1)
+    begin = time.perf_counter()
+    lanes = [asyncio.create_task(lane(k)) for k in range(spec["concurrency"])]
+    updates = []
+    while time.perf_counter() - begin + spec["every"] < spec["seconds"]:
+        await asyncio.sleep(spec["every"])
+        u = {"t": time.perf_counter() - begin}
+        t = time.perf_counter()
+        await engine.pause_generation(mode="keep", clear_cache=False)
+        u["pause_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        (pushed,) = (await engine.collective_rpc(sync))[0]
+        u["push_s"], u["push_sync_s"] = time.perf_counter() - t, pushed["sync_s"]
+        t = time.perf_counter()
+        await engine.resume_generation()
+        resumed = time.perf_counter()
+        u["resume_s"] = resumed - t
+        n = len(stamps)
+        while len(stamps) == n:
+            await asyncio.sleep(0.0005)
+        u["first_token_after_resume_s"] = stamps[n] - resumed
+        u["tokens_in_flight_at_first_token"] = sum(left.values())
+        updates.append(u)
+    stop.set()
+    elapsed = time.perf_counter() - begin
+    tokens = counts["tokens"]
+    for task in lanes:
+        task.cancel()
+    for u in updates:  # the longest gap between streamed tokens around each update
+        at = begin + u["t"]
+        window = [s for s in stamps if at - 0.5 <= s <= at + u["pause_s"] + u["push_s"] + u["resume_s"] + 5.0]
+        u["bubble_s"] = max((b - a for a, b in zip(window, window[1:])), default=None)
+    engine.shutdown()
+    return {"start_s": start_s, "seconds": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
+            "requests_done": counts["done"], "updates": updates,
+            "async_scheduling": bool(getattr(config.scheduler_config, "async_scheduling", False)),
+            "kv_cache_dtype": config.cache_config.cache_dtype}
+
+
+def worker(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    return asyncio.run(stream(spec))
+
+
+def run_one(spec: dict, config: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    name, _, kv = config.partition("+")
+    if kv not in ("", "kv"):
+        return {"error": f"unknown config suffix '+{kv}' in '{config}' (use NAME or NAME+kv for an FP8 KV cache)"}
+    env["FLASHRL_CONFIG"] = name
+    if kv:
+        env["FLASHRL_KV_CACHE_DTYPE"] = "fp8"
+    return run_worker(__file__, spec, env)
+
+
+def summarize(r: dict) -> None:
+    ups = r.get("updates") or []
+    for key in ("bubble_s", "pause_s", "push_s", "resume_s", "first_token_after_resume_s"):
+        vals = [u[key] for u in ups if u.get(key) is not None]
+        r[f"mean_{key}"] = sum(vals) / len(vals) if vals else None
+    r["min_tokens_in_flight_at_first_token"] = min((u["tokens_in_flight_at_first_token"] for u in ups), default=None)
+
+
+def print_table(rows: list[dict], header: str) -> None:
+    print(f"\n{header}")
+    print(f"{'shape':8} {'config':9} {'tok/s':>9} {'vs bf16':>7} {'updates':>7} {'bubble s':>8} {'pause s':>7} "
+          f"{'push s':>7} {'resume s':>8} {'1st tok s':>9} {'in flight':>9} {'async sch':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:8} {r['config']:9} ERROR {r['error']}")
+            continue
+
+        def f(v, fmt="8.3f"):
+            return format(v, fmt) if v is not None else "-"
+
+        print(f"{r['shape']:8} {r['config']:9} {r['output_tok_per_s']:9.1f} {f(r.get('tok_s_vs_bf16'), '7.2f'):>7} "
+              f"{len(r['updates']):7d} {f(r['mean_bubble_s']):>8} {f(r['mean_pause_s'], '7.3f'):>7} "
+              f"{f(r['mean_push_s'], '7.3f'):>7} {f(r['mean_resume_s']):>8} {f(r['mean_first_token_after_resume_s'], '9.3f'):>9} "
+              f"{r['min_tokens_in_flight_at_first_token'] or 0:9d} {str(r['async_scheduling']):>9}")
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        Path(sys.argv[3]).write_text(json.dumps(worker(spec)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS))
+    ap.add_argument("--shapes")
+    ap.add_argument("--configs")
+    ap.add_argument("--concurrency", type=int)
+    ap.add_argument("--prompt-len", type=int)
+    ap.add_argument("--max-len", type=int)
+    ap.add_argument("--seconds", type=float, help="length of the stream")
+    ap.add_argument("--every", type=float, help="seconds between weight updates")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
+    rows = []
+    for shape in opts["shapes"].split(","):
+        path, dummy = model_dir(shape, work)
+        for config in opts["configs"].split(","):
+            spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util,
+                    **{k: opts[k] for k in ("concurrency", "prompt_len", "max_len", "seconds", "every")}}
+            r = {"shape": shape, "config": config, **run_one(spec, config)}
+            if "error" not in r:
+                summarize(r)
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "updates"}), flush=True)
+    for r in rows:
+        base = next((b for b in rows if b["shape"] == r["shape"] and b["config"] == "bf16" and "error" not in b), None)
+        if base is not None and "error" not in r:
+            r["tok_s_vs_bf16"] = r["output_tok_per_s"] / base["output_tok_per_s"]
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    import vllm
+
+    print_table(rows, f"Async stream on {device}, vLLM {vllm.__version__}: {opts['concurrency']} requests in flight, "
+                      f"{opts['prompt_len']} tokens in, up to {opts['max_len']} out, T=1 + logprobs; keep-mode "
+                      f"update (pause, full BF16 push, resume) every {opts['every']} s for {opts['seconds']} s")
+    if a.json:
+        from flashrl_tools.fsutil import atomic_write_text
+
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(a.json), json.dumps({"device": device, "vllm": vllm.__version__,
+                                                    "date": time.strftime("%Y-%m-%d"), "settings": opts,
+                                                    "gpu_memory_utilization": util, "rows": rows}, indent=1))
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""An in-flight weight update on vLLM's AsyncLLM, as an asynchronous RL trainer does it (PipelineRL,
+prime-rl, AReaL, verl's fully-async): requests decoding, `pause_generation(mode, clear_cache)`, the new
+weights pushed one tensor per `load_weights` (collective_rpc), `resume_generation`, more requests.
+
+Starts an AsyncLLM on A (FLASHRL_CONFIG / FLASHRL_KV_CACHE_DTYPE from the environment, engine args from
+--engine-args), sends R greedy requests of T tokens sharing a long prefix, pauses once each has a few
+tokens, sends a request during the pause (it must wait for the resume), pushes half of B (a resume
+then is refused, the engine stays paused) and the rest, resumes, sends a request right after the
+resume (its first-token time and the tokens still in flight then are measured: with an FP8 KV cache
+the resume calibrates without a drain), waits for everything, then (abort mode) resubmits each
+aborted request's prompt + partial tokens. Then a fresh engine on B with the same settings answers
+the same requests: every request admitted after the update, and every resubmission, must equal it
+bit for bit (tokens and logprobs), as must the FP8 KV scales; kept requests' tokens after the update
+are compared with the same tokens recomputed on B (the stale-KV effect of keep mode: reported).
+Prints one line `RESULT{json}` with `checks` (each must be true) and the figures.
+With --floor (keep mode, FP8 KV cache) the same tokens are also recomputed on B with a BF16 KV cache:
+the FP8 cache's own effect on logprobs, beside which the kept requests' stale-KV effect is judged.
+Usage: python inflight_probe.py A B --mode keep|abort|wait [--clear-cache] [--floor] [--engine-args JSON]
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # functions sent to the workers
+
+PREFIX = [1, 504, 3575, 282, 4649, 314] * 12  # 72 tokens: several full KV blocks shared by every request
+
+
+def prompt(i: int) -> list[int]:
+    return PREFIX + [100 + i, 200 + i]  # ids below 384: the GPU tests' models
+
+
+async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, requests: int, tokens: int,
+              pause_after: int, floor: bool = False) -> dict:
+    from vllm import SamplingParams
+
+    from flashrl_tools.runtime.core.session import SyncIncomplete
+    from flashrl_tools.verify.engine_job import push_checkpoint
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    engine = start(a, engine_args)
+    res: dict = {"mode": mode, "clear_cache": clear_cache}
+    streams: dict[str, list] = {}
+
+    async def gen(rid, ids, p=params):
+        streams[rid] = []
+        async for out in engine.generate({"prompt_token_ids": ids}, p, rid):
+            streams[rid].append((time.perf_counter(), out))
+        return completion(streams[rid][-1][1])
+
+    kept = {f"r{i}": asyncio.create_task(gen(f"r{i}", prompt(i))) for i in range(requests)}
+    while not all(len(streams.get(r, [])) >= pause_after for r in kept):
+        await asyncio.sleep(0.002)
+    await engine.pause_generation(mode=mode, clear_cache=clear_cache)
+    at_pause = {r: len(completion(streams[r][-1][1])["tokens"]) for r in kept}
+    during = asyncio.create_task(gen("during", prompt(50), short))  # waits for the resume
+    await engine.collective_rpc(push_checkpoint(b, count=3))
+    try:
+        await engine.resume_generation()
+        res["resume_mid_sync"] = "resumed"
+    except SyncIncomplete as e:
+        res["resume_mid_sync"] = str(e)
+    await asyncio.sleep(0.05)
+    res["during_waited"] = not streams.get("during")
+    await engine.collective_rpc(push_checkpoint(b))
+    t_resume = time.perf_counter()
+    await engine.resume_generation()
+    t_resumed = time.perf_counter()
+    after = asyncio.create_task(gen("after", prompt(60), short))
+    while not streams.get("after"):
+        await asyncio.sleep(0.0005)
+    t_first = streams["after"][0][0]
+    left = sum(tokens - len(completion(s[-1][1])["tokens"]) for r, s in streams.items()
+               if r in kept and not kept[r].done())
+    res.update(resume_s=t_resumed - t_resume, first_token_after_resume_s=t_first - t_resumed,
+               first_token_from_resume_call_s=t_first - t_resume, tokens_in_flight_at_first_token=left)
+    finished = {r: await t for r, t in kept.items()}
+    res["finish_reasons"] = sorted({f["finish_reason"] for f in finished.values()})
+    res["kept_tokens_after_pause"] = {r: len(f["tokens"]) - at_pause[r] for r, f in finished.items()}
+    admitted = {"during": await during, "after": await after}
+    resubmit = {}
+    if mode == "abort":  # AReaL-style: prompt + the tokens the aborted request had, continued
+        for r, f in finished.items():
+            ids = prompt(int(r[1:])) + f["tokens"]
+            resubmit[r] = (ids, await gen(f"re-{r}", ids, SamplingParams(
+                max_tokens=tokens - len(f["tokens"]), temperature=0.0, logprobs=0, ignore_eos=True)))
+    admitted["repeat0"] = await gen("repeat0", prompt(0), short)  # the kept requests' own prompt, after the drain
+    scales = await kv_scales(engine)
+    engine.shutdown()
+
+    fresh = start(b, engine_args)
+    fresh_out = {"during": prompt(50), "after": prompt(60), "repeat0": prompt(0)}
+    res["admitted_equal_fresh"] = {}
+    for r, ids in fresh_out.items():
+        got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, short, f"f-{r}")][-1])
+        res["admitted_equal_fresh"][r] = got == admitted[r]
+    res["resubmitted_equal_fresh"] = {}
+    for r, (ids, out) in resubmit.items():
+        p = SamplingParams(max_tokens=len(out["tokens"]), temperature=0.0, logprobs=0, ignore_eos=True)
+        got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, p, f"f-{r}")][-1])
+        res["resubmitted_equal_fresh"][r] = got == out
+    recomputed = {}
+    if mode == "keep":  # tokens after the update vs the same tokens recomputed on B
+        recomputed = await teacher_forced(fresh, finished, at_pause)
+        deltas = [abs(lp - finished[r]["logprobs"][j]) for r, lps in recomputed.items() for j, lp in lps.items()]
+        res["kept_logprob_delta_mean"] = sum(deltas) / max(1, len(deltas))
+        res["kept_logprob_delta_max"] = max(deltas, default=0.0)
+    fresh_scales = await kv_scales(fresh)
+    fresh.shutdown()
+    if floor and recomputed:  # the FP8 cache's own effect: the same tokens on B with a BF16 KV cache
+        from flashrl_tools.runtime import apply
+
+        os.environ.pop("FLASHRL_KV_CACHE_DTYPE", None)
+        apply()  # this process serves the config without the FP8 KV cache (its engine processes read the env)
+        plain = start(b, {**engine_args, "kv_cache_dtype": "auto"})
+        bf16 = await teacher_forced(plain, finished, at_pause)
+        plain.shutdown()
+        gaps = [abs(lp - bf16[r][j]) for r, lps in recomputed.items() for j, lp in lps.items()]
+        res["fp8_kv_floor_mean"] = sum(gaps) / max(1, len(gaps))
+    res["scales_equal_fresh"] = None if scales is None else scales == fresh_scales
+    res["checks"] = {
+        "resume refused while the sync is incomplete": "incomplete" in res["resume_mid_sync"].lower()
+        or "full weight sync" in res["resume_mid_sync"],
+        "a request sent during the pause waits for the resume": res["during_waited"],
+        "kept requests finish" if mode == "keep" else f"{mode}: requests end as vLLM says":
+            res["finish_reasons"] == (["length"] if mode in ("keep", "wait") else ["abort"]),
+        "a request after the drain = fresh engine": res["admitted_equal_fresh"]["repeat0"],
+        "resubmitted requests = fresh engine's continuation": all(res["resubmitted_equal_fresh"].values()),
+    }
+    # requests that ran beside the kept ones: bit-equal where the kernels do not depend on the batch (CPU)
+    res["batch_checks"] = {"requests admitted beside kept ones = fresh engine":
+                           res["admitted_equal_fresh"]["during"] and res["admitted_equal_fresh"]["after"]}
+    if scales is not None:
+        res["checks"]["FP8 KV scales = fresh engine's"] = res["scales_equal_fresh"]
+    return res
+
+
+async def teacher_forced(engine, finished: dict, at_pause: dict) -> dict:
+    """Each kept request's tokens after the pause, recomputed by `engine` (prompt logprobs)."""
+    from vllm import SamplingParams
+
+    out = {}
+    for r, f in finished.items():
+        ids = prompt(int(r[1:])) + f["tokens"]
+        p = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        res = [o async for o in engine.generate({"prompt_token_ids": ids}, p, f"tf-{r}-{id(engine)}")][-1]
+        n = len(prompt(0))
+        out[r] = {j: res.prompt_logprobs[n + j][ids[n + j]].logprob for j in range(at_pause[r], len(f["tokens"]))}
+    return out
+
+
+def start(model: str, engine_args: dict):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = {"max_model_len": 512, "enable_prefix_caching": True, **engine_args}
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **args))
+
+
+def completion(out) -> dict:
+    c = out.outputs[0]
+    return {"tokens": list(c.token_ids), "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])],
+            "finish_reason": c.finish_reason}
+
+
+async def kv_scales(engine):
+    from flashrl_tools.runtime.core.kv_math import is_fp8_kv
+
+    if not is_fp8_kv(engine.vllm_config.cache_config.cache_dtype):
+        return None
+    return (await engine.collective_rpc("flashrl_kv_scales"))[0]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--mode", default="keep", choices=("keep", "abort", "wait"))
+    ap.add_argument("--clear-cache", action="store_true")
+    ap.add_argument("--engine-args", type=json.loads, default={})
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--pause-after", type=int, default=6, help="streamed outputs per request before the pause")
+    ap.add_argument("--floor", action="store_true", help="keep mode, FP8 KV: also recompute on a BF16-KV engine")
+    ap.add_argument("--prefix", type=json.loads, help="the shared prefix's token ids (JSON; default: 72 tokens)")
+    x = ap.parse_args()
+    if x.prefix:
+        PREFIX[:] = x.prefix
+    if not os.path.exists(x.b):  # in a child: torch CPU work here before AsyncLLM forks its engine core hangs
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, "-c", "import sys; from flashrl_tools.verify.perturb import perturb; "
+                        "perturb(sys.argv[1], sys.argv[2])", x.a, x.b], check=True)
+    print("RESULT" + json.dumps(asyncio.run(run(x.a, x.b, x.mode, x.clear_cache, x.engine_args, x.requests, x.tokens,
+                                                x.pause_after, x.floor))), flush=True)
+    from flashrl_tools.verify.engine_job import exit_engine_process
+
+    exit_engine_process(0)
