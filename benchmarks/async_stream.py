@@ -67,17 +67,17 @@ async def stream(spec: dict) -> dict:
     async def one(i: int) -> None:
         rng = random.Random(i)  # request i: the same prompt and length in every config
         ids = [rng.randrange(10, vocab) for _ in range(spec["prompt_len"])]
-        params = SamplingParams(temperature=1.0, max_tokens=lengths[i], ignore_eos=True, logprobs=0, seed=i,
+        params = SamplingParams(temperature=1.0, max_tokens=lengths[i % len(lengths)], ignore_eos=True, logprobs=0, seed=i,
                                 detokenize=False)
         seen = 0
-        left[str(i)] = lengths[i]
+        left[str(i)] = lengths[i % len(lengths)]
         async for out in engine.generate({"prompt_token_ids": ids}, params, str(i)):
             n = len(out.outputs[0].token_ids)
             if n > seen:
                 stamps.append(time.perf_counter())
                 counts["tokens"] += n - seen
                 seen = n
-                left[str(i)] = lengths[i] - n
+                left[str(i)] = lengths[i % len(lengths)] - n
         left.pop(str(i), None)
         counts["done"] += 1
 

@@ -102,3 +102,15 @@ def test_rl_step_rejects_unknown_config_suffix():
     from rl_step import run_one
 
     assert "NAME+kv" in run_one({}, "int8+fp4")["error"]
+
+
+def test_async_stream_benchmark_smoke(tmp_path):
+    """A closed-loop stream on AsyncLLM with keep-mode updates (pause, full push, resume), per config: tokens
+    flow, every update pushed a complete sync and measured its bubble, new requests started beside kept ones."""
+    rows = {r["config"]: r for r in _bench(tmp_path, "async_stream")["rows"]}
+    assert set(rows) == {"bf16", "int8"}
+    for r in rows.values():
+        assert r["output_tokens"] > 0 and r["output_tok_per_s"] > 0 and len(r["updates"]) >= 1
+        for u in r["updates"]:
+            assert u["push_sync_s"] > 0 and u["bubble_s"] is not None and u["first_token_after_resume_s"] >= 0
+    assert rows["int8"]["tok_s_vs_bf16"] > 0

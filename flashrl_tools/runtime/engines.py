@@ -44,6 +44,7 @@ def engine_table() -> str:
         ("`FLASHRL_INPLACE_SYNC`", [c.settings["FLASHRL_INPLACE_SYNC"].how for c in caps]),
         ("sleep / release", [c.sleep for c in caps]),
         ("weight pushes (all exact)", ["; ".join(c.push_paths) for c in caps]),
+        ("in-flight updates (async RL)", [c.in_flight for c in caps]),
         ("rollout logprobs", [c.logprobs for c in caps]),
     ]
     lines = ["| | " + " | ".join(c.engine for c in caps) + " |", "| --- |" + " --- |" * len(caps)]

@@ -77,6 +77,7 @@ class Capabilities:
     lmhead_fp32: str  # the engine's switch FLASHRL_LMHEAD_FP32 sets
     sleep: str  # sleep / release of the weights and what the runtime does about it
     push_paths: tuple[str, ...]  # how trainers push weights into it (all exact)
+    in_flight: str  # updates while requests are in flight (pause modes) and what is exact
     logprobs: str  # which distribution the rollout logprobs come from
     logprobs_modes: tuple[str, ...]  # the config `logprobs_mode` values it honours
     settings: dict[str, Setting] = field(default_factory=dict)  # every FLASHRL_* variable

@@ -24,6 +24,8 @@ GPU = Capabilities(
     checkpoint_quantization="compressed-tensors", online_quantization=("fp8", "fp8_per_tensor"),
     fp8_kv_cache=True, kv_scales=("q", "k", "v"), fp8_kv_note="q / k / v scales recalibrated after every sync", kv_dtype_names={},
     lmhead_fp32="hf_overrides head_dtype=float32",
+    in_flight="`AsyncLLM.pause_generation` abort / wait / keep (either `clear_cache`), push, resume: new and "
+              "resubmitted requests = a fresh engine; FP8 KV recalibrated at the resume without a drain",
     sleep="levels 1 and 2: what a level-2 wake does not restore is kept; requests refused until a full sync",
     push_paths=("load_weights per tensor or bucket (collective_rpc)", "reload_weights",
                 "weight-transfer engine", "verl's update_weights_from_ipc", "TRL's colocate push"),
