@@ -5,7 +5,8 @@ weights pushed one tensor per `load_weights` (collective_rpc), `resume_generatio
 Starts an AsyncLLM on A (FLASHRL_CONFIG / FLASHRL_KV_CACHE_DTYPE from the environment, engine args from
 --engine-args), sends R greedy requests of T tokens sharing a long prefix, pauses once each has a few
 tokens, sends a request during the pause (it must wait for the resume), pushes half of B (a resume
-then is refused, the engine stays paused) and the rest, resumes, sends a request right after the
+then is refused, the engine stays paused) and the rest (collective_rpc, or with --transfer vLLM's
+weight-transfer engine: start / update / finish), resumes, sends a request right after the
 resume (its first-token time and the tokens still in flight then are measured: with an FP8 KV cache
 the resume calibrates without a drain), waits for everything, then (abort mode) resubmits each
 aborted request's prompt + partial tokens. Then a fresh engine on B with the same settings answers
@@ -34,7 +35,7 @@ def prompt(i: int) -> list[int]:
 
 
 async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, requests: int, tokens: int,
-              pause_after: int, floor: bool = False) -> dict:
+              pause_after: int, floor: bool = False, transfer: bool = False) -> dict:
     from vllm import SamplingParams
 
     from flashrl_tools.runtime.core.session import SyncIncomplete
@@ -42,8 +43,19 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     short = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    if transfer:  # the full push goes through vLLM's weight-transfer engine (a checkpoint-reading backend,
+        # registered in the workers by the import of transfer_ext)
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        engine_args = {**engine_args, "weight_transfer_config": {"backend": "flashrl_probe_checkpoint"},
+                       "worker_extension_cls": "transfer_ext.Ext"}
     engine = start(a, engine_args)
-    res: dict = {"mode": mode, "clear_cache": clear_cache}
+    if transfer:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+    res: dict = {"mode": mode, "clear_cache": clear_cache, "push": "weight-transfer engine" if transfer else
+                 "collective_rpc + load_weights"}
     streams: dict[str, list] = {}
 
     async def gen(rid, ids, p=params):
@@ -66,7 +78,14 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
         res["resume_mid_sync"] = str(e)
     await asyncio.sleep(0.05)
     res["during_waited"] = not streams.get("during")
-    await engine.collective_rpc(push_checkpoint(b))
+    if transfer:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest(update_info={"path": b}))
+        await engine.finish_weight_update()
+    else:
+        await engine.collective_rpc(push_checkpoint(b))
     t_resume = time.perf_counter()
     await engine.resume_generation()
     t_resumed = time.perf_counter()
@@ -186,6 +205,8 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--pause-after", type=int, default=6, help="streamed outputs per request before the pause")
     ap.add_argument("--floor", action="store_true", help="keep mode, FP8 KV: also recompute on a BF16-KV engine")
+    ap.add_argument("--transfer", action="store_true", help="the full push through vLLM's weight-transfer engine "
+                    "(the CPU tests' checkpoint backend, tests/probes/sync_probe.py)")
     ap.add_argument("--prefix", type=json.loads, help="the shared prefix's token ids (JSON; default: 72 tokens)")
     x = ap.parse_args()
     if x.prefix:
@@ -197,7 +218,7 @@ if __name__ == "__main__":
         subprocess.run([sys.executable, "-c", "import sys; from flashrl_tools.verify.perturb import perturb; "
                         "perturb(sys.argv[1], sys.argv[2])", x.a, x.b], check=True)
     print("RESULT" + json.dumps(asyncio.run(run(x.a, x.b, x.mode, x.clear_cache, x.engine_args, x.requests, x.tokens,
-                                                x.pause_after, x.floor))), flush=True)
+                                                x.pause_after, x.floor, x.transfer))), flush=True)
     from flashrl_tools.verify.engine_job import exit_engine_process
 
     exit_engine_process(0)
