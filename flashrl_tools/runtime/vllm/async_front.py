@@ -137,6 +137,8 @@ async def aside(front):
     """`KVFront.aside` of `AsyncLLM` (AsyncLLMFront)."""
     engine = front.engine
     why = next((w for w in await engine.collective_rpc("flashrl_kv_rescalable") if w), None)
+    if why is None and engine.vllm_config.parallel_config.data_parallel_size > 1:
+        why = "data parallel engine cores each hold their own requests (one hold would not reach them all)"
     if why is not None:
         if not getattr(engine, "_flashrl_told_drain", False):
             log.warning("flashrl: FP8 KV calibrations wait for the requests in flight on this engine: %s", why)
