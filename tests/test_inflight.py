@@ -118,8 +118,13 @@ def run_probe(a: Path, b: Path, mode: str, config: str, *extra: str, kv: str | N
     env.update(FLASHRL_CONFIG=config, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     if kv:
         env["FLASHRL_KV_CACHE_DTYPE"] = kv
-    res = subprocess.run([sys.executable, str(PROBE), str(a), str(b), "--mode", mode, "--engine-args",
-                          json.dumps(ENGINE_ARGS), *extra], capture_output=True, text=True, env=env, timeout=900)
+    try:
+        res = subprocess.run([sys.executable, str(PROBE), str(a), str(b), "--mode", mode, "--engine-args",
+                              json.dumps(ENGINE_ARGS), *extra], capture_output=True, text=True, env=env, timeout=480)
+    except subprocess.TimeoutExpired as e:  # the probe's PHASE lines say where it waited
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError("the probe timed out: " + "; ".join(ln for ln in err.splitlines()
+                                                                   if ln.startswith("PHASE"))) from None
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line is not None, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(line[len("RESULT"):])

@@ -285,6 +285,41 @@ def test_a_repeated_tensor_starts_the_sync_over(loaded, policy, home, caplog):
     _assert_equal(loaded.state(), loaded.fresh_state(new, home / "fresh"))
 
 
+def _poisoned_byte_pushes(loaded, tensors) -> None:
+    """One tensor per load_weights call, each a view of its dtype into one byte buffer the trainer
+    overwrites after the call (an 8-bit weight and its scale arrive in separate calls)."""
+    buffer = torch.empty(max(t.numel() * t.element_size() for _, t in tensors), dtype=torch.uint8)
+    for name, t in tensors:
+        view = buffer[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        loaded.push([(name, view)])
+        buffer.fill_(255)
+
+
+def test_a_trainer_quantized_sync_equals_a_fresh_engine(loaded, policy, home):
+    """Issue 43: the trainer quantizes (flashrl_tools.wire, no engine import), the engine loads the 8-bit
+    tensors as they are: equal to a fresh engine on the BF16 weights; BF16 tensors beside them convert as
+    usual; an 8-bit tensor of another format is refused in one line and a BF16 push still works after."""
+    from flashrl_tools.quant.quantizer import QuantFn, quantize_weight
+    from flashrl_tools.wire import engine_tensors
+
+    new = perturbed(policy, 5)
+    wire = [pair for bucket in engine_tensors(new, policy, "int8", bucket_bytes=1 << 16) for pair in bucket]
+    eight_bit = [n for n, t in wire if t.dtype == torch.int8]
+    assert eight_bit and all(f"{n}_scale" in dict(wire) for n in eight_bit)
+    assert sum(t.numel() * t.element_size() for _, t in wire) < sum(t.numel() * t.element_size() for _, t in new)
+    _poisoned_byte_pushes(loaded, wire)
+    assert loaded.refusal() is None and loaded.session.completed == 1
+    _assert_equal(loaded.state(), loaded.fresh_state(new, home / "fresh"))
+    name, weight = next((n, t) for n, t in new if n == eight_bit[0])
+    fp8 = quantize_weight(QuantFn.fp8_channel, weight)
+    with pytest.raises(FlashRLError) as refused:
+        loaded.push([(name, fp8.weight), (f"{name}_scale", fp8.weight_scale)])
+    assert "does not match this engine's int8 format" in str(refused.value) and "\n" not in str(refused.value)
+    loaded.push(perturbed(policy, 6))  # BF16 again: a full sync
+    assert loaded.refusal() is None
+
+
 def test_discarded_weights_are_refused_until_a_full_sync(loaded, policy, home):
     loaded.sleep()
     assert "discarded" in loaded.refusal()

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # functions sent to the workers
@@ -66,10 +67,13 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
 
     kept = {f"r{i}": asyncio.create_task(gen(f"r{i}", prompt(i))) for i in range(requests)}
     while not all(len(streams.get(r, [])) >= pause_after for r in kept):
+        await alive(kept.values())
         await asyncio.sleep(0.002)
+    phase("pause")
     await engine.pause_generation(mode=mode, clear_cache=clear_cache)
     at_pause = {r: len(completion(streams[r][-1][1])["tokens"]) for r in kept}
     during = asyncio.create_task(gen("during", prompt(50), short))  # waits for the resume
+    phase("partial push")
     await engine.collective_rpc(push_checkpoint(b, count=3))
     try:
         await engine.resume_generation()
@@ -86,17 +90,20 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
         await engine.finish_weight_update()
     else:
         await engine.collective_rpc(push_checkpoint(b))
+    phase("resume")
     t_resume = time.perf_counter()
     await engine.resume_generation()
     t_resumed = time.perf_counter()
     after = asyncio.create_task(gen("after", prompt(60), short))
     while not streams.get("after"):
+        await alive([after])
         await asyncio.sleep(0.0005)
     t_first = streams["after"][0][0]
     left = sum(tokens - len(completion(s[-1][1])["tokens"]) for r, s in streams.items()
                if r in kept and not kept[r].done())
     res.update(resume_s=t_resumed - t_resume, first_token_after_resume_s=t_first - t_resumed,
                first_token_from_resume_call_s=t_first - t_resume, tokens_in_flight_at_first_token=left)
+    phase("drain")
     finished = {r: await t for r, t in kept.items()}
     res["finish_reasons"] = sorted({f["finish_reason"] for f in finished.values()})
     res["kept_tokens_after_pause"] = {r: len(f["tokens"]) - at_pause[r] for r, f in finished.items()}
@@ -111,6 +118,7 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
     scales = await kv_scales(engine)
     engine.shutdown()
 
+    phase("fresh engine")
     fresh = start(b, engine_args)
     fresh_out = {"during": prompt(50), "after": prompt(60), "repeat0": prompt(0)}
     res["admitted_equal_fresh"] = {}
@@ -156,6 +164,18 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
     if scales is not None:
         res["checks"]["FP8 KV scales = fresh engine's"] = res["scales_equal_fresh"]
     return res
+
+
+def phase(name: str) -> None:
+    """Where the probe is (stderr): a run cut short by its caller's timeout says where it waited."""
+    print(f"PHASE {name} {time.strftime('%T')}", file=sys.stderr, flush=True)
+
+
+async def alive(tasks) -> None:
+    """Raise what a request task raised (a busy wait on its outputs would spin for ever)."""
+    for task in tasks:
+        if task.done() and task.exception() is not None:
+            raise task.exception()
 
 
 async def teacher_forced(engine, finished: dict, at_pause: dict) -> dict:

