@@ -114,3 +114,10 @@ def test_async_stream_benchmark_smoke(tmp_path):
         for u in r["updates"]:
             assert u["push_sync_s"] > 0 and u["bubble_s"] is not None and u["first_token_after_resume_s"] >= 0
     assert rows["int8"]["tok_s_vs_bf16"] > 0
+
+
+def test_wire_sync_benchmark_smoke(tmp_path):
+    """A BF16 push and the same weights quantized on the trainer's side, through the runtime, counted and timed."""
+    (r,) = _bench(tmp_path, "wire_sync")["rows"]
+    assert r["syncs_completed"] == 2 and 0 < r["wire_bytes"] < r["bf16_bytes"]
+    assert r["engine_write_s"] > 0 and r["trainer_quantize_s"] > 0 and r["network_8bit_s_100g"] > 0
