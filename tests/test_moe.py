@@ -151,6 +151,27 @@ def test_trainer_state_dict_lands_on_checkpoint_names(moe_models, tmp_path, arch
             assert all(torch.equal(_bits(converted[n]), _bits(qr.get(n))) for n in converted), (fn, stacked)
 
 
+@pytest.mark.parametrize("arch", list(ROUTERS))
+def test_trainer_side_quantization_of_fused_experts_is_the_checkpoint(moe_models, tmp_path, arch):
+    """Issue 43: `flashrl_tools.wire.engine_tensors` on a transformers 5 trainer's state dict (fused experts)
+    gives exactly the tensors of the checkpoint the engine loads (`quantize`), 8-bit experts and scales
+    included, for every MoE format the runtime quantizes."""
+    from transformers import AutoModelForCausalLM
+
+    from flashrl_tools.wire import engine_tensors
+
+    src = moe_models[arch]
+    trainer = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
+    for fn in ("int8", "fp8_channel"):
+        config = tmp_path / f"{fn}.yaml"
+        config.write_text(f"version: 1\nconfigs:\n- fn: {fn}\n")
+        qr = CheckpointReader(quantize(src, tmp_path / fn, fn).out)
+        wire = dict(p for bucket in engine_tensors(trainer.items(), src, str(config), bucket_bytes=1 << 20)
+                    for p in bucket)
+        assert sorted(wire) == sorted(qr.names()), fn
+        assert all(torch.equal(_bits(wire[n]), _bits(qr.get(n))) for n in wire), fn
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
