@@ -14,10 +14,11 @@ quantizing again (bit-identical to an engine-side sync); BF16 pushes keep workin
 Imports torch, transformers and flashrl_tools only (no vLLM, no SGLang): it runs in the trainer.
 
 Served: the shortcuts and YAML configs that quantize the policy (`int8`, `fp8_channel`, `fp8_block`,
-`keep_bf16` layers, MoE experts, the trainers' fused expert names) and calibrated checkpoints without a
-profile. Not (yet): configs with a calibrated profile (the engine's conversion then also rescales norms,
-which cannot be told apart from raw ones: push BF16), and vLLM's online FP8 (`FLASHRL_CONFIG=fp8` on a
-dense model: the engine quantizes BF16 itself; use `fp8_channel`).
+`keep_bf16` layers, MoE experts, the trainers' fused expert names) and calibrated checkpoints with or
+without their profile (a profile also rescales norms: the first bucket then starts with the marker
+`flashrl.converted`, and the engine takes that sync's tensors as they are). Not (yet): a profile with
+BF16 layers kept, and vLLM's online FP8 (`FLASHRL_CONFIG=fp8` on a dense model: the engine quantizes BF16
+itself; use `fp8_channel`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ def engine_tensors(weights: Iterable[tuple[str, torch.Tensor]], policy_model: st
     `bucket_bytes` (the last one smaller). `policy_model`: the BF16 checkpoint the engine was started on
     (its structure decides what is 8-bit); `config`: FLASHRL_CONFIG's value (default: the environment's);
     `engine`: "vllm" or "sglang" (what `fp8` serves differs)."""
+    from flashrl_tools.runtime.core.convert import CONVERTED
+
     converter = trainer_converter(policy_model, config, engine)
-    bucket: list[tuple[str, torch.Tensor]] = []
+    # a profile also rescales norms (BF16 either way): the engine is told this sync is converted
+    bucket: list[tuple[str, torch.Tensor]] = [] if converter.profile is None else [(CONVERTED, torch.ones(1))]
     size = 0
     for group in converter.checkpoint_groups(weights, set()):
         for name, tensor in converter.convert_group(group):
@@ -67,9 +71,10 @@ def trainer_converter(policy_model: str | Path, config: str | None = None, engin
     if rc is None:
         raise FlashRLError("no FLASHRL_CONFIG to quantize for", None, "pass config= or set FLASHRL_CONFIG")
     entry = rc.entry
-    if entry.profile is not None:
-        raise FlashRLError(f"FLASHRL_CONFIG={rc.source} converts with a calibrated profile: trainer-side "
-                           "quantization is not available for it yet", entry.profile, "push BF16 tensors")
+    if entry.profile is not None and (entry.model is None or KeepSpec.of(entry)):
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: trainer-side quantization with a profile needs its "
+                           "calibrated `model` and no BF16 layers (keep_bf16 / first / last_layers_bf16) yet",
+                           entry.profile, "push BF16 tensors")
     fmt, engine_online = served_format(rc, engine_capabilities(engine), is_moe(entry.model or str(policy_model)))
     if fmt is None or engine_online:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source} serves " + ("the engine's own online FP8" if engine_online
@@ -77,7 +82,7 @@ def trainer_converter(policy_model: str | Path, config: str | None = None, engin
                            None,
                            "push BF16 tensors, or use an 8-bit config (int8, fp8_channel, fp8_block)")
     if entry.model is not None:
-        return WeightConverter.for_checkpoint(rc.fn, Path(entry.model), None)
+        return WeightConverter.for_checkpoint(rc.fn, Path(entry.model), entry.profile)
     served = Path(tempfile.mkdtemp(prefix="flashrl-wire-")) / "served"
     quantize_config_only(Path(policy_model), served, fmt, KeepSpec.of(entry), entry.fp8_scale_pow2)
     return WeightConverter.for_checkpoint(rc.fn, served, None)

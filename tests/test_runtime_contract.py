@@ -320,6 +320,27 @@ def test_a_trainer_quantized_sync_equals_a_fresh_engine(loaded, policy, home):
     assert loaded.refusal() is None
 
 
+def test_a_trainer_converted_calibrated_sync_equals_an_engine_side_one(engine, policy, calibrated, home):
+    """A calibrated checkpoint + profile: the trainer's call converts as the engine would (8-bit weights and
+    the profile's rescaled norms) behind the `flashrl.converted` marker; the engine's state equals an
+    engine-side conversion of the same BF16 weights. Without the marker, 8-bit tensors are refused."""
+    from flashrl_tools.wire import engine_tensors
+
+    q, prof = calibrated
+    config = _yaml(home / "cal.yaml", f"fn: int8\n  model: {q}\n  profile: {prof}")
+    new = perturbed(policy, 7)
+    engine_side = engine.load(config, policy, home / "a")
+    engine_side.push(new)
+    trainer_side = engine.load(config, policy, home / "b")
+    wire = [pair for bucket in engine_tensors(new, policy, config, bucket_bytes=1 << 16) for pair in bucket]
+    assert wire[0][0] == "flashrl.converted"
+    with pytest.raises(FlashRLError, match="did not start with flashrl.converted"):
+        trainer_side.push(wire[1:])
+    _poisoned_byte_pushes(trainer_side, wire)  # the marker in a call of its own, then one tensor per call
+    assert trainer_side.refusal() is None and engine_side.refusal() is None
+    _assert_equal(trainer_side.state(), engine_side.state())
+
+
 def test_discarded_weights_are_refused_until_a_full_sync(loaded, policy, home):
     loaded.sleep()
     assert "discarded" in loaded.refusal()

@@ -100,3 +100,33 @@ def test_a_tp2_engine_shards_trainer_quantized_tensors(tiny_models, tmp_path):
     assert after["tag"].startswith("push:") and after["logprobs"] != start["logprobs"]  # the push reached it
     assert after["tokens"] == fresh["stages"][0]["tokens"]
     assert after["logprobs"] == fresh["stages"][0]["logprobs"]
+
+
+def test_a_smoothquant_profile_is_converted_once(default_model, smoothquant_checkpoint, sq_profile, tmp_path):
+    """A calibrated SmoothQuant checkpoint + profile: the trainer's call rescales the norms and quantizes as the
+    engine's conversion does, behind `flashrl.converted`; an engine-side converter receiving that sync takes
+    every tensor as it is -- exactly what it would have made of the BF16 weights (norms rescaled once)."""
+    from flashrl_tools.config.schema import ConfigFn
+    from flashrl_tools.runtime.core.convert import CONVERTED, WeightConverter
+    from flashrl_tools.wire import engine_tensors
+
+    config = tmp_path / "sq.yaml"
+    config.write_text(f"version: 1\nconfigs:\n- fn: int8\n  model: {smoothquant_checkpoint}\n  profile: {sq_profile[0]}\n")
+    bf16 = dict(CheckpointReader(default_model).iter_tensors())
+
+    def engine_side():
+        return WeightConverter.for_checkpoint(ConfigFn("int8"), smoothquant_checkpoint, str(sq_profile[0]))
+
+    def converted(conv, pairs):
+        return dict(p for group in conv.checkpoint_groups(pairs, set()) for p in conv.convert_group(group))
+
+    expected = converted(engine_side(), bf16.items())
+    wire = [pair for bucket in engine_tensors(bf16.items(), default_model, str(config)) for pair in bucket]
+    assert wire[0][0] == CONVERTED
+    received = converted(engine_side(), wire)
+    assert sorted(received) == sorted(expected)
+    assert all(torch.equal(received[n].view(torch.uint8) if received[n].element_size() == 1 else received[n],
+                           expected[n].view(torch.uint8) if expected[n].element_size() == 1 else expected[n])
+               for n in expected)
+    norms = [n for n in expected if "layernorm" in n and n in bf16]
+    assert any(not torch.equal(expected[n], bf16[n]) for n in norms)  # the profile rescaled norms (once)

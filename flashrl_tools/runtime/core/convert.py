@@ -9,7 +9,8 @@ to checkpoint names (`to_checkpoint`, trainer_names.py).
 A trainer may also send what this produces (flashrl_tools/wire.py: quantized on the trainer, 1 byte
 per parameter on the wire): an 8-bit weight and its `_scale`, in one call or two, are paired, checked
 against the served format (dtype, shapes) and loaded as they are; BF16 tensors beside them convert as
-usual.
+usual. With a calibrated profile the conversion also rescales norms, which cannot be told from raw
+ones: the trainer's call then sends `CONVERTED` first, and every tensor of that sync is taken as it is.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flashrl_tools.trainer_names import TrainerNames
 
 log = logging.getLogger("flashrl_tools.runtime")
 _CHUNK_ELEMENTS = 1 << 26  # stacked source elements quantized at once (128 MiB of BF16)
+CONVERTED = "flashrl.converted"  # a marker tensor's name: the rest of this sync is already converted
 
 
 class WeightConverter:
@@ -56,6 +58,7 @@ class WeightConverter:
         self._names: TrainerNames | None = None
         self._device_cache: dict[tuple[str, torch.device], torch.Tensor | None] = {}
         self._halves: dict[str, dict[str, torch.Tensor]] = {}  # pre-quantized weights awaiting their partner
+        self.converted = False  # the trainer said this sync's tensors are converted (wire.py, profiles)
 
     @classmethod
     def for_checkpoint(cls, fn: ConfigFn, loaded_dir: Path, profile_path: str | None) -> WeightConverter:
@@ -94,6 +97,9 @@ class WeightConverter:
         have (a tied lm_head, buffers) are dropped, logged once (`ignored`): an engine would skip them,
         and they must not open a sync of their own."""
         for trainer_name, trainer_tensor in weights:
+            if trainer_name == CONVERTED:
+                self.converted = True
+                continue
             if (half := self._prequantized_half(trainer_name, trainer_tensor)) is not None:
                 if (pair := self._pair(*half)) is not None:
                     yield pair
@@ -133,9 +139,10 @@ class WeightConverter:
         from flashrl_tools.errors import FlashRLError
 
         fix = "quantize on the trainer with the engine's FLASHRL_CONFIG (flashrl_tools.wire), or push BF16"
-        if self.served is None or self.profile is not None:
+        if self.served is None or (self.profile is not None and not self.converted):
             raise FlashRLError(f"8-bit tensor {name} pushed, but this engine "
-                               + ("serves BF16" if self.served is None else "converts with a calibrated profile")
+                               + ("serves BF16" if self.served is None else "converts with a calibrated profile "
+                                  f"and the sync did not start with {CONVERTED}")
                                + ": it takes only BF16 tensors", None, fix)
         if weight.dim() != 2:
             raise FlashRLError(f"pre-quantized {name} has shape {tuple(weight.shape)}: a linear weight is 2-D", None, fix)
@@ -165,6 +172,8 @@ class WeightConverter:
         sync otherwise pay thousands of small kernels)."""
         if len(group) == 2 and group[1][0] == f"{group[0][0]}_scale" and group[0][1].dtype.itemsize == 1:
             return group  # pre-quantized on the trainer (checked when paired)
+        if self.converted:  # a converted sync (CONVERTED): norms already rescaled, BF16 layers as served
+            return group
         if not self._batchable(group):
             return [pair for name, tensor in group for pair in self.convert(name, tensor)]
         out: list[tuple[str, torch.Tensor]] = []

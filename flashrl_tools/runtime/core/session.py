@@ -149,6 +149,7 @@ class SyncSession:
                 loaded |= set(self.writer.load(converted, *args, **kwargs) or ())
             except Exception as e:
                 self.state.fail(f"{type(e).__name__}: {e}")
+                self.converter.converted = False
                 raise
             pending = itertools.chain(repeated, pending)
             if self.state.active and self.state.done():
@@ -177,6 +178,7 @@ class SyncSession:
         from flashrl_tools.runtime.core.digest import write_after_sync
 
         self.writer.finish()
+        self.converter.converted = False  # the next sync says it again, or is converted here
         self.state.complete()
         log.info("flashrl: weight sync %d complete (%d tensors)", self.state.completed, len(self.state.seen))
         write_after_sync(self.model, self.state.completed, self.engine, self.rank)  # FLASHRL_SYNC_DIGEST
