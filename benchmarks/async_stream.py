@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import preset_options, run_worker  # noqa: E402
+from harness import config_env, preset_options, run_worker  # noqa: E402
 from rl_step import output_lengths  # noqa: E402
 from shapes import model_dir  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
@@ -135,13 +135,9 @@ def worker(spec: dict) -> dict:
 
 
 def run_one(spec: dict, config: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
-    name, _, kv = config.partition("+")
-    if kv not in ("", "kv"):
-        return {"error": f"unknown config suffix '+{kv}' in '{config}' (use NAME or NAME+kv for an FP8 KV cache)"}
-    env["FLASHRL_CONFIG"] = name
-    if kv:
-        env["FLASHRL_KV_CACHE_DTYPE"] = "fp8"
+    env = config_env(config)
+    if isinstance(env, str):
+        return {"error": env}
     return run_worker(__file__, spec, env)
 
 

@@ -31,3 +31,17 @@ def run_worker(script: str, spec: dict, env: dict) -> dict:
             sys.stderr.write(res.stderr[-4000:])
             return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
         return json.loads(out.read_text())
+
+
+def config_env(config: str) -> dict | str:
+    """This environment running `config` (NAME, or NAME+kv for an FP8 KV cache), or why it cannot."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    name, _, kv = config.partition("+")
+    if kv not in ("", "kv"):
+        return f"unknown config suffix '+{kv}' in '{config}' (use NAME or NAME+kv for an FP8 KV cache)"
+    env["FLASHRL_CONFIG"] = name
+    if kv:
+        env["FLASHRL_KV_CACHE_DTYPE"] = "fp8"
+    return env
