@@ -7,3 +7,5 @@ printf 'Metadata-Version: 2.1\nName: flashrl_tools\nVersion: 0.1.0\n' > /tmp/sit
 printf '[vllm.general_plugins]\nflashrl = flashrl_tools.runtime.vllm.plugin:register\n\n[sglang.srt.plugins]\nflashrl = flashrl_tools.runtime.sglang.plugin:register\n' \
   > /tmp/site/flashrl_tools-0.1.0.dist-info/entry_points.txt
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 FLASHRL_HOME=/tmp/flashrl_home
+# NVLink multicast stays off (the lent hosts' rule; kept where a test builds its own environment from this one)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -25,7 +25,8 @@ from flashrl_tools.runtime.sglang.kv_scales import RadixAttentionScales
 from flashrl_tools.runtime.sglang.server_args import apply_plan, server_args
 from flashrl_tools.runtime.sglang.weight_sync import LoadedParams, LoaderWriter
 from sglang_standins import (CopyingMethod, KVRunner, Kinds, Manager, Model, RadixAttention, Registry,
-                             ResolvedArgs, converter, generate, prefill, served, weights)
+                             ResolvedArgs, converter, generate, original_generate, prefill, served,
+                             weights)
 from sglang_standins import server_args as _args
 
 
@@ -293,3 +294,163 @@ def test_an_aborted_calibration_is_tried_again(monkeypatch):
     plain = Manager(kv="auto")
     generate(plain, "a")
     assert [rid for rid, _ in plain.sent] == ["a"]  # no FP8 KV cache: nothing to calibrate
+
+
+# -- in-flight updates (pause.py) ------------------------------------------------------------------
+
+def _req(rid, key=None):
+    return SimpleNamespace(rid=rid, extra_key=key, finished_reason=None, to_finish=None, finished=lambda: False,
+                           set_finish_with_abort=lambda why, s=None: None)
+
+
+def test_requests_prefilled_after_an_update_never_share_old_prefix_blocks():
+    """The radix-cache namespace carries the weights' version when the request is (re)scheduled: a retracted
+    request recomputes on the new weights, a new one never shares the prefix of a request kept in place."""
+    from flashrl_tools.runtime.sglang import pause
+
+    session = SimpleNamespace(completed=3)
+    process.sessions().append(session)
+    kept, lora, calib = _req("a"), _req("b", key="lora7"), _req(f"{CALIBRATION_RID}t-0")
+    for r in (kept, lora, calib):
+        pause.salt(r)
+    assert kept.extra_key == "flashrl-weights-3" and lora.extra_key == "lora7|flashrl-weights-3"
+    assert calib.extra_key == calib.rid  # the calibration's blocks are its own
+    session.completed = 4
+    new = _req("c")
+    pause.salt(new)
+    pause.salt(lora)  # retracted: scheduled again
+    assert new.extra_key == "flashrl-weights-4" != kept.extra_key and lora.extra_key == "lora7|flashrl-weights-4"
+
+
+def test_an_update_with_requests_paused_in_flight_keeps_the_cache_instead_of_asserting():
+    from flashrl_tools.runtime.sglang import pause
+
+    flushes = []
+    updater = SimpleNamespace(flush_cache=lambda empty_cache=True: flushes.append(empty_cache) or False)
+    assert pause.flush_after_update(None, updater, SimpleNamespace(flush_cache=True, torch_empty_cache=False)) is None
+    assert flushes == [False]  # tried (SGLang would assert on the False)
+    pause.flush_after_update(None, updater, SimpleNamespace(flush_cache=False))
+    assert flushes == [False]
+
+
+def _scheduler(waiting, running=()):
+    return SimpleNamespace(waiting_queue=list(waiting), running_batch=SimpleNamespace(reqs=list(running)))
+
+
+def test_a_continue_before_the_sync_completed_aborts_what_the_pause_held(monkeypatch):
+    from flashrl_tools.runtime.sglang import pause
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.schedule_batch",
+                        SimpleNamespace(FINISH_ABORT=lambda message: SimpleNamespace(message=message)))
+    session = SimpleNamespace(completed=1, status=lambda: "a weight sync is in progress (3 of 10 tensors)")
+    process.sessions().append(session)
+    aborted = []
+    waiting = _req("w")
+    waiting.set_finish_with_abort = aborted.append
+    running = _req("r")
+    s = _scheduler([waiting], [running])
+    calls = []
+    pause.scheduler_pause(lambda *a: calls.append("pause"), s, SimpleNamespace(mode="in_place"))
+    pause.scheduler_continue(lambda *a: calls.append("continue"), s, SimpleNamespace())
+    assert calls == ["pause", "continue"]  # the engine continues (new requests are refused by admission)
+    assert "before the weight sync completed" in running.to_finish.message and "3 of 10" in aborted[0]
+    session.status = lambda: None  # complete: nothing is aborted
+    kept = _req("k")
+    s = _scheduler([], [kept])
+    pause.scheduler_continue(lambda *a: None, s, SimpleNamespace())
+    assert kept.to_finish is None
+
+
+def test_retracted_requests_wait_for_the_fp8_kv_scales_of_the_new_weights():
+    """FP8 KV cache, retract mode: at the continue the scheduler holds the retracted requests (stale scales),
+    the front end calibrates beside them (no drain: they hold no KV), and once the calibration's finish
+    request (which writes the scales) has run they join the queue."""
+    from flashrl_tools.runtime.sglang import pause
+
+    runner, session = KVRunner(), SimpleNamespace(completed=0, status=lambda: None)
+    kv = KVScaleState(RadixAttentionScales(runner), session, checkpoint_scales=False)
+    _calibrate(kv, runner, 40.0, 10.0)
+    process.sessions().append(session)
+    process.kv_states().append(kv)
+    s = _scheduler([_req("x"), _req("y")])
+    pause.scheduler_pause(lambda *a: None, s, SimpleNamespace(mode="retract"))
+    session.completed = 1  # the update
+    pause.scheduler_continue(lambda *a: None, s, SimpleNamespace())
+    assert s.waiting_queue == [] and [r.rid for r in s._flashrl_held] == ["x", "y"]
+    for i in ("0", "1"):
+        scheduler.add_request(s, _req(f"{CALIBRATION_RID}u-{i}"))
+        prefill(runner, 80.0, 10.0)
+    assert s._flashrl_held
+    finish = _req(f"{CALIBRATION_RID}u-finish")
+    scheduler.add_request(s, finish)
+    assert not kv.stale() and s.waiting_queue == []  # written; the held requests wait for the finish request
+    pause.release_held(None, s)
+    assert s.waiting_queue == []
+    finish.finished = lambda: True  # it ran (not batched with them)
+    pause.release_held(None, s)
+    assert [r.rid for r in s.waiting_queue] == ["x", "y"] and s._flashrl_held == []
+    s = _scheduler([_req("z")])  # in place (or scales current): nothing is held
+    pause.scheduler_pause(lambda *a: None, s, SimpleNamespace(mode="in_place"))
+    session.completed = 2
+    pause.scheduler_continue(lambda *a: None, s, SimpleNamespace())
+    assert [r.rid for r in s.waiting_queue] == ["z"]
+
+
+def test_the_continue_calibrates_beside_held_requests_without_waiting_for_them(monkeypatch):
+    import asyncio
+
+    from flashrl_tools.runtime.sglang import kv_front, pause
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct",
+                        SimpleNamespace(GenerateReqInput=lambda **kw: SimpleNamespace(**kw)))
+    m = Manager()
+    m.rid_to_state = {"x": 1, "y": 2}  # retracted requests the schedulers hold: never finish before the scales
+    setattr(m, kv_front.STALE, True)
+    monkeypatch.setattr(pause, "unhooked_generate", original_generate)
+
+    async def original(manager, obj):
+        return "continued"
+
+    async def run():
+        await pause.front_pause(lambda *a: asyncio.sleep(0), m, SimpleNamespace(mode="retract"))
+        return await asyncio.wait_for(pause.front_continue(original, m, SimpleNamespace()), 5)
+    assert asyncio.run(run()) == "continued"
+    rids = [rid for rid, _ in m.sent]
+    assert "<flush>" not in rids and rids[-1].endswith("-finish") and len(rids) > 2
+    assert getattr(m, kv_front.STALE) is False and not getattr(m, pause.HOLD)
+    m2 = Manager()  # in place: the continue calibrates nothing (the next request drains)
+    setattr(m2, kv_front.STALE, True)
+
+    async def run2():
+        await pause.front_pause(lambda *a: asyncio.sleep(0), m2, SimpleNamespace(mode="in_place"))
+        return await pause.front_continue(original, m2, SimpleNamespace())
+    asyncio.run(run2())
+    assert m2.sent == []
+
+
+def test_a_request_sent_during_a_pause_calibrates_after_the_update(monkeypatch):
+    """FP8 KV cache: a rollout sent while paused waits for the continue before the calibration check (else
+    it would pass it with the old weights' scales and be refused by the schedulers after the update)."""
+    import asyncio
+
+    from flashrl_tools.runtime.sglang import kv_front
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct",
+                        SimpleNamespace(GenerateReqInput=lambda **kw: SimpleNamespace(**kw)))
+    m = Manager()
+    setattr(m, kv_front.STALE, False)
+
+    async def run():
+        m.is_pause, m.is_pause_cond = True, asyncio.Condition()
+        task = asyncio.create_task(kv_front.generate_request(original_generate, m,
+                                                             SimpleNamespace(rid="d", input_ids=[1])).__anext__())
+        await asyncio.sleep(0.01)
+        assert m.sent == []  # waits for the continue
+        setattr(m, kv_front.STALE, True)  # the update
+        async with m.is_pause_cond:
+            m.is_pause = False
+            m.is_pause_cond.notify_all()
+        await task
+    asyncio.run(run())
+    rids = [rid for rid, _ in m.sent if rid != "<flush>"]
+    assert rids[-1] == "d" and len(rids) > 2  # calibrated first

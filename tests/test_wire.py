@@ -130,3 +130,31 @@ def test_a_smoothquant_profile_is_converted_once(default_model, smoothquant_chec
                for n in expected)
     norms = [n for n in expected if "layernorm" in n and n in bf16]
     assert any(not torch.equal(expected[n], bf16[n]) for n in norms)  # the profile rescaled norms (once)
+
+
+@pytest.mark.vllm
+def test_trainer_quantized_pushes_equal_an_engine_side_sync_on_every_cpu_path(tiny_models, tmp_path):
+    """One vLLM-CPU engine (int8): the new BF16 weights synced engine-side, then -- each after the originals
+    were pushed back -- the trainer's `engine_tensors` through `load_weights` (bucketed) and through the
+    weight-transfer API: weight digest, greedy tokens and teacher-forced logprobs equal the engine-side
+    sync's; a scale of the wrong shape is refused in one line and the engine serves the next full push.
+    (The GPU runs the same probe with vLLM's CUDA-IPC engine, packed and unpacked: tests/gpu/test_vllm_wire.py.)"""
+    from flashrl_tools.verify.perturb import perturb
+
+    sys.path.insert(0, str(REPO / "tests" / "probes"))
+    from wire_probe import verdict
+
+    policy = tiny_models["llama-untied"]
+    new = perturb(policy, tmp_path / "new", seed=1, match=("",))
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    out = tmp_path / "wire.json"
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "probes" / "wire_probe.py"), str(policy), str(new),
+                          str(out), "--paths", "load_weights,transfer", "--bucket-bytes", str(64 << 10),
+                          "--engine-args", json.dumps({"gpu_memory_utilization": 0.1})],
+                         capture_output=True, text=True, env={**env, "FLASHRL_CONFIG": "int8"}, timeout=900)
+    assert res.returncode == 0, res.stderr[-5000:]
+    result = json.loads(out.read_text())
+    checks = verdict(result)
+    assert all(checks.values()), checks
+    assert {"load_weights = engine-side sync", "transfer = engine-side sync"} <= set(checks)
+    assert result["bytes"]["wire"] < 0.7 * result["bytes"]["bf16"]

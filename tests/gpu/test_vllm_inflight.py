@@ -1,6 +1,7 @@
 """In-flight weight updates on vLLM's AsyncLLM (asynchronous RL, issue 42; tests/probes/inflight_probe.py):
 requests decoding, `pause_generation(mode, clear_cache)`, the perturbed weights pushed one tensor per
-`load_weights` (collective_rpc), `resume_generation`. Cases: mode x config (`+kv`: FP8 KV cache, `moe-`:
+`load_weights` (collective_rpc; `-ipc=`: vLLM's CUDA-IPC engine, BF16 or trainer-quantized 8-bit, packed or
+not), `resume_generation`. Cases: mode x config (`+kv`: FP8 KV cache, `moe-`:
 Qwen3-MoE, `-compiled`: CUDA graphs and torch.compile, else eager). Each asserts the probe's checks: the
 resume refused mid-push, a request sent during the pause waits, kept requests finish / aborted ones say
 so, a request after the drain and every resubmission (prompt + partial tokens) equal a fresh engine on
@@ -26,11 +27,19 @@ import gpu_harness as h
 
 KEEP = ["keep-bf16", "keep-int8", "keep-fp8", "keep-int8+kv", "keep-moe-fp8", "keep-int8+kv-compiled",
         "keep-int8-compiled"]
+# `-ipc=HOW`: the full push from the probe's GPU through vLLM's CUDA-IPC weight-transfer engine (the engine core
+# in its own process): BF16, or the trainer's 8-bit tensors (`wire`: flashrl_tools.wire), packed or not
+IPC = ["keep-int8-ipc=wire", "abort-int8+kv-ipc=wire-packed", "keep-fp8-ipc=bf16-packed", "keep-moe-fp8-ipc=bf16"]
+# `-nccl=HOW` (two GPUs): the same through vLLM's NCCL engine, the probe the trainer on GPU 1
+NCCL = ["keep-int8-nccl=wire-packed", "abort-int8+kv-nccl=wire", "keep-moe-fp8-nccl=bf16"]
+TWO_GPUS = torch.cuda.device_count() >= 2
 CASES = KEEP + ["keepclear-int8", "keepclear-int8+kv", "abort-bf16", "abort-int8", "abort-fp8", "abort-int8+kv",
-                "abort-moe-fp8", "wait-int8", "wait-int8+kv"]
+                "abort-moe-fp8", "wait-int8", "wait-int8+kv"] + IPC
 
 
 def run_case(case: str, work) -> dict:
+    case, _, ipc = case.partition("-ipc=")
+    case, _, nccl = case.partition("-nccl=")
     mode, rest = case.split("-", 1)
     compiled = rest.endswith("-compiled")
     rest = rest.removesuffix("-compiled")
@@ -48,6 +57,9 @@ def run_case(case: str, work) -> dict:
             "--prefix", json.dumps(h.SEQS[0] * 6), "--tokens", "96", "--requests", "8", "--pause-after", "12"]
     args += ["--clear-cache"] if mode == "keepclear" else []
     args += ["--floor"] if kv and mode == "keep" else []
+    if ipc or nccl:  # CUDA IPC needs the engine core in a process of its own (NCCL: GPU 0, the trainer GPU 1)
+        args += ["--ipc", ipc] if ipc else ["--nccl", nccl]
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")), None)
     if line is None:
@@ -62,11 +74,17 @@ def run_case(case: str, work) -> dict:
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    return h.module_rows(request, CASES, run_case, gpu_work, gpu_jobs, "vllm_inflight")
+    return h.module_rows(request, CASES + (NCCL if TWO_GPUS else []), run_case, gpu_work, gpu_jobs, "vllm_inflight")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_inflight_update(rows, case):
+    h.assert_exact(rows[case])
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="NCCL needs two GPUs (it refuses two ranks on one)")
+@pytest.mark.parametrize("case", NCCL)
+def test_inflight_update_over_nccl(rows, case):
     h.assert_exact(rows[case])
 
 

@@ -16,7 +16,11 @@ are compared with the same tokens recomputed on B (the stale-KV effect of keep m
 Prints one line `RESULT{json}` with `checks` (each must be true) and the figures.
 With --floor (keep mode, FP8 KV cache) the same tokens are also recomputed on B with a BF16 KV cache:
 the FP8 cache's own effect on logprobs, beside which the kept requests' stale-KV effect is judged.
-Usage: python inflight_probe.py A B --mode keep|abort|wait [--clear-cache] [--floor] [--engine-args JSON]
+With --ipc the full push comes from this process's GPU through vLLM's CUDA-IPC engine (BF16 or the trainer's
+8-bit tensors, packed or not; the engine core runs in its own process).
+With --nccl (two GPUs) the same through vLLM's NCCL engine, this process the trainer on GPU 1.
+Usage: python inflight_probe.py A B --mode keep|abort|wait [--clear-cache] [--floor] [--ipc HOW | --nccl HOW]
+       [--engine-args JSON]
 """
 
 import argparse
@@ -36,7 +40,8 @@ def prompt(i: int) -> list[int]:
 
 
 async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, requests: int, tokens: int,
-              pause_after: int, floor: bool = False, transfer: bool = False) -> dict:
+              pause_after: int, floor: bool = False, transfer: bool = False, ipc: str | None = None,
+              nccl: str | None = None) -> dict:
     from vllm import SamplingParams
 
     from flashrl_tools.runtime.core.session import SyncIncomplete
@@ -50,13 +55,19 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         engine_args = {**engine_args, "weight_transfer_config": {"backend": "flashrl_probe_checkpoint"},
                        "worker_extension_cls": "transfer_ext.Ext"}
+    if ipc:  # vLLM's CUDA-IPC weight-transfer engine (the engine core in its own process)
+        engine_args = {**engine_args, "weight_transfer_config": {"backend": "ipc"}}
+    if nccl:  # vLLM's NCCL weight-transfer engine, this process the trainer on GPU 1 (two GPUs)
+        engine_args = {**engine_args, "weight_transfer_config": {"backend": "nccl"}}
     engine = start(a, engine_args)
-    if transfer:
+    group = await nccl_group(engine) if nccl else None
+    if transfer or ipc:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
-    res: dict = {"mode": mode, "clear_cache": clear_cache, "push": "weight-transfer engine" if transfer else
-                 "collective_rpc + load_weights"}
+    res: dict = {"mode": mode, "clear_cache": clear_cache, "push": f"CUDA IPC ({ipc})" if ipc else
+                 f"NCCL from GPU 1 ({nccl})" if nccl else
+                 "weight-transfer engine" if transfer else "collective_rpc + load_weights"}
     streams: dict[str, list] = {}
 
     async def gen(rid, ids, p=params):
@@ -82,7 +93,11 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
         res["resume_mid_sync"] = str(e)
     await asyncio.sleep(0.05)
     res["during_waited"] = not streams.get("during")
-    if transfer:
+    if ipc:
+        await ipc_push(engine, a, b, ipc)
+    elif nccl:
+        await nccl_push(engine, group, a, b, nccl)
+    elif transfer:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await engine.start_weight_update()
@@ -166,6 +181,62 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
     return res
 
 
+async def ipc_push(engine, a: str, b: str, how: str) -> None:
+    """B from this process's GPU through vLLM's IPC engine (`how`: bf16 | wire, packed or not: e.g. "wire-packed";
+    wire = the trainer's 8-bit tensors, flashrl_tools.wire.engine_tensors)."""
+    from dataclasses import asdict
+
+    import torch
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    from flashrl_tools.safetensors_io import CheckpointReader
+    from flashrl_tools.wire import engine_tensors
+
+    tensors = [(n, t.cuda()) for n, t in CheckpointReader(b).iter_tensors()]
+    if how.startswith("wire"):
+        tensors = [pair for bucket in engine_tensors(tensors, a) for pair in bucket]
+    torch.cuda.synchronize()
+    loop = asyncio.get_running_loop()
+
+    def send(info):
+        update = WeightTransferUpdateRequest(update_info=asdict(info))
+        asyncio.run_coroutine_threadsafe(engine.update_weights(update), loop).result()
+    await engine.start_weight_update()
+    await asyncio.to_thread(IPCWeightTransferEngine.trainer_send_weights, iter(tensors),
+                            {"send_mode": send, "packed": how.endswith("packed")})
+    await engine.finish_weight_update()
+
+
+async def nccl_group(engine):
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    import nccl_trainer
+
+    info = nccl_trainer.init_info()
+    _, group = await asyncio.gather(engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                                    asyncio.to_thread(nccl_trainer.trainer_group, info))
+    return group
+
+
+async def nccl_push(engine, group, a: str, b: str, how: str) -> None:
+    """B from GPU 1 through vLLM's NCCL engine (`how` as for ipc_push)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    import nccl_trainer
+    from flashrl_tools.safetensors_io import CheckpointReader
+    from flashrl_tools.wire import engine_tensors
+
+    tensors = [(n, t.to(f"cuda:{nccl_trainer.TRAINER_GPU}")) for n, t in CheckpointReader(b).iter_tensors()]
+    if how.startswith("wire"):
+        tensors = [pair for bucket in engine_tensors(tensors, a) for pair in bucket]
+    packed = how.endswith("packed")
+    await engine.start_weight_update()
+    await asyncio.gather(engine.update_weights(WeightTransferUpdateRequest(
+        update_info=nccl_trainer.update_info(tensors, packed))), asyncio.to_thread(nccl_trainer.send, group, tensors, packed))
+    await engine.finish_weight_update()
+
+
 def phase(name: str) -> None:
     """Where the probe is (stderr): a run cut short by its caller's timeout says where it waited."""
     print(f"PHASE {name} {time.strftime('%T')}", file=sys.stderr, flush=True)
@@ -227,6 +298,10 @@ if __name__ == "__main__":
     ap.add_argument("--floor", action="store_true", help="keep mode, FP8 KV: also recompute on a BF16-KV engine")
     ap.add_argument("--transfer", action="store_true", help="the full push through vLLM's weight-transfer engine "
                     "(the CPU tests' checkpoint backend, tests/probes/sync_probe.py)")
+    ap.add_argument("--ipc", choices=("bf16", "bf16-packed", "wire", "wire-packed"),
+                    help="the full push from this process's GPU through vLLM's CUDA-IPC engine (multiprocess engine)")
+    ap.add_argument("--nccl", choices=("bf16", "bf16-packed", "wire", "wire-packed"),
+                    help="the full push from GPU 1 through vLLM's NCCL engine (two GPUs)")
     ap.add_argument("--prefix", type=json.loads, help="the shared prefix's token ids (JSON; default: 72 tokens)")
     x = ap.parse_args()
     if x.prefix:
@@ -238,7 +313,8 @@ if __name__ == "__main__":
         subprocess.run([sys.executable, "-c", "import sys; from flashrl_tools.verify.perturb import perturb; "
                         "perturb(sys.argv[1], sys.argv[2])", x.a, x.b], check=True)
     print("RESULT" + json.dumps(asyncio.run(run(x.a, x.b, x.mode, x.clear_cache, x.engine_args, x.requests, x.tokens,
-                                                x.pause_after, x.floor, x.transfer))), flush=True)
+                                                x.pause_after, x.floor, x.transfer, x.ipc, x.nccl))),
+          flush=True)
     from flashrl_tools.verify.engine_job import exit_engine_process
 
     exit_engine_process(0)

@@ -12,11 +12,12 @@ FLASHRL_KV_CACHE_DTYPE changed is refused there (`check_env`)."""
 from __future__ import annotations
 
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
-from flashrl_tools.runtime.sglang import kv_front, process, scheduler, server_args, weight_sync
+from flashrl_tools.runtime.sglang import kv_front, pause, process, scheduler, server_args, weight_sync
 
 _CT = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
 _TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _CONTROL = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin"
+_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 HOOKS: tuple[Hook, ...] = (
     Hook("server_args", "sglang.srt.server_args.ServerArgs.__post_init__", server_args.server_args, HookKind.BEFORE,
          "engine / launcher", "the serving plan: checkpoint, tokenizer, KV-cache dtype, lm head; refusals at start",
@@ -37,12 +38,29 @@ HOOKS: tuple[Hook, ...] = (
     Hook("request_guard", "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", scheduler.add_request,
          HookKind.BEFORE, "scheduler", "abort requests while the weights are incomplete or the FP8 KV scales "
          "stale; route the calibration's requests"),
-    Hook("release_weights", "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
-         "release_memory_occupation", scheduler.release_weights, HookKind.AFTER, "scheduler",
+    Hook("release_weights", f"{_UPDATER}.release_memory_occupation", scheduler.release_weights, HookKind.AFTER, "scheduler",
          "SGLang's sleep freed the weights (no CPU backup): refuse until a full sync"),
     Hook("rpc_kv_scales", "sglang.srt.managers.scheduler.Scheduler.flashrl_kv_scales", scheduler.dump_kv_scales,
          HookKind.ADD, "scheduler", "`Engine.collective_rpc(\"flashrl_kv_scales\", path=...)`: rank 0's FP8 KV "
          "scales as JSON", optional=True),
+    Hook("prefix_salt", "sglang.srt.managers.schedule_batch.Req.init_next_round_input", pause.salt,
+         HookKind.BEFORE, "scheduler", "radix-cache namespace by weights' version: nothing prefilled after an "
+         "update reuses KV of the old weights"),
+    Hook("flush_after_update", f"{_UPDATER}.flush_cache_after_weight_update", pause.flush_after_update,
+         HookKind.AROUND, "scheduler", "an update while requests are paused in flight keeps the cache (SGLang "
+         "asserts): the namespaces keep versions apart"),
+    Hook("pause", "sglang.srt.managers.scheduler.Scheduler.pause_generation", pause.scheduler_pause,
+         HookKind.AROUND, "scheduler", "remember the pause's mode"),
+    Hook("continue", "sglang.srt.managers.scheduler.Scheduler.continue_generation", pause.scheduler_continue,
+         HookKind.AROUND, "scheduler", "weights incomplete: abort what the pause held; FP8 KV after a retract: "
+         "hold the retracted requests until the scales are written"),
+    Hook("release_held", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", pause.release_held,
+         HookKind.AFTER, "scheduler", "FP8 KV after a retract: the held requests go on once the calibration's "
+         "last request ran"),
+    Hook("front_pause", f"{_TOKENIZER}.pause_generation", pause.front_pause, HookKind.AROUND, "engine / server",
+         "remember the pause's mode"),
+    Hook("front_continue", f"{_TOKENIZER}.continue_generation", pause.front_continue, HookKind.AROUND,
+         "engine / server", "FP8 KV after a retract: calibrate at the continue, beside the held requests"),
     Hook("kv_calibrate", f"{_TOKENIZER}.generate_request", kv_front.generate_request, HookKind.AROUND,
          "engine / server", "FP8 KV cache: calibrate before the next rollout after an update"),
     *(Hook(f"kv_after_{kind}", f"{_CONTROL}.update_weights_from_{kind}", kv_front.weights_changed, HookKind.AROUND,

@@ -16,6 +16,7 @@ from flashrl_tools.runtime.core.kv_state import FINISH, calibration_index, calib
 
 log = logging.getLogger("flashrl_tools.runtime")
 
+HOLD = "_flashrl_hold"  # TokenizerManager attribute: a continue's calibration runs beside held requests (pause.py)
 STALE = "_flashrl_kv_stale"  # TokenizerManager attribute: scales may be stale (unset: never calibrated)
 FLUSH_TRIES = 200  # x 10 ms: the schedulers flush only when idle
 
@@ -31,8 +32,9 @@ class TokenizerFront:
         return self.manager.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
 
     def aside(self):
-        """Requests in flight are not set aside on SGLang: the calibration waits for them."""
-        return NoLock()
+        """Requests in flight are not set aside on SGLang (the calibration waits for them), except the
+        retracted requests the schedulers hold at a continue (pause.py): they hold no KV."""
+        return Held(len(self.manager.rid_to_state)) if getattr(self.manager, HOLD, False) else NoLock()
 
     async def stale(self) -> bool:
         return getattr(self.manager, STALE, True)
@@ -41,6 +43,8 @@ class TokenizerFront:
         return len(self.manager.rid_to_state)
 
     async def flush(self) -> bool:
+        if getattr(self.manager, HOLD, False):  # held requests wait in the schedulers (never idle): the
+            return True  # versioned radix-cache namespaces (pause.salt) keep old blocks from new requests
         for _ in range(FLUSH_TRIES):
             result = await self.manager.flush_cache()
             if getattr(result, "success", True):
@@ -81,10 +85,23 @@ class TokenizerFront:
         setattr(self.manager, STALE, False)
 
 
+class Held(NoLock):
+    """`aside` while the schedulers hold retracted requests: yields how many requests are in flight."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    async def __aenter__(self):
+        return self.count
+
+
 async def generate_request(original, manager, obj, request=None):
     """AROUND `TokenizerManager.generate_request` (an async generator)."""
     fp8 = is_fp8_kv(getattr(manager.server_args, "kv_cache_dtype", "auto"))
     if fp8 and not calibrating() and calibration_index(getattr(obj, "rid", None)) is None:
+        if getattr(manager, "is_pause", False):  # sent during a pause: the update comes first (SGLang would
+            async with manager.is_pause_cond:  # wait inside, then the schedulers refuse it: stale scales)
+                await manager.is_pause_cond.wait_for(lambda: not manager.is_pause)
         await calibrate(TokenizerFront(original, manager))
     async for out in original(manager, obj, request):
         yield out

@@ -9,6 +9,7 @@ import logging
 
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import model_refusal
+from flashrl_tools.runtime.core.kv_state import FINISH, calibration_index
 
 log = logging.getLogger("flashrl_tools.runtime")
 _warned: set[str] = set()
@@ -20,6 +21,10 @@ def add_request(scheduler, req, is_retracted=False, *args, **kwargs):
     if is_retracted or getattr(req, "finished_reason", None) is not None:
         return
     problem = model_refusal(process.sessions(), process.kv_states(), req.rid)
+    if calibration_index(req.rid) == FINISH:  # the scales are written: retracted requests held for them go on
+        from flashrl_tools.runtime.sglang.pause import finish_queued
+
+        finish_queued(scheduler, req)
     if problem is not None:
         req.set_finish_with_abort(problem)
     elif getattr(req, "return_logprob", False) and "truncation" not in _warned and _truncates(req):

@@ -1,0 +1,144 @@
+"""In-flight weight updates on SGLang (asynchronous RL): `pause_generation(mode=abort | retract | in_place)`,
+the weights pushed while paused, `continue_generation`.
+
+- Prefix cache by weights' version: every request's radix-cache namespace (`Req.extra_key`, SGLang's
+  cache_salt) carries the number of syncs its scheduler completed when it is (re)scheduled for prefill, so
+  nothing prefilled after an update reuses KV of the old weights -- a retracted request is recomputed
+  whole, a new request never shares the prefix of a request kept in place. SGLang itself can only flush the
+  cache when idle and asserts after an update with requests paused in flight (`flush_cache=True`, its
+  default): the flush is skipped there (the namespaces keep the versions apart).
+- A `continue_generation` before the sync completed aborts the requests the pause held, with the reason
+  (they would decode on half-updated weights); new requests are refused by admission until the sync completes.
+- FP8 KV cache: requests kept in place finish on the scales their KV was written with, and the calibration
+  before the next new request waits for them (SGLang cannot set them aside). Retracted requests hold no KV:
+  at the continue their scheduler holds them back, the front end calibrates at once, and the scheduler
+  releases them once the calibration's last request has run -- they are recomputed on the new weights and
+  scales, batched as on a fresh engine."""
+
+from __future__ import annotations
+
+import logging
+
+from flashrl_tools.runtime.core import process
+from flashrl_tools.runtime.core.admission import refusal
+from flashrl_tools.runtime.core.kv_driver import calibrate
+from flashrl_tools.runtime.core.kv_math import is_fp8_kv
+from flashrl_tools.runtime.core.kv_state import calibration_index
+from flashrl_tools.runtime.sglang.kv_front import HOLD, STALE, TokenizerFront
+
+log = logging.getLogger("flashrl_tools.runtime")
+MODE = "_flashrl_pause_mode"  # Scheduler / TokenizerManager attribute: the mode of the pause in force
+HELD = "_flashrl_held"  # Scheduler attribute: retracted requests held for the FP8 KV calibration
+FINISH_REQ = "_flashrl_finish_req"  # Scheduler attribute: the calibration's finish request, once the scales are written
+SALT = "flashrl-weights-"
+
+
+def _version() -> int:
+    """Syncs this scheduler process completed (the radix-cache namespace of requests prefilled now)."""
+    return sum(s.completed for s in process.sessions())
+
+
+def salt(req, *args, **kwargs) -> None:
+    """BEFORE `Req.init_next_round_input`: the request's radix-cache namespace is its caller's key plus the
+    weights' version (a calibration request's own rid: its blocks are never shared)."""
+    if not hasattr(req, "_flashrl_key"):
+        req._flashrl_key = getattr(req, "extra_key", None)
+    base = req._flashrl_key
+    tag = req.rid if calibration_index(req.rid) is not None else f"{SALT}{_version()}"
+    req.extra_key = tag if base is None else f"{base}|{tag}"
+
+
+def flush_after_update(original, updater, recv_req, *args, **kwargs):
+    """AROUND `SchedulerWeightUpdaterManager.flush_cache_after_weight_update`: flush when SGLang can (idle);
+    with requests paused in flight SGLang's flush fails and it asserts -- skipped, the versions' namespaces
+    keep old KV from new requests."""
+    if not getattr(recv_req, "flush_cache", False):
+        return None
+    if not updater.flush_cache(empty_cache=getattr(recv_req, "torch_empty_cache", True)):
+        log.info("flashrl: prefix cache not flushed after the update (requests paused in flight); requests "
+                 "prefilled from now on use the new weights' namespace")
+    return None
+
+
+def scheduler_pause(original, scheduler, recv_req, *args, **kwargs):
+    """AROUND `Scheduler.pause_generation` (retract / in_place; abort stays in the front end)."""
+    setattr(scheduler, MODE, getattr(recv_req, "mode", None))
+    return original(scheduler, recv_req, *args, **kwargs)
+
+
+def scheduler_continue(original, scheduler, recv_req, *args, **kwargs):
+    """AROUND `Scheduler.continue_generation`: abort what the pause held if the weights are incomplete;
+    with a stale FP8 KV cache after a retract, hold the retracted requests until the scales are written."""
+    mode = getattr(scheduler, MODE, None)
+    setattr(scheduler, MODE, None)
+    problem = refusal(s.status() for s in process.sessions())
+    if problem:
+        abort_held(scheduler, f"flashrl: generation continued before the weight sync completed ({problem}); "
+                   "requests paused across it are aborted")
+    elif mode == "retract" and any(kv.stale() for kv in process.kv_states()):
+        held = [r for r in scheduler.waiting_queue if calibration_index(r.rid) is None]
+        if held:
+            setattr(scheduler, HELD, getattr(scheduler, HELD, []) + held)
+            scheduler.waiting_queue[:] = [r for r in scheduler.waiting_queue if calibration_index(r.rid) is not None]
+    return original(scheduler, recv_req, *args, **kwargs)
+
+
+def abort_held(scheduler, why: str) -> None:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    running = [r for r in scheduler.running_batch.reqs if not r.finished()]
+    for req in running:
+        req.to_finish = FINISH_ABORT(why)
+    for req in scheduler.waiting_queue:
+        if getattr(req, "finished_reason", None) is None:
+            req.set_finish_with_abort(why)
+    if running or scheduler.waiting_queue:
+        log.error("%s (%d)", why, len(running) + len(scheduler.waiting_queue))
+
+
+def finish_queued(scheduler, req) -> None:
+    """The calibration's finish request wrote the scales: held requests go on once it has run (so their
+    recompute is batched as on a fresh engine, without it)."""
+    if getattr(scheduler, HELD, None):
+        setattr(scheduler, FINISH_REQ, req)
+
+
+def release_held(result, scheduler, *args, **kwargs):
+    """AFTER `Scheduler.process_batch_result`: once the finish request ran, the held requests join the queue."""
+    req = getattr(scheduler, FINISH_REQ, None)
+    if req is not None and req.finished():
+        held = getattr(scheduler, HELD, [])
+        setattr(scheduler, HELD, [])
+        setattr(scheduler, FINISH_REQ, None)
+        scheduler.waiting_queue.extend(held)
+        log.info("flashrl: %d retracted requests released after the FP8 KV calibration", len(held))
+    return None
+
+
+async def front_pause(original, manager, obj, *args, **kwargs):
+    """AROUND `TokenizerManager.pause_generation`: remember the mode (the continue's FP8 KV calibration)."""
+    setattr(manager, MODE, getattr(obj, "mode", None))
+    return await original(manager, obj, *args, **kwargs)
+
+
+async def front_continue(original, manager, obj, *args, **kwargs):
+    """AROUND `TokenizerManager.continue_generation`: with an FP8 KV cache whose scales are stale after a
+    retract, calibrate right after the continue, beside the requests the schedulers hold."""
+    mode = getattr(manager, MODE, None)
+    setattr(manager, MODE, None)
+    fp8 = is_fp8_kv(getattr(manager.server_args, "kv_cache_dtype", "auto"))
+    hold = fp8 and mode == "retract" and getattr(manager, STALE, True)
+    if hold:
+        setattr(manager, HOLD, True)
+    try:
+        result = await original(manager, obj, *args, **kwargs)
+        if hold:
+            await calibrate(TokenizerFront(unhooked_generate, manager))
+        return result
+    finally:
+        setattr(manager, HOLD, False)
+
+
+def unhooked_generate(manager, obj, request=None):
+    """The calibration's requests through `generate_request` (its hook passes calibration rids through)."""
+    return type(manager).generate_request(manager, obj, request)

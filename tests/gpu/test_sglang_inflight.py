@@ -1,0 +1,133 @@
+"""In-flight weight updates on SGLang 0.5.17 (issue 42; tests/probes/sglang_inflight_probe.py): 8 greedy
+requests streaming, `pause_generation(mode)`, the perturbed weights pushed per tensor through
+`update_weights_from_tensor` (flush_cache=True, SGLang's default), `continue_generation`. Radix cache on.
+Cases: mode x config (`+kv`: FP8 KV cache; `moe-`: Qwen3-MoE). Asserted per case: the push succeeds, a
+request sent during the pause waits, kept (in_place) and retracted requests finish, aborted ones say
+so; a request after the drain equals a fresh engine on the new weights (same FLASHRL_CONFIG and KV
+setting) bit for bit, as do the FP8 KV scales; abort: every resubmission (prompt + partial tokens) equals
+the fresh engine's continuation; retract: the retracted requests' tokens after the pause (recomputed by
+the engine on the new weights) equal the fresh engine's continuation of the same batch. In place: a
+continue before the sync completed aborts the held requests with the reason and refuses a new one; the
+sync completed, a request equals the fresh engine again. Reported: requests admitted beside kept ones vs
+the fresh engine, the kept requests' stale-KV effect (in place), the first token after the continue."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gpu_harness as h
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
+CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8", "retract-int8", "retract-fp8",
+         "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv"]
+PROBE = h.PROBES / "sglang_inflight_probe.py"
+TOKENS = 96
+
+
+def _probe(args: list[str], env: dict, tag: str, work, *options: str) -> dict | str:
+    out = work / f"sgl-inflight-{tag}.json"
+    res = subprocess.run([sys.executable, str(PROBE), *args, str(out), *options,
+                          "--engine-args", json.dumps({"cuda_graph_max_bs_decode": 16})],
+                         capture_output=True, text=True, env=env, timeout=900)
+    if res.returncode != 0 or not out.is_file():
+        return f"exit {res.returncode}: {(res.stdout + res.stderr)[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def run_case(case: str, work) -> dict:
+    mode, rest = case.split("-", 1)
+    moe = rest.startswith("moe-")
+    config = rest.removeprefix("moe-").removesuffix("+kv")
+    kv = rest.endswith("+kv")
+    orig, pert = h.model_pair(work, "qwen3_moe" if moe else "qwen3")
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    env.update(FLASHRL_CONFIG=config, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}))
+    got = _probe(["run", str(orig), str(pert)], env, case, work, "--mode", mode, "--tokens", str(TOKENS))
+    if isinstance(got, str):
+        return {"error": got}
+    prompt = __import__("sglang_inflight_probe").prompt
+    singles = [[[r, prompt(i), 8]] for r, i in (("during", 50), ("after", 60), ("repeat0", 0)) if
+               r in got["admitted"]]
+    batches = list(singles)
+    if mode == "abort":
+        batches += [[[f"re-{r}", prompt(int(r[1:])) + o["tokens"], TOKENS - len(o["tokens"])]]
+                    for r, o in got["kept"].items()]
+    if mode == "retract":  # the retracted requests' recompute, one batch
+        batches.append([[f"cont-{r}", prompt(int(r[1:])) + o["tokens"][:got["at_pause"][r]],
+                         TOKENS - got["at_pause"][r]] for r, o in got["kept"].items()])
+    score = [[f"tf-{r}", prompt(int(r[1:])) + o["tokens"], len(prompt(0)) + got["at_pause"][r]]
+             for r, o in got["kept"].items()] if mode == "in_place" else []
+    req = work / f"sgl-inflight-{case}-fresh-req.json"
+    req.write_text(json.dumps({"batches": batches, "score": score}))
+    fresh = _probe(["serve", str(pert), str(req)], env, f"{case}-fresh", work)
+    if isinstance(fresh, str):
+        return {"error": f"fresh engine: {fresh}"}
+    return verdict(mode, got, fresh)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def verdict(mode: str, got: dict, fresh: dict) -> dict:
+    f = fresh["outputs"]
+    row = {k: got[k] for k in ("mode", "push", "at_pause", "continue_s", "first_token_after_continue_s",
+                               "tokens_in_flight_at_first_token") if k in got}
+    reasons = sorted({o["finish_reason"] for o in got["kept"].values()})
+    row["finish_reasons"] = reasons
+    row["repeat0_equal_fresh"] = _equal(got["admitted"]["repeat0"], f["repeat0"])
+    checks = {"the push while paused succeeds": got["push"][0],
+              "kept requests finish" if mode != "abort" else "aborted requests say so":
+                  reasons == (["abort"] if mode == "abort" else ["length"]),
+              "a request after the drain = fresh engine": row["repeat0_equal_fresh"]}
+    if "during" in got["admitted"]:
+        checks["a request sent during the pause waits for the continue"] = got["during_waited"]
+        row["beside_kept_equal_fresh"] = {r: _equal(got["admitted"][r], f[r]) for r in ("during", "after")}
+    if mode == "abort":
+        row["resubmitted_equal_fresh"] = {r: _equal(o, f[f"re-{r}"]) for r, o in got["resubmitted"].items()}
+        checks["resubmitted requests = fresh engine's continuation"] = all(row["resubmitted_equal_fresh"].values())
+    if mode == "retract":
+        eq, worst = {}, 0.0
+        for r, o in got["kept"].items():
+            k, c = got["at_pause"][r], f[f"cont-{r}"]
+            eq[r] = o["tokens"][k:] == c["tokens"] and o["logprobs"][k:] == c["logprobs"]
+            if o["tokens"][k:] == c["tokens"]:
+                worst = max([worst] + [abs(x - y) for x, y in zip(o["logprobs"][k:], c["logprobs"])])
+        row["retracted_equal_fresh"], row["retracted_max_dlogp"] = eq, worst
+        checks["retracted requests = fresh engine's continuation"] = all(eq.values())
+    if mode == "in_place":
+        deltas = [abs(x - y) for r, o in got["kept"].items()
+                  for x, y in zip(o["logprobs"][got["at_pause"][r]:], fresh["scored"][f"tf-{r}"])]
+        row["kept_logprob_delta_mean"] = sum(deltas) / max(1, len(deltas))
+        mid = got["mid_sync"]
+        row["mid_sync"] = {"held": sorted({(o["finish_reason"], (o["message"] or "")[:120]) for o in mid["held"].values()}),
+                           "refused": (mid["refused"]["finish_reason"], (mid["refused"]["message"] or "")[:160])}
+        checks["a continue mid-sync aborts the held requests with the reason"] = all(
+            o["finish_reason"] == "abort" and "before the weight sync completed" in (o["message"] or "")
+            for o in mid["held"].values())
+        checks["a request mid-sync is refused"] = mid["refused"]["finish_reason"] == "abort"
+        checks["after the sync completed a request = fresh engine"] = mid["full_push"][0] and _equal(
+            mid["repeat0"], f["repeat0"])
+    if got.get("kv_scales") is not None:
+        checks["FP8 KV scales = fresh engine's"] = got["kv_scales"] == fresh["kv_scales"]
+    row["checks"] = checks
+    row["failures"] = [k for k, ok in checks.items() if not ok]
+    return row
+
+
+@pytest.fixture(scope="module")
+def rows(request, gpu_work, gpu_jobs) -> dict:
+    sys.path.insert(0, str(h.PROBES))
+    return h.module_rows(request, CASES, run_case, gpu_work, min(gpu_jobs, 4), "sglang_inflight",
+                         engines="CUDA graphs, triton attention, radix cache on")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sglang_inflight_update(rows, case):
+    h.assert_exact(rows[case])

@@ -1,0 +1,74 @@
+"""8-bit weights over the wire into SGLang (issue 43): the trainer's `flashrl_tools.wire.engine_tensors(...,
+engine="sglang")` of the perturbed weights (int8, or per-channel FP8: what SGLang serves for `fp8`) pushed
+through `update_weights_from_tensor` one tensor per call (a weight and its scale in separate calls), as
+one flattened bucket after the originals were pushed back (BF16 beside them), and through
+`update_weights_from_distributed` (gloo group on one GPU: tests/probes/sglang_distributed_probe.py), per
+tensor and as a bucket. Each must equal a fresh engine on the offline quantization of the perturbed weights
+(0.0: greedy tokens and teacher-forced logprobs; the engine-side BF16 sync equals the same fresh engine,
+tests/gpu/test_sglang.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import gpu_harness as h
+from test_sglang import FORMAT, observe
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
+CASES = ["dense-int8", "dense-fp8", "moe-fp8"]
+
+
+def wire_checkpoint(work, orig, pert, config: str):
+    """The trainer's tensors for this config, saved as a checkpoint the probes push tensor by tensor."""
+    from safetensors.torch import save_file
+
+    from flashrl_tools.safetensors_io import CheckpointReader
+    from flashrl_tools.wire import engine_tensors, wire_bytes
+
+    out = work / f"{pert.name}-wire-{config}"
+    buckets = list(engine_tensors(CheckpointReader(pert).iter_tensors(), orig, config, engine="sglang"))
+    if not (out / "model.safetensors").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.contiguous() for b in buckets for n, t in b}, str(out / "model.safetensors"))
+    bf16 = sum(t.numel() * t.element_size() for _, t in CheckpointReader(pert).iter_tensors())
+    return out, wire_bytes(buckets) / bf16
+
+
+def run_case(case: str, work) -> dict:
+    arch, config = case.split("-", 1)
+    orig, pert = h.model_pair(work, "qwen3_moe" if arch == "moe" else "qwen3")
+    wire, ratio = wire_checkpoint(work, orig, pert, config)
+    steps = [observe(), {"op": "push", "path": str(wire), "cuda": True}, observe(),
+             {"op": "push", "path": str(orig), "cuda": True, "bucket": True}, observe(),
+             {"op": "push", "path": str(wire), "cuda": True, "bucket": True}, observe()]
+    synced = h.run_sglang(orig, steps, config, f"wire {case}")
+    if isinstance(synced, str):
+        return {"error": synced}
+    fresh = h.fresh_sglang(orig, pert, FORMAT[config], None, work)
+    if "error" in fresh:
+        return fresh
+    row = {"wire_ratio": ratio, "start_vs_fresh": h.same(synced[0], fresh["original"]),
+           "per_tensor_wire_vs_fresh": h.same(synced[2], fresh["perturbed"]),
+           "bf16_bucket_restore_vs_start": h.same(synced[4], synced[0]),
+           "bucket_wire_vs_fresh": h.same(synced[6], fresh["perturbed"]),
+           "changed_by_sync": h.max_diff(synced[0], synced[2])}
+    if arch == "dense":  # update_weights_from_distributed (the probe serves the dense Qwen3)
+        got = h.run_probe("sglang_distributed_probe", work, f"wire-dist-{case}", {"FLASHRL_CONFIG": config},
+                          {"original": str(orig), "perturbed": str(wire), "engine_kwargs": h.SGLANG_ENGINE})
+        if "error" in got:
+            return got
+        row.update(distributed_per_tensor_vs_fresh=h.same(got["per_tensor"], fresh["perturbed"]),
+                   distributed_bucket_vs_fresh=h.same(got["bucket"], fresh["perturbed"]))
+    return row
+
+
+@pytest.fixture(scope="module")
+def rows(request, gpu_work, gpu_jobs) -> dict:
+    return h.module_rows(request, CASES, run_case, gpu_work, min(gpu_jobs, 3), "sglang_wire")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_quantized_updates_equal_a_fresh_engine(rows, case):
+    h.assert_exact(rows[case])

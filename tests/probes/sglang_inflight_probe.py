@@ -1,0 +1,208 @@
+"""An in-flight weight update on SGLang 0.5.17 (the offline Engine's TokenizerManager, as slime / AReaL /
+verl's SGLang server drive it): R greedy requests streaming, `pause_generation(mode)`, a request sent
+during the pause (it waits), the new weights pushed one tensor per `update_weights_from_tensor` (SGLang's
+default flush_cache=True), `continue_generation`, a request right after it, everything drained; abort
+mode: each aborted request resubmitted as prompt + its partial tokens (one batch); then the kept
+requests' own prompt again. In-place mode adds a continue before the sync completed (the requests the
+pause held are aborted with the reason, a new request is refused) and the sync completed after it.
+FLASHRL_CONFIG / FLASHRL_KV_CACHE_DTYPE from the environment; the radix cache is on.
+
+    python sglang_inflight_probe.py run A B --mode abort|retract|in_place OUT.json [--engine-args JSON]
+    python sglang_inflight_probe.py serve B REQUEST.json OUT.json [--engine-args JSON]
+
+`run` writes what the engine returned and where each request was when the pause took it; `serve` (the
+fresh engine on B, same settings) answers batches of [rid, token ids, max tokens], each batch one
+batched request, and scores token ids teacher-forced. The GPU test (tests/gpu/test_sglang_inflight.py) compares them."""
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+PREFIX = [5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100] * 6  # 72 tokens shared by every request
+
+
+def prompt(i: int) -> list[int]:
+    return PREFIX + [100 + i, 200 + i]
+
+
+def phase(name: str) -> None:
+    print(f"PHASE {name} {time.strftime('%T')}", file=sys.stderr, flush=True)
+
+
+def start(model: str, engine_args: dict):
+    import sglang
+
+    args = dict(dtype="bfloat16", random_seed=0, attention_backend="triton", log_level="error",
+                context_length=512, mem_fraction_static=0.3, max_total_tokens=8192)
+    return sglang.Engine(model_path=model, **{**args, **engine_args})
+
+
+class Streams:
+    """Requests through the TokenizerManager (streamed), their outputs as they come."""
+
+    def __init__(self, engine):
+        self.tm, self.seen, self.first = engine.tokenizer_manager, {}, {}
+
+    async def gen(self, rid: str, ids: list[int], tokens: int) -> dict:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        obj = GenerateReqInput(input_ids=ids, rid=rid, stream=True, return_logprob=True,
+                               sampling_params={"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True})
+        self.seen[rid], last = 0, None
+        try:
+            async for out in self.tm.generate_request(obj, None):
+                self.first.setdefault(rid, time.perf_counter())
+                self.seen[rid], last = len(out["output_ids"]), out
+        except ValueError as e:  # SGLang raises for some aborts (RequestAbortedError)
+            return {"tokens": [], "logprobs": [], "finish_reason": "abort", "message": f"{type(e).__name__}: {e}"}
+        meta = last["meta_info"]
+        reason = meta.get("finish_reason") or {}
+        return {"tokens": list(last["output_ids"]),
+                "logprobs": [lp for lp, _, _ in meta.get("output_token_logprobs") or []],
+                "finish_reason": reason.get("type"), "message": reason.get("message")}
+
+
+async def push(engine, path: str, count: int | None = None) -> tuple[bool, str]:
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    for i, (name, tensor) in enumerate(CheckpointReader(path).iter_tensors()):
+        if count is not None and i >= count:
+            break
+        payload = [MultiprocessingSerializer.serialize([(name, tensor.cuda())])] * engine.server_args.tp_size
+        ok, message = (await engine.tokenizer_manager.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True),
+            None))[:2]
+        if not ok:
+            return False, message
+    return True, ""
+
+
+async def run(engine, a: str, b: str, mode: str, requests: int, tokens: int, pause_after: int) -> dict:
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+
+    tm, s = engine.tokenizer_manager, Streams(engine)
+    res: dict = {"mode": mode}
+    kept = {f"r{i}": asyncio.create_task(s.gen(f"r{i}", prompt(i), tokens)) for i in range(requests)}
+    while not all(s.seen.get(r, 0) >= pause_after for r in kept):
+        for t in kept.values():
+            if t.done() and t.exception():
+                raise t.exception()
+        await asyncio.sleep(0.002)
+    phase("pause")
+    await tm.pause_generation(PauseGenerationReqInput(mode=mode))
+    # (retract: no request joins the retracted ones' recompute, so their batch is a fresh engine's)
+    during = None if mode == "retract" else asyncio.create_task(s.gen("during", prompt(50), 8))
+    phase("push")
+    res["push"] = await push(engine, b)
+    await asyncio.sleep(0.3)  # outputs the scheduler sent before it paused have arrived
+    res["at_pause"] = {r: s.seen[r] for r in kept}
+    res["during_waited"] = "during" not in s.first
+    phase("continue")
+    t0 = time.perf_counter()
+    await tm.continue_generation(ContinueGenerationReqInput())
+    t1 = time.perf_counter()
+    res["continue_s"] = t1 - t0
+    if mode != "retract":
+        after = asyncio.create_task(s.gen("after", prompt(60), 8))
+        while "after" not in s.first and not after.done():
+            await asyncio.sleep(0.0005)
+        res.update(first_token_after_continue_s=s.first.get("after", t1) - t1,
+                   tokens_in_flight_at_first_token=sum(tokens - s.seen[r] for r in kept if not kept[r].done()))
+    phase("drain")
+    res["kept"] = {r: await t for r, t in kept.items()}
+    res["admitted"] = {} if during is None else {"during": await during, "after": await after}
+    if mode == "abort":  # resubmitted as prompt + partial tokens, one at a time (AReaL-style)
+        phase("resubmit")
+        res["resubmitted"] = {r: await s.gen(f"re-{r}", prompt(int(r[1:])) + o["tokens"], tokens - len(o["tokens"]))
+                              for r, o in res["kept"].items()}
+    res["admitted"]["repeat0"] = await s.gen("repeat0", prompt(0), 8)
+    if mode == "in_place":
+        res["mid_sync"] = await mid_sync(engine, s, a, b, tokens)
+    res["kv_scales"] = kv_scales(engine)
+    return res
+
+
+async def mid_sync(engine, s: Streams, a: str, b: str, tokens: int) -> dict:
+    """Requests in flight, pause in place, 3 tensors of A pushed (a sync begun), continue: what the pause
+    held is aborted with the reason and a new request refused; B again in full, then a request is served."""
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+
+    tm = engine.tokenizer_manager
+    held = {f"m{i}": asyncio.create_task(s.gen(f"m{i}", prompt(70 + i), tokens)) for i in range(2)}
+    while not all(s.seen.get(r, 0) >= 4 for r in held):
+        await asyncio.sleep(0.002)
+    await tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
+    partial = await push(engine, a, count=3)
+    await tm.continue_generation(ContinueGenerationReqInput())
+    out = {"partial_push": partial, "held": {r: await t for r, t in held.items()},
+           "refused": await s.gen("mid-new", prompt(80), 8)}
+    out["full_push"] = await push(engine, b)
+    out["repeat0"] = await s.gen("mid-repeat0", prompt(0), 8)
+    return out
+
+
+def kv_scales(engine):
+    from flashrl_tools.verify.sglang_job import kv_scales as read
+
+    return read(engine) if str(engine.server_args.kv_cache_dtype).startswith("fp8") else None
+
+
+async def serve(engine, req: dict) -> dict:
+    """`batches`: lists of [rid, ids, max tokens], each list sent as one batched request; `score`: [rid, ids,
+    start]: the teacher-forced logprobs of ids[start:]."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    tm, out, scored = engine.tokenizer_manager, {}, {}
+    for batch in req.get("batches", []):
+        obj = GenerateReqInput(input_ids=[ids for _, ids, _ in batch], rid=[rid for rid, _, _ in batch],
+                               return_logprob=True, sampling_params=[{"temperature": 0.0, "max_new_tokens": n,
+                                                                      "ignore_eos": True} for _, _, n in batch])
+        got = await tm.generate_request(obj, None).__anext__()
+        for (rid, _, _), g in zip(batch, got):
+            out[rid] = {"tokens": list(g["output_ids"]),
+                        "logprobs": [lp for lp, _, _ in g["meta_info"]["output_token_logprobs"]]}
+    for rid, ids, start in req.get("score", []):
+        obj = GenerateReqInput(input_ids=ids, rid=rid, return_logprob=True, logprob_start_len=start,
+                               sampling_params={"temperature": 0.0, "max_new_tokens": 1})
+        got = await tm.generate_request(obj, None).__anext__()
+        scored[rid] = [lp for lp, _, _ in got["meta_info"]["input_token_logprobs"]]
+    return {"outputs": out, "scored": scored, "kv_scales": kv_scales(engine)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("a")
+    r.add_argument("b")
+    r.add_argument("--mode", required=True, choices=("abort", "retract", "in_place"))
+    r.add_argument("--requests", type=int, default=8)
+    r.add_argument("--tokens", type=int, default=96)
+    r.add_argument("--pause-after", type=int, default=12)
+    v = sub.add_parser("serve")
+    v.add_argument("b")
+    v.add_argument("request", help="JSON: {batches, score} (serve's docstring)")
+    for p in (r, v):
+        p.add_argument("out")
+        p.add_argument("--engine-args", type=json.loads, default={})
+    x = ap.parse_args()
+    engine = start(x.a if x.cmd == "run" else x.b, x.engine_args)
+    try:
+        if x.cmd == "run":
+            result = engine.loop.run_until_complete(run(engine, x.a, x.b, x.mode, x.requests, x.tokens,
+                                                        x.pause_after))
+        else:
+            result = engine.loop.run_until_complete(serve(engine, json.loads(open(x.request).read())))
+    finally:
+        engine.shutdown()
+    with open(x.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Trainer-quantized weights into vLLM on a GPU (issue 43): this process is the trainer and holds the new
+weights on the GPU; the engine (FLASHRL_CONFIG from the environment) runs in its own process (vLLM's
+multiprocess engine core: CUDA IPC needs another process) with the IPC weight-transfer backend.
+
+Stages, each followed by an observation (greedy tokens, teacher-forced logprobs) and the workers' weight
+digest (runtime/core/digest.py):
+  engine-side   the new BF16 weights, one tensor per `load_weights` (collective_rpc): the engine quantizes
+  then, each after the original BF16 weights were pushed back (`restore-*`):
+  load_weights  `wire.engine_tensors` of the new weights (8-bit + scales), one bucket per `load_weights`
+  ipc           the same through vLLM's IPC engine (start / update_weights / finish), unpacked
+  ipc-packed    the same, packed buffers
+  ipc-bf16      the new BF16 weights through the IPC engine (the engine quantizes)
+  nccl, nccl-packed, nccl-bf16   (two GPUs) the same through vLLM's NCCL engine from the trainer on GPU 1
+                (tests/probes/nccl_trainer.py), unpacked and packed, and BF16
+  transfer      (CPU) the 8-bit tensors, saved to a checkpoint, through the weight-transfer API with the CPU
+                tests' checkpoint backend (sync_probe.py: loads like the IPC backend)
+A refusal: one 8-bit tensor with a scale of the wrong shape (one line, the engine keeps serving).
+Usage: python wire_probe.py ORIGINAL NEW OUT.json [--bucket-bytes N]"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # functions and IPC handles to the workers
+
+
+def digest(worker):
+    from flashrl_tools.runtime.core.digest import model_digest
+
+    return model_digest(worker.model_runner.model, "vllm")
+
+
+def load(buckets):
+    """collective_rpc: each bucket (CPU tensors, sent with the call) through the worker's `load_weights`."""
+
+    def push(worker):
+        import torch
+
+        model, t0 = worker.model_runner.model, time.perf_counter()
+        for bucket in buckets:
+            model.load_weights(bucket)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    return push
+
+
+def ipc(llm, tensors, packed: bool) -> float:
+    """The trainer's CUDA tensors through vLLM's IPC weight-transfer engine, as its trainer-side helper sends."""
+    from dataclasses import asdict
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    t0 = time.perf_counter()
+    llm.start_weight_update()
+    IPCWeightTransferEngine.trainer_send_weights(
+        iter(tensors), {"send_mode": lambda info: llm.update_weights({"update_info": asdict(info)}),
+                        "packed": packed})
+    llm.finish_weight_update()
+    return time.perf_counter() - t0
+
+
+def beside(fn):
+    """Run fn in a thread beside this one (both sides of a collective); the returned join re-raises its error."""
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in join
+            box["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+
+    def join():
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+    return join
+
+
+def nccl(llm, group, tensors, packed: bool) -> float:
+    """The tensors (copied to the trainer's GPU) broadcast through vLLM's NCCL engine."""
+    import nccl_trainer
+
+    tensors = [(n, t.to(f"cuda:{nccl_trainer.TRAINER_GPU}")) for n, t in tensors]
+    t0 = time.perf_counter()
+    llm.start_weight_update()
+    join = beside(lambda: llm.update_weights({"update_info": nccl_trainer.update_info(tensors, packed)}))
+    nccl_trainer.send(group, tensors, packed)
+    join()
+    llm.finish_weight_update()
+    return time.perf_counter() - t0
+
+
+def checkpoint(llm, tensors, out: str) -> float:
+    """The tensors saved as a checkpoint, through the weight-transfer API (the checkpoint backend)."""
+    from safetensors.torch import save_file
+
+    path = f"{out}.wire"
+    os.makedirs(path, exist_ok=True)
+    save_file({n: t.cpu().contiguous() for n, t in tensors}, f"{path}/model.safetensors")
+    t0 = time.perf_counter()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"path": path}})
+    llm.finish_weight_update()
+    return time.perf_counter() - t0
+
+
+def verdict(res: dict) -> dict:
+    """What must hold: every path's digest and observation = the engine-side sync's, each restore = the start,
+    the sync changed the weights, the mismatched tensor refused in one line and a full push served after."""
+    st = {s["tag"]: s for s in res["stages"]}
+    ref, start = st["engine-side"], st["start"]
+
+    def same(a, b):
+        return a["digest"] == b["digest"] and a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+    checks = {"the engine-side sync changed the weights": ref["digest"] != start["digest"]}
+    for tag, stage in st.items():
+        if tag.startswith("restore-"):
+            checks[f"{tag} = start"] = same(stage, start)
+        elif tag not in ("start", "engine-side"):
+            checks[f"{tag} = engine-side sync"] = same(stage, ref)
+    refusal = res.get("refusal") or ""
+    checks["a mismatched 8-bit tensor is refused in one line"] = "does not match this engine's" in refusal and \
+        "expected" in refusal and refusal.count("flashrl_tools.errors") <= 1
+    return checks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("original")
+    ap.add_argument("new")
+    ap.add_argument("out")
+    ap.add_argument("--bucket-bytes", type=int, default=8 << 20)
+    ap.add_argument("--engine-args", type=json.loads, default={})
+    ap.add_argument("--paths", default="load_weights,ipc,ipc-packed,ipc-bf16", help="comma-separated (CPU: load_weights)")
+    x = ap.parse_args()
+    paths = x.paths.split(",")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from flashrl_tools.safetensors_io import CheckpointReader
+    from flashrl_tools.verify.engine_job import push_checkpoint
+    from flashrl_tools.wire import engine_tensors, wire_bytes
+
+    seqs = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
+    ipc_paths = any(p.startswith("ipc") for p in paths)
+    nccl_paths = any(p.startswith("nccl") for p in paths)
+    transfer = {"weight_transfer_config": {"backend": "ipc"}} if ipc_paths else {}
+    if nccl_paths:  # one backend per engine
+        transfer = {"weight_transfer_config": {"backend": "nccl"}}
+    if "transfer" in paths:  # registered in the workers by the import of transfer_ext
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        transfer = {"weight_transfer_config": {"backend": "flashrl_probe_checkpoint"},
+                    "worker_extension_cls": "transfer_ext.Ext"}
+    llm = LLM(model=x.original, dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0,
+              enable_prefix_caching=False, **transfer, **x.engine_args)
+    group = None
+    if nccl_paths:
+        import nccl_trainer
+
+        info = nccl_trainer.init_info()
+        join = beside(lambda: llm.init_weight_transfer_engine({"init_info": info}))
+        group = nccl_trainer.trainer_group(info)
+        join()
+    elif transfer:
+        llm.init_weight_transfer_engine({"init_info": {}})
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def observe(tag, seconds=None):
+        p = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": s} for s in seqs], p, use_tqdm=False)
+        return {"tag": tag, "seconds": seconds, "digest": llm.collective_rpc(digest),  # one per TP rank
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(seqs, outs)]}
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    new = [(n, t.to(device)) for n, t in CheckpointReader(x.new).iter_tensors()]  # the trainer's copy
+    sync()
+    t0 = time.perf_counter()
+    buckets = list(engine_tensors(new, x.original, bucket_bytes=x.bucket_bytes))
+    sync()
+    quantize_s = time.perf_counter() - t0
+    wire = [pair for b in buckets for pair in b]
+    res = {"config": os.environ.get("FLASHRL_CONFIG"), "trainer_quantize_s": quantize_s,
+           "bytes": {"bf16": sum(t.numel() * t.element_size() for _, t in new), "wire": wire_bytes(buckets)},
+           "stages": [observe("start")]}
+
+    def restore():
+        llm.collective_rpc(push_checkpoint(x.original))
+        res["stages"].append(observe(f"restore-{res['stages'][-1]['tag']}"))
+
+    t0 = time.perf_counter()
+    llm.collective_rpc(push_checkpoint(x.new))
+    res["stages"].append(observe("engine-side", time.perf_counter() - t0))
+    restore()
+    cpu = [[(n, t.cpu()) for n, t in b] for b in buckets]
+    pushes = {"load_weights": lambda: llm.collective_rpc(load(cpu))[0],
+              "ipc": lambda: ipc(llm, wire, packed=False), "ipc-packed": lambda: ipc(llm, wire, packed=True),
+              "ipc-bf16": lambda: ipc(llm, new, packed=True), "transfer": lambda: checkpoint(llm, wire, x.out),
+              "nccl": lambda: nccl(llm, group, wire, False), "nccl-packed": lambda: nccl(llm, group, wire, True),
+              "nccl-bf16": lambda: nccl(llm, group, new, False)}
+    for i, path in enumerate(paths):
+        if i:
+            restore()
+        res["stages"].append(observe(path, pushes[path]()))
+    tensors = dict(wire)
+    name = next(n for n, t in wire if t.element_size() == 1 and n.endswith(".weight") and f"{n}_scale" in tensors)
+    try:  # a scale of the wrong shape
+        llm.collective_rpc(load([[(name, tensors[name].cpu()), (f"{name}_scale", tensors[f"{name}_scale"][:1].cpu())]]))
+        res["refusal"] = None
+    except Exception as e:  # noqa: BLE001 -- the refusal, as the caller sees it
+        res["refusal"] = f"{type(e).__name__}: {e}"
+    llm.collective_rpc(push_checkpoint(x.new))  # the engine still serves: a full push completes a sync
+    res["stages"].append(observe("after-refusal"))
+    with open(x.out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
+    from flashrl_tools.verify.engine_job import exit_engine_process
+
+    exit_engine_process(0)
+    sys.exit(0)
