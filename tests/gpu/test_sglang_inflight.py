@@ -51,16 +51,21 @@ def run_case(case: str, work) -> dict:
     got = _probe(["run", str(orig), str(pert)], env, case, work, "--mode", mode, "--tokens", str(TOKENS))
     if isinstance(got, str):
         return {"error": got}
-    prompt = __import__("sglang_inflight_probe").prompt
-    singles = [[[r, prompt(i), 8]] for r, i in (("during", 50), ("after", 60), ("repeat0", 0)) if
+    probe = __import__("sglang_inflight_probe")
+    prompt, key = probe.prompt, probe.key
+    # the compared single requests in namespaces of their own (as in the probe); the retracted requests'
+    # recompute, one batch in the default namespace (the synced engine's old blocks of the same prompts are
+    # there, under the old weights' version)
+    batches = [[[r, prompt(i), 8, key(r)]] for r, i in (("during", 50), ("after", 60), ("repeat0", 0)) if
                r in got["admitted"]]
-    batches = list(singles)
     if mode == "abort":
-        batches += [[[f"re-{r}", prompt(int(r[1:])) + o["tokens"], TOKENS - len(o["tokens"])]]
+        batches += [[[f"re-{r}", prompt(int(r[1:])) + o["tokens"], TOKENS - len(o["tokens"]), key(f"re-{r}")]]
                     for r, o in got["kept"].items()]
-    if mode == "retract":  # the retracted requests' recompute, one batch
+    if mode == "retract":
         batches.append([[f"cont-{r}", prompt(int(r[1:])) + o["tokens"][:got["at_pause"][r]],
-                         TOKENS - got["at_pause"][r]] for r, o in got["kept"].items()])
+                         TOKENS - got["at_pause"][r], None] for r, o in got["kept"].items()])
+    if mode == "in_place":
+        batches.append([["mid-repeat0", prompt(0), 8, key("mid-repeat0")]])
     score = [[f"tf-{r}", prompt(int(r[1:])) + o["tokens"], len(prompt(0)) + got["at_pause"][r]]
              for r, o in got["kept"].items()] if mode == "in_place" else []
     req = work / f"sgl-inflight-{case}-fresh-req.json"
@@ -93,17 +98,19 @@ def verdict(mode: str, got: dict, fresh: dict) -> dict:
         row["resubmitted_equal_fresh"] = {r: _equal(o, f[f"re-{r}"]) for r, o in got["resubmitted"].items()}
         checks["resubmitted requests = fresh engine's continuation"] = all(row["resubmitted_equal_fresh"].values())
     if mode == "retract":
-        eq, worst = {}, 0.0
-        for r, o in got["kept"].items():
-            k, c = got["at_pause"][r], f[f"cont-{r}"]
-            eq[r] = o["tokens"][k:] == c["tokens"] and o["logprobs"][k:] == c["logprobs"]
+        eq, worst, lengths = {}, 0.0, {}
+        for r, o in got["kept"].items():  # the last tokens' logprobs (a retract may report the recompute's
+            k, c = got["at_pause"][r], f[f"cont-{r}"]  # first token again: the lengths are recorded)
+            tail = o["logprobs"][len(o["logprobs"]) - len(c["logprobs"]):]
+            eq[r] = o["tokens"][k:] == c["tokens"] and tail == c["logprobs"]
+            lengths[r] = [len(o["tokens"]), len(o["logprobs"])]
             if o["tokens"][k:] == c["tokens"]:
-                worst = max([worst] + [abs(x - y) for x, y in zip(o["logprobs"][k:], c["logprobs"])])
-        row["retracted_equal_fresh"], row["retracted_max_dlogp"] = eq, worst
+                worst = max([worst] + [abs(x - y) for x, y in zip(tail, c["logprobs"])])
+        row.update(retracted_equal_fresh=eq, retracted_max_dlogp=worst, retracted_tokens_logprobs=lengths)
         checks["retracted requests = fresh engine's continuation"] = all(eq.values())
     if mode == "in_place":
         deltas = [abs(x - y) for r, o in got["kept"].items()
-                  for x, y in zip(o["logprobs"][got["at_pause"][r]:], fresh["scored"][f"tf-{r}"])]
+                  for x, y in zip(o["logprobs"][got["at_pause"][r]:], fresh["scored"][f"tf-{r}"]) if y is not None]
         row["kept_logprob_delta_mean"] = sum(deltas) / max(1, len(deltas))
         mid = got["mid_sync"]
         row["mid_sync"] = {"held": sorted({(o["finish_reason"], (o["message"] or "")[:120]) for o in mid["held"].values()}),
@@ -113,7 +120,7 @@ def verdict(mode: str, got: dict, fresh: dict) -> dict:
             for o in mid["held"].values())
         checks["a request mid-sync is refused"] = mid["refused"]["finish_reason"] == "abort"
         checks["after the sync completed a request = fresh engine"] = mid["full_push"][0] and _equal(
-            mid["repeat0"], f["repeat0"])
+            mid["repeat0"], f["mid-repeat0"])
     if got.get("kv_scales") is not None:
         checks["FP8 KV scales = fresh engine's"] = got["kv_scales"] == fresh["kv_scales"]
     row["checks"] = checks

@@ -2,8 +2,8 @@
 engine="sglang")` of the perturbed weights (int8, or per-channel FP8: what SGLang serves for `fp8`) pushed
 through `update_weights_from_tensor` one tensor per call (a weight and its scale in separate calls), as
 one flattened bucket after the originals were pushed back (BF16 beside them), and through
-`update_weights_from_distributed` (gloo group on one GPU: tests/probes/sglang_distributed_probe.py), per
-tensor and as a bucket. Each must equal a fresh engine on the offline quantization of the perturbed weights
+`update_weights_from_distributed` (int8 only: the probe's group is gloo, which has no FP8 type;
+tests/probes/sglang_distributed_probe.py), per tensor and as a bucket. Each must equal a fresh engine on the offline quantization of the perturbed weights
 (0.0: greedy tokens and teacher-forced logprobs; the engine-side BF16 sync equals the same fresh engine,
 tests/gpu/test_sglang.py)."""
 
@@ -54,7 +54,8 @@ def run_case(case: str, work) -> dict:
            "bf16_bucket_restore_vs_start": h.same(synced[4], synced[0]),
            "bucket_wire_vs_fresh": h.same(synced[6], fresh["perturbed"]),
            "changed_by_sync": h.max_diff(synced[0], synced[2])}
-    if arch == "dense":  # update_weights_from_distributed (the probe serves the dense Qwen3)
+    if case == "dense-int8":  # update_weights_from_distributed: the probe's group is gloo (one GPU), which has no
+        # FP8 type ("Invalid scalar type", H200 2026-11-25); the probe serves the dense Qwen3
         got = h.run_probe("sglang_distributed_probe", work, f"wire-dist-{case}", {"FLASHRL_CONFIG": config},
                           {"original": str(orig), "perturbed": str(wire), "engine_kwargs": h.SGLANG_ENGINE})
         if "error" in got:

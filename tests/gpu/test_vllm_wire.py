@@ -47,7 +47,8 @@ def run_case(case: str, work) -> dict:
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     out = work / f"wire-{case}.json"
     res = subprocess.run([sys.executable, str(h.PROBES / "wire_probe.py"), str(orig), str(pert), str(out),
-                          "--paths", PATHS[how], "--engine-args", json.dumps(engine)], capture_output=True, text=True, env=env,
+                          "--paths", PATHS[how], "--engine-args", json.dumps(engine),
+                          *(["--no-refusal"] if how == "tp2" else [])], capture_output=True, text=True, env=env,
                          timeout=900)
     if res.returncode != 0 or not out.is_file():
         return {"error": f"exit {res.returncode}", "log_tail": (res.stdout + res.stderr)[-4000:]}
@@ -55,7 +56,7 @@ def run_case(case: str, work) -> dict:
     checks = verdict(result)
     return {"checks": checks, "failures": [k for k, ok in checks.items() if not ok], "bytes": result["bytes"],
             "wire_ratio": result["bytes"]["wire"] / result["bytes"]["bf16"],
-            "trainer_quantize_s": result["trainer_quantize_s"], "refusal": result["refusal"],
+            "trainer_quantize_s": result["trainer_quantize_s"], "refusal": result.get("refusal"),
             "push_seconds": {s["tag"]: s["seconds"] for s in result["stages"] if s["seconds"] is not None}}
 
 

@@ -20,11 +20,16 @@ import json
 import sys
 import time
 
-PREFIX = [5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100] * 6  # 72 tokens shared by every request
-
-
 def prompt(i: int) -> list[int]:
-    return PREFIX + [100 + i, 200 + i]
+    """74 tokens of its own per request (ids below 384, the GPU tests' vocabulary): no request shares a prefix
+    with another, so which blocks the radix cache reuses depends on no timing -- only the request's own earlier
+    prefill can be reused, and after an update only if the namespaces by version failed (pause.salt)."""
+    return [20 + (i * 37 + j * 11) % 350 for j in range(74)]
+
+
+def key(rid: str) -> str:
+    """The radix-cache namespace of a request compared with the fresh engine: its own (full prefill on both)."""
+    return f"cmp-{rid}"
 
 
 def phase(name: str) -> None:
@@ -45,10 +50,10 @@ class Streams:
     def __init__(self, engine):
         self.tm, self.seen, self.first = engine.tokenizer_manager, {}, {}
 
-    async def gen(self, rid: str, ids: list[int], tokens: int) -> dict:
+    async def gen(self, rid: str, ids: list[int], tokens: int, extra_key: str | None = None) -> dict:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        obj = GenerateReqInput(input_ids=ids, rid=rid, stream=True, return_logprob=True,
+        obj = GenerateReqInput(input_ids=ids, rid=rid, stream=True, return_logprob=True, extra_key=extra_key,
                                sampling_params={"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True})
         self.seen[rid], last = 0, None
         try:
@@ -96,7 +101,7 @@ async def run(engine, a: str, b: str, mode: str, requests: int, tokens: int, pau
     phase("pause")
     await tm.pause_generation(PauseGenerationReqInput(mode=mode))
     # (retract: no request joins the retracted ones' recompute, so their batch is a fresh engine's)
-    during = None if mode == "retract" else asyncio.create_task(s.gen("during", prompt(50), 8))
+    during = None if mode == "retract" else asyncio.create_task(s.gen("during", prompt(50), 8, key("during")))
     phase("push")
     res["push"] = await push(engine, b)
     await asyncio.sleep(0.3)  # outputs the scheduler sent before it paused have arrived
@@ -108,7 +113,7 @@ async def run(engine, a: str, b: str, mode: str, requests: int, tokens: int, pau
     t1 = time.perf_counter()
     res["continue_s"] = t1 - t0
     if mode != "retract":
-        after = asyncio.create_task(s.gen("after", prompt(60), 8))
+        after = asyncio.create_task(s.gen("after", prompt(60), 8, key("after")))
         while "after" not in s.first and not after.done():
             await asyncio.sleep(0.0005)
         res.update(first_token_after_continue_s=s.first.get("after", t1) - t1,
@@ -118,9 +123,9 @@ async def run(engine, a: str, b: str, mode: str, requests: int, tokens: int, pau
     res["admitted"] = {} if during is None else {"during": await during, "after": await after}
     if mode == "abort":  # resubmitted as prompt + partial tokens, one at a time (AReaL-style)
         phase("resubmit")
-        res["resubmitted"] = {r: await s.gen(f"re-{r}", prompt(int(r[1:])) + o["tokens"], tokens - len(o["tokens"]))
-                              for r, o in res["kept"].items()}
-    res["admitted"]["repeat0"] = await s.gen("repeat0", prompt(0), 8)
+        res["resubmitted"] = {r: await s.gen(f"re-{r}", prompt(int(r[1:])) + o["tokens"], tokens - len(o["tokens"]),
+                                             key(f"re-{r}")) for r, o in res["kept"].items()}
+    res["admitted"]["repeat0"] = await s.gen("repeat0", prompt(0), 8, key("repeat0"))
     if mode == "in_place":
         res["mid_sync"] = await mid_sync(engine, s, a, b, tokens)
     res["kv_scales"] = kv_scales(engine)
@@ -142,7 +147,7 @@ async def mid_sync(engine, s: Streams, a: str, b: str, tokens: int) -> dict:
     out = {"partial_push": partial, "held": {r: await t for r, t in held.items()},
            "refused": await s.gen("mid-new", prompt(80), 8)}
     out["full_push"] = await push(engine, b)
-    out["repeat0"] = await s.gen("mid-repeat0", prompt(0), 8)
+    out["repeat0"] = await s.gen("mid-repeat0", prompt(0), 8, key("mid-repeat0"))
     return out
 
 
@@ -153,17 +158,19 @@ def kv_scales(engine):
 
 
 async def serve(engine, req: dict) -> dict:
-    """`batches`: lists of [rid, ids, max tokens], each list sent as one batched request; `score`: [rid, ids,
-    start]: the teacher-forced logprobs of ids[start:]."""
+    """`batches`: lists of [rid, ids, max tokens, radix namespace or null], each list sent as one batched
+    request; `score`: [rid, ids, start]: the teacher-forced logprobs of ids[start:]."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     tm, out, scored = engine.tokenizer_manager, {}, {}
     for batch in req.get("batches", []):
-        obj = GenerateReqInput(input_ids=[ids for _, ids, _ in batch], rid=[rid for rid, _, _ in batch],
-                               return_logprob=True, sampling_params=[{"temperature": 0.0, "max_new_tokens": n,
-                                                                      "ignore_eos": True} for _, _, n in batch])
+        keys = [k for *_, k in batch]
+        obj = GenerateReqInput(input_ids=[ids for _, ids, _, _ in batch], rid=[rid for rid, *_ in batch],
+                               return_logprob=True, extra_key=None if keys == [None] * len(keys) else keys,
+                               sampling_params=[{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
+                                                for _, _, n, _ in batch])
         got = await tm.generate_request(obj, None).__anext__()
-        for (rid, _, _), g in zip(batch, got):
+        for (rid, *_), g in zip(batch, got):
             out[rid] = {"tokens": list(g["output_ids"]),
                         "logprobs": [lp for lp, _, _ in g["meta_info"]["output_token_logprobs"]]}
     for rid, ids, start in req.get("score", []):

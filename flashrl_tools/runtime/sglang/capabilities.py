@@ -31,7 +31,9 @@ CAPABILITIES = Capabilities(
     fp8_kv_cache=True, kv_scales=("k", "v"), fp8_kv_note="k / v scales recalibrated before the first rollout after every sync "
     "(decode CUDA graphs captured again when they change)", kv_dtype_names={"fp8": "fp8_e4m3"},
     lmhead_fp32="enable_fp32_lm_head=True",
-    in_flight="not yet (pause_generation abort / retract / in_place untested; the FP8 KV calibration drains)",
+    in_flight="`pause_generation` abort / retract / in_place, push, `continue_generation` (radix cache by weights' "
+              "version; a retract recomputes on the new weights and FP8 KV scales); FP8 KV with requests kept in place: "
+              "the calibration waits for them; bit-exact checks not yet passed on GPU",
     sleep="release / resume: with the weights' CPU backup (verl) synced weights survive; without it requests "
           "are refused until a full sync",
     push_paths=("update_weights_from_tensor per tensor and as flattened buckets", "update_weights_from_distributed",
