@@ -3,9 +3,9 @@ engine="sglang")` of the perturbed weights (int8, or per-channel FP8: what SGLan
 through `update_weights_from_tensor` one tensor per call (a weight and its scale in separate calls), as
 one flattened bucket after the originals were pushed back (BF16 beside them), and through
 `update_weights_from_distributed` (int8 only: the probe's group is gloo, which has no FP8 type;
-tests/probes/sglang_distributed_probe.py), per tensor and as a bucket. Each must equal a fresh engine on the offline quantization of the perturbed weights
-(0.0: greedy tokens and teacher-forced logprobs; the engine-side BF16 sync equals the same fresh engine,
-tests/gpu/test_sglang.py)."""
+tests/probes/sglang_distributed_probe.py), per tensor and as a bucket. Each must equal a fresh engine on the
+offline quantization of the perturbed weights (0.0: greedy tokens and teacher-forced logprobs; the
+engine-side BF16 sync equals the same fresh engine, tests/gpu/test_sglang.py)."""
 
 from __future__ import annotations
 

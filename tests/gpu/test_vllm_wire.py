@@ -35,7 +35,7 @@ PATHS = {"": "load_weights,ipc,ipc-packed,ipc-bf16", "nccl": "load_weights,nccl,
 
 def run_case(case: str, work) -> dict:
     sys.path.insert(0, str(h.PROBES))
-    from wire_probe import verdict
+    from wire_probe import differences, verdict
 
     how = case.split("-", 1)[0] if case.startswith(("nccl-", "tp2-")) else ""
     arch, config = case.removeprefix(f"{how}-").split("-", 1)
@@ -54,7 +54,11 @@ def run_case(case: str, work) -> dict:
         return {"error": f"exit {res.returncode}", "log_tail": (res.stdout + res.stderr)[-4000:]}
     result = json.loads(out.read_text())
     checks = verdict(result)
+    stages = {s["tag"]: s for s in result["stages"]}
+    diffs = {tag: differences(stages[tag], stages["start" if tag.startswith("restore-") else "engine-side"])
+             for tag in stages if tag not in ("start", "engine-side")}
     return {"checks": checks, "failures": [k for k, ok in checks.items() if not ok], "bytes": result["bytes"],
+            "differences": {t: d for t, d in diffs.items() if any(d.values())},
             "wire_ratio": result["bytes"]["wire"] / result["bytes"]["bf16"],
             "trainer_quantize_s": result["trainer_quantize_s"], "refusal": result.get("refusal"),
             "push_seconds": {s["tag"]: s["seconds"] for s in result["stages"] if s["seconds"] is not None}}

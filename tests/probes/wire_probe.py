@@ -143,6 +143,16 @@ def verdict(res: dict) -> dict:
     return checks
 
 
+def differences(a: dict, b: dict) -> dict:
+    """What differs between two stages: outputs, and the digest entries (per TP rank, the first few names)."""
+    out = {"tokens": a["tokens"] != b["tokens"], "logprobs": a["logprobs"] != b["logprobs"]}
+    for rank, (da, db) in enumerate(zip(a["digest"], b["digest"])):
+        names = sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))
+        if names:
+            out[f"digest_rank{rank}"] = {"count": len(names), "first": names[:6]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("original")
