@@ -89,6 +89,47 @@ def test_recipe_composes_into_a_verl_config(default_model, tmp_path):
     assert (tmp_path / "run" / "data" / "train.parquet").is_file()
 
 
+@needs_verl
+def test_fully_async_recipe_composes_into_a_verl_config(default_model, tmp_path):
+    """examples/verl/run_fully_async_smollm2.sh through hydra with the fully-async entry point's own config
+    (`fully_async_ppo_trainer`, composed here without importing its module, which needs the GPU trainer's
+    packages): every override key known, rollouter and trainer on a GPU each, verl's NCCL checkpoint engine,
+    partial rollouts, and FLASHRL_CONFIG / FLASHRL_KV_CACHE_DTYPE in every Ray worker's environment."""
+    wrapper = tmp_path / "fully_async_cfg.py"
+    wrapper.write_text(
+        "import importlib.util, os, sys\n"
+        "import hydra\n"
+        f"spec = importlib.util.spec_from_file_location('sp', {str(REPO / 'tests' / 'probes' / 'sync_probe.py')!r})\n"
+        "sp = importlib.util.module_from_spec(spec); spec.loader.exec_module(sp); sp.prepare_verl()\n"
+        "import verl.experimental.fully_async_policy as fa\n"
+        "@hydra.main(config_path=os.path.join(os.path.dirname(fa.__file__), 'config'),\n"
+        "            config_name='fully_async_ppo_trainer', version_base=None)\n"
+        "def main(config):\n"
+        "    pass\n"
+        "sys.argv = ['fully_async_main', '--cfg', 'job'] + sys.argv[1:]\n"
+        "main()\n")
+    env = {**os.environ, "FLASHRL_CONFIG": "int8", "FLASHRL_KV_CACHE_DTYPE": "fp8", "STEPS": "4",
+           "OUT": str(tmp_path / "run"), "MODEL": str(default_model), "VERL_MAIN": f"{sys.executable} {wrapper}",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    res = subprocess.run(["bash", str(REPO / "examples" / "verl" / "run_fully_async_smollm2.sh")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    import yaml
+
+    cfg = yaml.safe_load(res.stdout)
+    rollout = cfg["actor_rollout_ref"]["rollout"]
+    assert rollout["name"] == "vllm" and rollout["mode"] == "async" and rollout["calculate_log_probs"] is True
+    assert rollout["checkpoint_engine"]["backend"] == "nccl"
+    assert cfg["async_training"]["partial_rollout"] is True and cfg["async_training"]["trigger_parameter_sync_step"] == 1
+    assert cfg["data"]["train_batch_size"] == 0 and cfg["data"]["gen_batch_size"] == 1  # the rollouter asserts both
+    assert cfg["rollout"]["n_gpus_per_node"] == 1 and cfg["trainer"]["n_gpus_per_node"] == 1
+    assert cfg["actor_rollout_ref"]["actor"]["use_rollout_log_probs"] is True
+    assert cfg["algorithm"]["rollout_correction"]["rollout_is"] == "token"
+    env_vars = cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+    assert env_vars["FLASHRL_CONFIG"] == "int8" and env_vars["FLASHRL_KV_CACHE_DTYPE"] == "fp8"
+    assert (tmp_path / "run" / "data" / "train.parquet").is_file()
+
+
 def test_learning_curves_from_trl_and_verl_logs(tmp_path):
     """Three verl-format runs (bf16 twice, int8 once) and the committed TRL CPU logs: a PNG and a
     table with each config's final reward, spread and the comparison with bf16."""
