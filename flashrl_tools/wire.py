@@ -15,10 +15,10 @@ Imports torch, transformers and flashrl_tools only (no vLLM, no SGLang): it runs
 
 Served: the shortcuts and YAML configs that quantize the policy (`int8`, `fp8_channel`, `fp8_block`,
 `keep_bf16` layers, MoE experts, the trainers' fused expert names) and calibrated checkpoints with or
-without their profile (a profile also rescales norms: the first bucket then starts with the marker
-`flashrl.converted`, and the engine takes that sync's tensors as they are). Not (yet): a profile with
-BF16 layers kept, and vLLM's online FP8 (`FLASHRL_CONFIG=fp8` on a dense model: the engine quantizes BF16
-itself; use `fp8_channel`).
+without their profile, BF16 layers kept beside a profile too (a profile also rescales norms: the first bucket
+then starts with the marker `flashrl.converted`, and the engine takes that sync's tensors as they are); Hub
+references resolve as on the engines. Not: vLLM's online FP8 (`FLASHRL_CONFIG=fp8` on a dense model: the
+engine quantizes BF16 itself; use `fp8_channel`).
 """
 
 from __future__ import annotations
@@ -71,21 +71,49 @@ def trainer_converter(policy_model: str | Path, config: str | None = None, engin
     if rc is None:
         raise FlashRLError("no FLASHRL_CONFIG to quantize for", None, "pass config= or set FLASHRL_CONFIG")
     entry = rc.entry
-    if entry.profile is not None and (entry.model is None or KeepSpec.of(entry)):
+    if entry.profile is not None and entry.model is None:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: trainer-side quantization with a profile needs its "
-                           "calibrated `model` and no BF16 layers (keep_bf16 / first / last_layers_bf16) yet",
-                           entry.profile, "push BF16 tensors")
+                           "calibrated `model`", entry.profile, "add the calibrated checkpoint as `model`, or push "
+                           "BF16 tensors")
     fmt, engine_online = served_format(rc, engine_capabilities(engine), is_moe(entry.model or str(policy_model)))
     if fmt is None or engine_online:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source} serves " + ("the engine's own online FP8" if engine_online
                                                                    else "BF16") + ": nothing to quantize on the trainer",
                            None,
                            "push BF16 tensors, or use an 8-bit config (int8, fp8_channel, fp8_block)")
+    keep = KeepSpec.of(entry)
+    if entry.model is not None and keep:  # the engine serves the policy re-quantized by the profile, kept in BF16
+        return WeightConverter.for_checkpoint(rc.fn, _profile_mixed_config(Path(policy_model), entry, keep),
+                                              entry.profile)
     if entry.model is not None:
         return WeightConverter.for_checkpoint(rc.fn, Path(entry.model), entry.profile)
     served = Path(tempfile.mkdtemp(prefix="flashrl-wire-")) / "served"
     quantize_config_only(Path(policy_model), served, fmt, KeepSpec.of(entry), entry.fp8_scale_pow2)
     return WeightConverter.for_checkpoint(rc.fn, served, None)
+
+
+def _profile_mixed_config(policy_model: Path, entry, keep) -> Path:
+    """The config-only copy of what an engine serves for a profile with BF16 layers kept (runtime/core/plan.py
+    `checkpoint_for` -> profile/apply.py `requantize_checkpoint`): the calibrated checkpoint's quantization_config,
+    the kept modules added to its `ignore`."""
+    import json
+
+    from flashrl_tools.model_structure import read_config
+    from flashrl_tools.profile.format import load_profile
+    from flashrl_tools.quant.mixed import kept_modules, kept_weights
+    from flashrl_tools.quant.quantize import copy_side_files
+
+    profile = load_profile(Path(entry.profile))
+    kept = kept_weights(profile.meta.quantized, keep, str(policy_model))
+    config = read_config(policy_model)
+    config["quantization_config"] = read_config(Path(entry.model))["quantization_config"]
+    ignore = config["quantization_config"].setdefault("ignore", [])
+    ignore += [m for m in kept_modules(kept) if m not in ignore]
+    out = Path(tempfile.mkdtemp(prefix="flashrl-wire-")) / "served"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_side_files(policy_model, out)
+    return out
 
 
 def wire_bytes(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:

@@ -48,6 +48,10 @@ def served_checkpoint(config: str, bf16: Path, work: Path) -> Path:
     rc = resolve(config)
     if not rc.fn.quantized:
         return bf16
+    if rc.entry.model is not None:  # a calibrated checkpoint (with its profile, BF16 layers kept): the plan's
+        from flashrl_tools.runtime.core.plan import checkpoint_for
+
+        return Path(checkpoint_for(rc, rc.fn.quant_fn, str(bf16)))
     out = quantize(bf16, work, rc.fn.quant_fn.value, force=True).out
     (out / "flashrl_source.json").write_text(json.dumps({"bf16_model": str(bf16)}))  # as the online cache marks it
     return out

@@ -320,14 +320,16 @@ def test_a_trainer_quantized_sync_equals_a_fresh_engine(loaded, policy, home):
     assert loaded.refusal() is None
 
 
-def test_a_trainer_converted_calibrated_sync_equals_an_engine_side_one(engine, policy, calibrated, home):
-    """A calibrated checkpoint + profile: the trainer's call converts as the engine would (8-bit weights and
+@pytest.mark.parametrize("keep", ["", "\n  keep_bf16: ['*.down_proj']"], ids=["profile", "profile+keep_bf16"])
+def test_a_trainer_converted_calibrated_sync_equals_an_engine_side_one(engine, policy, calibrated, home, keep):
+    """A calibrated checkpoint + profile (and with BF16 layers kept: the engine serves the policy re-quantized
+    by the profile, those layers in BF16): the trainer's call converts as the engine would (8-bit weights and
     the profile's rescaled norms) behind the `flashrl.converted` marker; the engine's state equals an
     engine-side conversion of the same BF16 weights. Without the marker, 8-bit tensors are refused."""
     from flashrl_tools.wire import engine_tensors
 
     q, prof = calibrated
-    config = _yaml(home / "cal.yaml", f"fn: int8\n  model: {q}\n  profile: {prof}")
+    config = _yaml(home / "cal.yaml", f"fn: int8\n  model: {q}\n  profile: {prof}{keep}")
     new = perturbed(policy, 7)
     engine_side = engine.load(config, policy, home / "a")
     engine_side.push(new)
@@ -339,6 +341,8 @@ def test_a_trainer_converted_calibrated_sync_equals_an_engine_side_one(engine, p
     _poisoned_byte_pushes(trainer_side, wire)  # the marker in a call of its own, then one tensor per call
     assert trainer_side.refusal() is None and engine_side.refusal() is None
     _assert_equal(trainer_side.state(), engine_side.state())
+    kept = [n for n, t in wire if n.endswith("down_proj.weight")]
+    assert kept and all((dict(wire)[n].dtype == torch.bfloat16) == bool(keep) for n in kept)
 
 
 def test_discarded_weights_are_refused_until_a_full_sync(loaded, policy, home):

@@ -158,3 +158,42 @@ def test_trainer_quantized_pushes_equal_an_engine_side_sync_on_every_cpu_path(ti
     assert all(checks.values()), checks
     assert {"load_weights = engine-side sync", "transfer = engine-side sync"} <= set(checks)
     assert result["bytes"]["wire"] < 0.7 * result["bytes"]["bf16"]
+
+
+def test_a_hub_config_gives_the_trainer_the_same_tensors_as_its_local_file(tiny_models, tmp_path):
+    """FLASHRL_CONFIG=USER/NAME/config.yaml@<commit> (`flashrl publish` to the local Hub, tests/hub_server.py): the
+    trainer's call resolves it as the engines do (profile and all) and returns exactly the tensors the local YAML
+    gives -- in a process of its own (huggingface_hub reads HF_ENDPOINT at import)."""
+    from conftest import run_cli
+    from flashrl_tools.profile.build import build_profile
+    from flashrl_tools.profile.format import save_profile
+    from flashrl_tools.quant.quantize import quantize
+    from hub_server import HubServer
+
+    policy = tiny_models["llama-untied"]
+    q = quantize(policy, tmp_path / "q", "int8").out
+    save_profile(build_profile(policy, q, "int8").profile, tmp_path / "p.safetensors")
+    cal = tmp_path / "pub" / "config.yaml"
+    cal.parent.mkdir()
+    env = {"FLASHRL_HOME": str(tmp_path / "home")}
+    assert run_cli("setup", "-m", q, "-p", tmp_path / "p.safetensors", "-o", cal, env=env).returncode == 0
+    code = ("import hashlib, json, sys\n"
+            "from flashrl_tools.safetensors_io import CheckpointReader\n"
+            "from flashrl_tools.wire import engine_tensors\n"
+            "def digest(config):\n"
+            f"    weights = list(CheckpointReader({str(policy)!r}).iter_tensors())\n"
+            f"    return [[n, str(t.dtype), hashlib.sha1(t.contiguous().view(-1).view(__import__('torch').uint8)"
+            ".numpy().tobytes()).hexdigest()]\n"
+            f"            for b in engine_tensors(weights, {str(policy)!r}, config, bucket_bytes=1 << 16) for n, t in b]\n"
+            "print(json.dumps({'hub': digest(sys.argv[1]), 'local': digest(sys.argv[2])}))\n")
+    with HubServer() as hub:
+        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"))
+        res = run_cli("publish", cal, "--repo", "alice/tiny-int8", env={**env, "HF_TOKEN": "hf_alice"})
+        assert res.returncode == 0, res.stderr
+        ref = res.stdout.strip().splitlines()[-1].split("=", 1)[1]
+        out = subprocess.run([sys.executable, "-c", code, ref, str(cal)], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, **env}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["hub"] == got["local"] and got["hub"][0][0] == "flashrl.converted"
+    assert any(dtype == "torch.int8" for _, dtype, _ in got["hub"])
