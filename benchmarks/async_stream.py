@@ -5,6 +5,10 @@ to `--max-len`, T=1 with logprobs), and every `--every` seconds the trainer paus
 (`clear_cache=False`: kept requests keep their KV), pushes a full set of BF16 weights through
 `model.load_weights` one tensor per call (the runtime re-quantizes them), and resumes.
 
+SGLang (`--engine sglang`): `pause_generation(mode="in_place")` (its keep mode), the push as flattened buckets
+through `update_weights_from_tensor`, `continue_generation`; with an FP8 KV cache the calibration after the
+update waits for the requests kept in place (SGLang cannot set them aside).
+
 Per config (each in a fresh process; `+kv`: FP8 KV cache, recalibrated at every resume with the kept
 requests set aside): output tokens/s over the run, and per update the pause, push and resume times and
 the bubble -- the longest stretch around the update in which no request got a token -- and the tokens
@@ -12,6 +16,7 @@ still in flight when the first token after the resume arrived (0 would mean a dr
 writes JSON. Same prompts and lengths for every config.
 
     python benchmarks/async_stream.py --shapes 7b --configs bf16,int8,int8+kv --json benchmarks/results/async_stream_7b.json
+    python benchmarks/async_stream.py --engine sglang --shapes 7b --configs bf16,int8,int8+kv   # SGLang 0.5.17 (GPU)
     python benchmarks/async_stream.py --preset smoke     # CPU, config-only tiny shape (CI)
 """
 
@@ -43,6 +48,7 @@ PRESETS = {
 
 
 async def stream(spec: dict) -> dict:
+    """vLLM's AsyncLLM: keep-mode pause (`clear_cache=False`), a full BF16 push one tensor per `load_weights`."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -57,6 +63,112 @@ async def stream(spec: dict) -> dict:
         gpu_memory_utilization=spec["gpu_memory_utilization"], enforce_eager=not gpu, enable_prefix_caching=True))
     start_s = time.perf_counter() - t0
     config = engine.vllm_config
+    sync = sync_in_worker(spec["model"], native=False, repeats=1)
+
+    async def generate(i: int, ids: list[int], n: int):
+        params = SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, logprobs=0, seed=i, detokenize=False)
+        async for out in engine.generate({"prompt_token_ids": ids}, params, str(i)):
+            yield len(out.outputs[0].token_ids)
+
+    async def push() -> dict:
+        (pushed,) = (await engine.collective_rpc(sync))[0]
+        return {"push_sync_s": pushed["sync_s"]}
+
+    try:
+        out = await run_stream(spec, generate, lambda: engine.pause_generation(mode="keep", clear_cache=False), push,
+                               engine.resume_generation)
+    finally:
+        engine.shutdown()
+    return {"start_s": start_s, **out, "pause_mode": "keep (clear_cache=False)",
+            "async_scheduling": bool(getattr(config.scheduler_config, "async_scheduling", False)),
+            "kv_cache_dtype": config.cache_config.cache_dtype}
+
+
+def stream_sglang(spec: dict) -> dict:
+    """SGLang's offline Engine (its TokenizerManager, as its server drives it): `pause_generation("in_place")`
+    (requests keep their KV, SGLang's keep mode), a full BF16 push as flattened buckets of random weights through
+    `update_weights_from_tensor` (only the calls timed), `continue_generation`."""
+    import sglang
+
+    t0 = time.perf_counter()
+    engine = sglang.Engine(model_path=spec["model"], load_format="dummy" if spec["dummy"] else "auto",
+                           skip_tokenizer_init=True, dtype="bfloat16", random_seed=0, attention_backend="triton",
+                           context_length=spec["prompt_len"] + spec["max_len"] + 8, log_level="error",
+                           mem_fraction_static=spec["gpu_memory_utilization"])
+    start_s = time.perf_counter() - t0
+    tm = engine.tokenizer_manager
+
+    async def generate(i: int, ids: list[int], n: int):
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        obj = GenerateReqInput(input_ids=ids, rid=str(i), stream=True, return_logprob=True,
+                               sampling_params={"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True,
+                                                "sampling_seed": i})
+        async for out in tm.generate_request(obj, None):
+            yield len(out["output_ids"])
+
+    async def pause():
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        await tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
+
+    async def resume():
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        await tm.continue_generation(ContinueGenerationReqInput())
+
+    async def push() -> dict:
+        return await sglang_push(engine, spec["model"], spec.get("bucket_mb", 512))
+
+    try:
+        out = engine.loop.run_until_complete(run_stream(spec, generate, pause, push, resume))
+        kv = str(engine.server_args.kv_cache_dtype)
+    finally:
+        engine.shutdown()
+    return {"start_s": start_s, **out, "pause_mode": "in_place", "async_scheduling": None, "kv_cache_dtype": kv}
+
+
+async def sglang_push(engine, model_path: str, bucket_mb: int) -> dict:
+    """Random BF16 weights of the policy's names and shapes as flattened buckets made on the GPU, through the
+    TokenizerManager's `update_weights_from_tensor` (the engine is paused: straight to the schedulers)."""
+    import torch
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+    from flashrl_tools.model_structure import _meta_model
+    from flashrl_tools.verify.sglang_job import bucket_payload
+
+    _, meta = _meta_model(Path(model_path), allow_quantized=True)
+    tied = meta.config.tie_word_embeddings
+    groups, size = [[]], 0
+    for name, t in meta.state_dict().items():
+        if name == "lm_head.weight" and tied:
+            continue
+        if groups[-1] and size + t.numel() * 2 > bucket_mb << 20:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, t.shape))
+        size += t.numel() * 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seconds = 0.0
+    for group in groups:
+        tensors = [(n, torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(0.02)) for n, s in group]
+        payload = bucket_payload(tensors)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ok, message = (await engine.tokenizer_manager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[payload] * engine.server_args.tp_size, load_format="flattened_bucket",
+            flush_cache=True), None))[:2]
+        seconds += time.perf_counter() - t0
+        if not ok:
+            raise RuntimeError(f"SGLang refused a weight update: {message}")
+        del tensors, payload
+    return {"push_sync_s": seconds}
+
+
+async def run_stream(spec: dict, generate, pause, push, resume) -> dict:
+    """`--concurrency` lanes of requests (a finished one replaced at once), an update every `--every` s:
+    `pause()`, `push()`, `resume()`; per update the times, the bubble, the first token after the resume and
+    the tokens still in flight then."""
     vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
     lengths = output_lengths(100_000, spec["max_len"], seed=1)
     stamps: list[float] = []  # one per streamed output (every request's every token, async scheduling: chunks)
@@ -67,17 +179,14 @@ async def stream(spec: dict) -> dict:
     async def one(i: int) -> None:
         rng = random.Random(i)  # request i: the same prompt and length in every config
         ids = [rng.randrange(10, vocab) for _ in range(spec["prompt_len"])]
-        params = SamplingParams(temperature=1.0, max_tokens=lengths[i % len(lengths)], ignore_eos=True, logprobs=0, seed=i,
-                                detokenize=False)
-        seen = 0
-        left[str(i)] = lengths[i % len(lengths)]
-        async for out in engine.generate({"prompt_token_ids": ids}, params, str(i)):
-            n = len(out.outputs[0].token_ids)
+        total, seen = lengths[i % len(lengths)], 0
+        left[str(i)] = total
+        async for n in generate(i, ids, total):
             if n > seen:
                 stamps.append(time.perf_counter())
                 counts["tokens"] += n - seen
                 seen = n
-                left[str(i)] = lengths[i % len(lengths)] - n
+                left[str(i)] = total - n
         left.pop(str(i), None)
         counts["done"] += 1
 
@@ -90,7 +199,6 @@ async def stream(spec: dict) -> dict:
     await one(10**6)  # warm-up (and, with an FP8 KV cache, the first calibration)
     stamps.clear()
     counts.update(tokens=0, done=0)
-    sync = sync_in_worker(spec["model"], native=False, repeats=1)
     begin = time.perf_counter()
     lanes = [asyncio.create_task(lane(k)) for k in range(spec["concurrency"])]
     updates = []
@@ -98,13 +206,13 @@ async def stream(spec: dict) -> dict:
         await asyncio.sleep(spec["every"])
         u = {"t": time.perf_counter() - begin}
         t = time.perf_counter()
-        await engine.pause_generation(mode="keep", clear_cache=False)
+        await pause()
         u["pause_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        (pushed,) = (await engine.collective_rpc(sync))[0]
-        u["push_s"], u["push_sync_s"] = time.perf_counter() - t, pushed["sync_s"]
+        u.update(await push())
+        u["push_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        await engine.resume_generation()
+        await resume()
         resumed = time.perf_counter()
         u["resume_s"] = resumed - t
         n = len(stamps)
@@ -118,18 +226,18 @@ async def stream(spec: dict) -> dict:
     tokens = counts["tokens"]
     for task in lanes:
         task.cancel()
+    await asyncio.gather(*lanes, return_exceptions=True)
     for u in updates:  # the longest gap between streamed tokens around each update
         at = begin + u["t"]
         window = [s for s in stamps if at - 0.5 <= s <= at + u["pause_s"] + u["push_s"] + u["resume_s"] + 5.0]
         u["bubble_s"] = max((b - a for a, b in zip(window, window[1:])), default=None)
-    engine.shutdown()
-    return {"start_s": start_s, "seconds": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
-            "requests_done": counts["done"], "updates": updates,
-            "async_scheduling": bool(getattr(config.scheduler_config, "async_scheduling", False)),
-            "kv_cache_dtype": config.cache_config.cache_dtype}
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
+            "requests_done": counts["done"], "updates": updates}
 
 
 def worker(spec: dict) -> dict:
+    if spec.get("engine") == "sglang":
+        return stream_sglang(spec)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     return asyncio.run(stream(spec))
 
@@ -181,6 +289,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int)
     ap.add_argument("--seconds", type=float, help="length of the stream")
     ap.add_argument("--every", type=float, help="seconds between weight updates")
+    ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                    help="sglang (GPU): its offline Engine, in_place pauses, flattened-bucket pushes")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -192,7 +302,7 @@ def main() -> None:
     for shape in opts["shapes"].split(","):
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
-            spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util,
+            spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util, "engine": a.engine,
                     **{k: opts[k] for k in ("concurrency", "prompt_len", "max_len", "seconds", "every")}}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             if "error" not in r:
@@ -204,16 +314,17 @@ def main() -> None:
         if base is not None and "error" not in r:
             r["tok_s_vs_bf16"] = r["output_tok_per_s"] / base["output_tok_per_s"]
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    import vllm
+    import importlib
 
-    print_table(rows, f"Async stream on {device}, vLLM {vllm.__version__}: {opts['concurrency']} requests in flight, "
+    engine = f"{'SGLang' if a.engine == 'sglang' else 'vLLM'} {importlib.import_module(a.engine).__version__}"
+    print_table(rows, f"Async stream on {device}, {engine}: {opts['concurrency']} requests in flight, "
                       f"{opts['prompt_len']} tokens in, up to {opts['max_len']} out, T=1 + logprobs; keep-mode "
                       f"update (pause, full BF16 push, resume) every {opts['every']} s for {opts['seconds']} s")
     if a.json:
         from flashrl_tools.fsutil import atomic_write_text
 
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(a.json), json.dumps({"device": device, "vllm": vllm.__version__,
+        atomic_write_text(Path(a.json), json.dumps({"device": device, "engine": engine,
                                                     "date": time.strftime("%Y-%m-%d"), "settings": opts,
                                                     "gpu_memory_utilization": util, "rows": rows}, indent=1))
     if any("error" in r for r in rows):
