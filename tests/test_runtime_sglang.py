@@ -310,16 +310,19 @@ def test_requests_prefilled_after_an_update_never_share_old_prefix_blocks():
 
     session = SimpleNamespace(completed=3)
     process.sessions().append(session)
-    kept, lora, calib = _req("a"), _req("b", key="lora7"), _req(f"{CALIBRATION_RID}t-0")
-    for r in (kept, lora, calib):
-        pause.salt(r)
+    tree = object()  # SGLang's tree cache: the request matches its prefix afresh
+    kept, lora, calib, chunked = _req("a"), _req("b", key="lora7"), _req(f"{CALIBRATION_RID}t-0"), _req("d")
+    for r in (kept, lora, calib, chunked):
+        pause.salt(r, tree)
     assert kept.extra_key == "flashrl-weights-3" and lora.extra_key == "lora7|flashrl-weights-3"
     assert calib.extra_key == calib.rid  # the calibration's blocks are its own
     session.completed = 4
     new = _req("c")
-    pause.salt(new)
-    pause.salt(lora)  # retracted: scheduled again
+    pause.salt(new, tree)
+    pause.salt(lora, tree)  # retracted: scheduled again
+    pause.salt(chunked)  # a chunked prefill's next chunk (no tree cache): stays in its first chunk's namespace
     assert new.extra_key == "flashrl-weights-4" != kept.extra_key and lora.extra_key == "lora7|flashrl-weights-4"
+    assert chunked.extra_key == "flashrl-weights-3"
 
 
 def test_an_update_with_requests_paused_in_flight_keeps_the_cache_instead_of_asserting():

@@ -38,9 +38,13 @@ def _version() -> int:
     return sum(s.completed for s in process.sessions())
 
 
-def salt(req, *args, **kwargs) -> None:
+def salt(req, tree_cache=None, *args, **kwargs) -> None:
     """BEFORE `Req.init_next_round_input`: the request's radix-cache namespace is its caller's key plus the
-    weights' version (a calibration request's own rid: its blocks are never shared)."""
+    weights' version (a calibration request's own rid: its blocks are never shared). Only where the request
+    matches its prefix afresh (`tree_cache` given): a chunked prefill's next chunk (no tree_cache) keeps the
+    namespace its first chunk was cached under (SGLang's radix keys of one path must share it)."""
+    if hasattr(req, "_flashrl_key") and tree_cache is None:
+        return
     if not hasattr(req, "_flashrl_key"):
         req._flashrl_key = getattr(req, "extra_key", None)
     base = req._flashrl_key
