@@ -134,23 +134,13 @@ async def sglang_push(engine, model_path: str, bucket_mb: int) -> dict:
     import torch
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
-    from flashrl_tools.model_structure import _meta_model
+    from rollout_throughput import bucket_groups
+
     from flashrl_tools.verify.sglang_job import bucket_payload
 
-    _, meta = _meta_model(Path(model_path), allow_quantized=True)
-    tied = meta.config.tie_word_embeddings
-    groups, size = [[]], 0
-    for name, t in meta.state_dict().items():
-        if name == "lm_head.weight" and tied:
-            continue
-        if groups[-1] and size + t.numel() * 2 > bucket_mb << 20:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, t.shape))
-        size += t.numel() * 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     seconds = 0.0
-    for group in groups:
+    for group in bucket_groups(model_path, bucket_mb):
         tensors = [(n, torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(0.02)) for n, s in group]
         payload = bucket_payload(tensors)
         torch.cuda.synchronize()

@@ -104,14 +104,9 @@ def worker_sglang(spec: dict) -> dict:
         engine.shutdown()
 
 
-def sglang_sync_seconds(engine, model_path: str, bucket_mb: int) -> dict:
-    """One full sync of random BF16 weights (the policy's names and shapes) the way verl's SGLang path
-    sends them: flattened buckets of `bucket_mb` on the GPU through `update_weights_from_tensor`. Only
-    the calls are timed, not the making of each bucket (a full trainer copy would not fit beside the engine)."""
-    import torch
-
+def bucket_groups(model_path: str, bucket_mb: int) -> list[list[tuple[str, tuple]]]:
+    """The policy's (name, shape) pairs (a tied lm_head left out) in BF16 buckets of at most `bucket_mb`."""
     from flashrl_tools.model_structure import _meta_model
-    from flashrl_tools.verify.sglang_job import bucket_payload, push_payload
 
     _, meta = _meta_model(Path(model_path), allow_quantized=True)
     tied = meta.config.tie_word_embeddings
@@ -124,6 +119,18 @@ def sglang_sync_seconds(engine, model_path: str, bucket_mb: int) -> dict:
             size = 0
         groups[-1].append((name, t.shape))
         size += t.numel() * 2
+    return groups
+
+
+def sglang_sync_seconds(engine, model_path: str, bucket_mb: int) -> dict:
+    """One full sync of random BF16 weights (the policy's names and shapes) the way verl's SGLang path
+    sends them: flattened buckets of `bucket_mb` on the GPU through `update_weights_from_tensor`. Only
+    the calls are timed, not the making of each bucket (a full trainer copy would not fit beside the engine)."""
+    import torch
+
+    from flashrl_tools.verify.sglang_job import bucket_payload, push_payload
+
+    groups = bucket_groups(model_path, bucket_mb)
     gen = torch.Generator(device="cuda").manual_seed(0)
     seconds = []
     for group in groups:

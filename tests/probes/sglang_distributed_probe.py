@@ -23,8 +23,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _beside(fn):
-    """Run fn beside the engine's blocking call (both sides of a collective); `join` re-raises its error."""
+def beside(fn):
+    """Run fn beside the engine's blocking call (both sides of a collective; also tests/probes/wire_probe.py);
+    `join` re-raises its error."""
     box = {}
 
     def run():
@@ -57,11 +58,11 @@ def send(engine, group, path: str, bucket: bool) -> float:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         flat = FlattenedTensorBucket(named_tensors=tensors).get_flattened_tensor()
-        join = _beside(lambda: dist.broadcast(flat, src=0, group=group))
+        join = beside(lambda: dist.broadcast(flat, src=0, group=group))
         ok, message = engine.update_weights_from_distributed(names, dtypes, shapes, GROUP,
                                                              load_format="flattened_bucket")[:2]
     else:
-        join = _beside(lambda: [dist.broadcast(x, src=0, group=group) for _, x in tensors])
+        join = beside(lambda: [dist.broadcast(x, src=0, group=group) for _, x in tensors])
         ok, message = engine.update_weights_from_distributed(names, dtypes, shapes, GROUP)[:2]
     join()
     torch.cuda.synchronize()
@@ -84,7 +85,7 @@ def main():
     step = {"op": "observe", "sequences": req["sequences"], "max_tokens": req["max_tokens"]}
     try:
         port = _free_port()
-        join = _beside(lambda: init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
+        join = beside(lambda: init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
                                                          world_size=2, rank=0, group_name=GROUP))
         ok, message = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")[:2]
         group = join()

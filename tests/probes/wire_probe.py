@@ -71,31 +71,10 @@ def ipc(llm, tensors, packed: bool) -> float:
     return time.perf_counter() - t0
 
 
-def beside(fn):
-    """Run fn in a thread beside this one (both sides of a collective); the returned join re-raises its error."""
-    import threading
-
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised in join
-            box["error"] = e
-    t = threading.Thread(target=run)
-    t.start()
-
-    def join():
-        t.join()
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
-    return join
-
-
 def nccl(llm, group, tensors, packed: bool) -> float:
     """The tensors (copied to the trainer's GPU) broadcast through vLLM's NCCL engine."""
     import nccl_trainer
+    from sglang_distributed_probe import beside
 
     tensors = [(n, t.to(f"cuda:{nccl_trainer.TRAINER_GPU}")) for n, t in tensors]
     t0 = time.perf_counter()
@@ -187,6 +166,7 @@ def main() -> None:
     group = None
     if nccl_paths:
         import nccl_trainer
+        from sglang_distributed_probe import beside
 
         info = nccl_trainer.init_info()
         join = beside(lambda: llm.init_weight_transfer_engine({"init_info": info}))
