@@ -6,8 +6,9 @@ to `--max-len`, T=1 with logprobs), and every `--every` seconds the trainer paus
 `model.load_weights` one tensor per call (the runtime re-quantizes them), and resumes.
 
 SGLang (`--engine sglang`): `pause_generation(mode="in_place")` (its keep mode), the push as flattened buckets
-through `update_weights_from_tensor`, `continue_generation`; with an FP8 KV cache the calibration after the
-update waits for the requests kept in place (SGLang cannot set them aside).
+through `update_weights_from_tensor`, `continue_generation`; with an FP8 KV cache the schedulers set the
+requests kept in place aside for the calibration at the continue and rescale their entries (no drain; SGLang's
+kernels take the scales as floats, so the decode CUDA graphs are captured again when they change).
 
 Per config (each in a fresh process; `+kv`: FP8 KV cache, recalibrated at every resume with the kept
 requests set aside): output tokens/s over the run, and per update the pause, push and resume times and

@@ -10,8 +10,8 @@ RES=${1:?usage: gpu_tests.sh RES}
 cd "$(dirname "$0")/.." || exit 1
 source scripts/gpu_env.sh
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
-  FLASHRL_GPU_RESULTS=$RES/gpu FLASHRL_GPU_WORK=/root/w/gpu
-mkdir -p "$RES/gpu" /root/w/gpu
+  FLASHRL_GPU_RESULTS=$RES/gpu FLASHRL_GPU_WORK=${GPU_WORK:-/root/w/gpu}
+mkdir -p "$RES/gpu" "$FLASHRL_GPU_WORK"
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> "$RES/session.log"; }
 G=tests/gpu
 TEST_GROUPS=${TEST_GROUPS:-"lifecycle:6:vllm:$G/test_vllm_lifecycle.py
@@ -20,7 +20,7 @@ sglang:3:sglang:$G/test_sglang.py
 sglang-paths:2:sglang:$G/test_sglang_distributed.py $G/test_verl_sglang.py"}
 # models once, before the groups start side by side
 python3 -c "import sys; sys.path.insert(0, '$G'); import gpu_harness as h; from pathlib import Path
-for a in ('qwen2', 'qwen3', 'qwen3_moe', 'mixtral'): h.model_pair(Path('/root/w/gpu'), a)" >> "$RES/session.log" 2>&1
+for a in ('qwen2', 'qwen3', 'qwen3_moe', 'mixtral'): h.model_pair(Path('$FLASHRL_GPU_WORK'), a)" >> "$RES/session.log" 2>&1
 pids=()
 while IFS=: read -r name jobs engine tests; do
   [ -n "$name" ] || continue

@@ -5,7 +5,9 @@
 # then examples/verl/final_check.py with the same FLASHRL_CONFIG. Started under setsid after
 # scripts/gpu_install.sh:
 #   STEPS=100 setsid nohup bash scripts/gpu_verl_runs.sh /root/res/verl bf16:0 int8:0 fp8:0 moe-int8:0 ... &
-# (moe-CONFIG:SEED: issue 30's MoE run, `flashrl models tiny --arch qwen3_moe`, MOE_STEPS=20 steps)
+# (moe-CONFIG:SEED: issue 30's MoE run, `flashrl models tiny --arch qwen3_moe`, MOE_STEPS=20 steps;
+# CONFIG+kv: with FLASHRL_KV_CACHE_DTYPE=fp8). RECIPE=async: examples/verl/run_fully_async_smollm2.sh
+# instead (two GPUs: rollouter and trainer; runs async-CONFIG-sSEED, final check of the last sync).
 # Per run: OUT/verl-CONFIG-sSEED.jsonl (verl's file logger + the final check), OUT/RUN.log, and
 # OUT/RUN.done when both finished. Many runs share the GPU: each vLLM engine gets a fixed 1 GiB KV
 # cache (kv_cache_memory_bytes skips vLLM's memory profiling, which other processes trip) and
@@ -19,8 +21,11 @@ unset VLLM_ENABLE_V1_MULTIPROCESSING   # verl runs vLLM's engine core as its own
 mkdir -p "$OUT"
 MODEL=$(python3 -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())"); export MODEL
 python3 examples/verl/arith_data.py "$OUT/data" --train $(( ${STEPS:-100} * ${BATCH:-32} )) --seed 0 >/dev/null
+RECIPE_SH=examples/verl/run_grpo_smollm2.sh PREFIX=verl CHECK_ARGS=()
+[ "${RECIPE:-grpo}" = async ] && RECIPE_SH=examples/verl/run_fully_async_smollm2.sh PREFIX=async CHECK_ARGS=(--last-sync)
 for spec in "$@"; do
-  cfg=${spec%%:*} seed=${spec##*:} run=verl-${spec%%:*}-s${spec##*:} model=$MODEL steps=${STEPS:-100} plen=64
+  cfg=${spec%%:*} seed=${spec##*:} run=$PREFIX-${spec%%:*}-s${spec##*:} model=$MODEL steps=${STEPS:-100} plen=64 kv=
+  [ "${cfg%+kv}" != "$cfg" ] && cfg=${cfg%+kv} kv=fp8
   if [ "${cfg#moe-}" != "$cfg" ]; then  # moe-CONFIG:SEED: the tiny random Qwen3-MoE (byte tokenizer), MOE_STEPS
     cfg=${cfg#moe-} steps=${MOE_STEPS:-20} plen=256
     model=$OUT/tiny-qwen3-moe
@@ -28,9 +33,9 @@ for spec in "$@"; do
   fi
   (
     for try in 1 2 3; do  # verl picks torch.distributed's port at random: runs side by side may collide
-    FLASHRL_CONFIG=$cfg SEED=$seed OUT=$OUT FINAL_CHECK=1 VLLM_CACHE_ROOT=/root/vc/$run RUN=$run MODEL=$model \
-      STEPS=$steps PROMPT_LEN=$plen CHECK_EVERY=${CHECK_EVERY:-10} bash scripts/private_tmp.sh "/root/tmp/$run" \
-      bash examples/verl/run_grpo_smollm2.sh \
+    FLASHRL_CONFIG=$cfg FLASHRL_KV_CACHE_DTYPE=$kv SEED=$seed OUT=$OUT FINAL_CHECK=1 VLLM_CACHE_ROOT=/root/vc/$run \
+      RUN=$run MODEL=$model STEPS=$steps PROMPT_LEN=$plen CHECK_EVERY=${CHECK_EVERY:-10} \
+      bash scripts/private_tmp.sh "/root/tmp/$run" bash "$RECIPE_SH" \
       +ray_kwargs.ray_init._temp_dir=/tmp/ray_$run +ray_kwargs.ray_init.include_dashboard=False \
       +ray_kwargs.ray_init.object_store_memory=2000000000 \
       actor_rollout_ref.rollout.gpu_memory_utilization=${GPU_UTIL:-0.08} \
@@ -42,8 +47,8 @@ for spec in "$@"; do
     [ "$rc" != 0 ] && [ ! -s "$OUT/$run.jsonl" ] && grep -q EADDRINUSE "$OUT/$run.log" || break
     mv "$OUT/$run.log" "$OUT/$run.try$try.log"; sleep $(( RANDOM % 20 + 5 ))
     done
-    FLASHRL_CONFIG=$cfg VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
-      python3 examples/verl/final_check.py "$OUT" "$run" > "$OUT/$run.check.log" 2>&1
+    FLASHRL_CONFIG=$cfg FLASHRL_KV_CACHE_DTYPE=$kv VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
+      python3 examples/verl/final_check.py "$OUT" "$run" "${CHECK_ARGS[@]}" > "$OUT/$run.check.log" 2>&1
     echo "check exit $?" >> "$OUT/$run.log"
     touch "$OUT/$run.done"
   ) &

@@ -150,9 +150,26 @@ class RadixAttention(torch.nn.Module):
         return q
 
 
+class KVPool:
+    """SGLang's token-indexed KV pool (MHATokenToKVPool): FP8 entries stored as bytes, one row per token slot."""
+
+    def __init__(self, layers: int, slots: int = 16):
+        self.k_buffer = [torch.zeros(slots, 1, 4, dtype=torch.uint8) for _ in range(layers)]
+        self.v_buffer = [torch.zeros(slots, 1, 4, dtype=torch.uint8) for _ in range(layers)]
+
+    def get_key_buffer(self, layer_id):
+        return self.k_buffer[layer_id].view(torch.float8_e4m3fn)
+
+    def get_value_buffer(self, layer_id):
+        return self.v_buffer[layer_id].view(torch.float8_e4m3fn)
+
+
 class KVRunner:
     def __init__(self):
         self.model = torch.nn.Sequential(torch.nn.Linear(2, 2), RadixAttention(), RadixAttention())
+        for i, layer in enumerate(m for m in self.model if isinstance(m, RadixAttention)):
+            layer.layer_id = i
+        self.token_to_kv_pool = KVPool(2)
         self.server_args = SimpleNamespace(kv_cache_dtype="fp8_e4m3")
         self.prefill_cuda_graph_runner = self.decode_cuda_graph_runner = "graphs"
         self.captures = 0
@@ -206,6 +223,28 @@ def generate(manager, rid):
         obj = SimpleNamespace(rid=rid, input_ids=[1, 2])
         return [out async for out in kv_front.generate_request(original_generate, manager, obj)]
     return asyncio.run(run())
+
+
+class Batch:
+    """SGLang's ScheduleBatch as the pause hooks use it (merge / filter of finished requests)."""
+
+    def __init__(self, reqs=(), batch_is_full=False, extend=False):
+        self.reqs, self.batch_is_full = list(reqs), batch_is_full
+        self.forward_mode = SimpleNamespace(is_extend=lambda: extend)
+
+    def is_empty(self):
+        return not self.reqs
+
+    def merge_batch(self, other):
+        self.reqs += other.reqs
+
+    def filter_batch(self, chunked_req_to_exclude=()):
+        self.reqs = [r for r in self.reqs if not r.finished() and r not in chunked_req_to_exclude]
+
+
+def schedule_batch_module():
+    """sglang.srt.managers.schedule_batch for the pause hooks (monkeypatched into sys.modules)."""
+    return SimpleNamespace(ScheduleBatch=Batch, FINISH_ABORT=lambda message: SimpleNamespace(message=message))
 
 
 # -- SGLang's Llama on a real checkpoint ----------------------------------------------------------

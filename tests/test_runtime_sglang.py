@@ -392,9 +392,8 @@ def test_retracted_requests_wait_for_the_fp8_kv_scales_of_the_new_weights():
     finish.finished = lambda: True  # it ran (not batched with them)
     pause.release_held(None, s)
     assert [r.rid for r in s.waiting_queue] == ["x", "y"] and s._flashrl_held == []
-    s = _scheduler([_req("z")])  # in place (or scales current): nothing is held
-    pause.scheduler_pause(lambda *a: None, s, SimpleNamespace(mode="in_place"))
-    session.completed = 2
+    s = _scheduler([_req("z")])  # the scales are current (no update since): nothing is held
+    pause.scheduler_pause(lambda *a: None, s, SimpleNamespace(mode="retract"))
     pause.scheduler_continue(lambda *a: None, s, SimpleNamespace())
     assert [r.rid for r in s.waiting_queue] == ["z"]
 
@@ -421,14 +420,106 @@ def test_the_continue_calibrates_beside_held_requests_without_waiting_for_them(m
     rids = [rid for rid, _ in m.sent]
     assert "<flush>" not in rids and rids[-1].endswith("-finish") and len(rids) > 2
     assert getattr(m, kv_front.STALE) is False and not getattr(m, pause.HOLD)
-    m2 = Manager()  # in place: the continue calibrates nothing (the next request drains)
+    m2 = Manager()  # in place: the schedulers set the running batch aside, the continue calibrates beside it
+    m2.rid_to_state = {"k": 1}
     setattr(m2, kv_front.STALE, True)
 
-    async def run2():
-        await pause.front_pause(lambda *a: asyncio.sleep(0), m2, SimpleNamespace(mode="in_place"))
-        return await pause.front_continue(original, m2, SimpleNamespace())
-    asyncio.run(run2())
+    async def run2(mode):
+        await pause.front_pause(lambda *a: asyncio.sleep(0), m2, SimpleNamespace(mode=mode))
+        return await asyncio.wait_for(pause.front_continue(original, m2, SimpleNamespace()), 5)
+    asyncio.run(run2("in_place"))
+    assert m2.sent[-1][0].endswith("-finish") and getattr(m2, kv_front.STALE) is False
+    m2.sent = []
+    asyncio.run(run2("in_place"))  # scales current: nothing to calibrate
     assert m2.sent == []
+    m3 = Manager(abort=True)  # a calibration that fails with requests set aside: they go on (ABANDON)
+    m3.rid_to_state, m2 = {"k": 1}, m3
+    setattr(m3, kv_front.STALE, True)
+    asyncio.run(run2("retract"))
+    assert m3.sent[-1][0].endswith("-abandon") and getattr(m3, kv_front.STALE) is True
+
+
+def _kept(rid, slot_row, prompt, outputs):
+    r = _req(rid)
+    r.req_pool_idx, r.origin_input_ids, r.output_ids = slot_row, list(range(prompt)), list(range(outputs))
+    return r
+
+
+def test_requests_kept_in_place_are_set_aside_and_their_fp8_entries_rescaled(monkeypatch):
+    """FP8 KV cache, in place: at the continue the scheduler sets the running batch aside (and what waits
+    for a prefill), so the calibration runs alone; its finish request writes the new scales and re-encodes
+    the kept requests' entries -- each slot once (a shared cached prefix), only slots holding their KV --;
+    they go on once that request ran. A calibration that gives up (ABANDON) releases them on the old scales."""
+    from flashrl_tools.runtime.sglang import pause
+    from sglang_standins import Batch, schedule_batch_module
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.schedule_batch", schedule_batch_module())
+    runner, session = KVRunner(), SimpleNamespace(completed=0, status=lambda: None)
+    kv = KVScaleState(RadixAttentionScales(runner), session, checkpoint_scales=False)
+    _calibrate(kv, runner, 40.0, 10.0)
+    process.sessions().append(session)
+    process.kv_states().append(kv)
+    old = {name: dict(v) for name, v in kv.current.items()}
+    pool, fp8 = runner.token_to_kv_pool, torch.float8_e4m3fn
+    x = torch.arange(1, 17, dtype=torch.float32).view(16, 1, 1).expand(16, 1, 4)  # the values each slot holds
+    layers = list(kv.kv.layers.values())
+    for layer in layers:
+        for buf, kind in ((pool.get_key_buffer(layer.layer_id), "k"), (pool.get_value_buffer(layer.layer_id), "v")):
+            buf.copy_((x / old[layer_name(kv, layer)][kind]).to(fp8))
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    # a: slots 0 1 2 3 hold KV (prompt 3 + 2 outputs, the last without KV); b shares the prefix 0 1, then 4;
+    # 9: entries past a request's KV (a table row's stale tail) -- another request's slot, never touched
+    table = torch.tensor([[0, 1, 2, 3, 9, 9], [0, 1, 4, 9, 9, 9]])
+    a, b, waiting = _kept("a", 0, 3, 2), _kept("b", 1, 2, 2), _req("w")
+    s = SimpleNamespace(waiting_queue=[waiting], running_batch=Batch([a, b]), last_batch=Batch([b]), chunked_req=None,
+                        enable_overlap=False, req_to_token_pool=SimpleNamespace(req_to_token=table))
+    pause.scheduler_pause(lambda *a: None, s, SimpleNamespace(mode="in_place"))
+    session.completed = 1  # the update
+    pause.scheduler_continue(lambda *a: None, s, SimpleNamespace())
+    assert s.running_batch.is_empty() and s.last_batch is None  # the calibration runs on an idle engine
+    assert getattr(s, pause.FROZEN).reqs == [a, b] and getattr(s, pause.HELD) == [waiting]
+    assert pause.busy(lambda sch: True, s) is False  # SGLang's idle leak check would count their slots
+    for i in ("0", "1"):
+        scheduler.add_request(s, _req(f"{CALIBRATION_RID}u-{i}"))
+        prefill(runner, 80.0, 10.0)
+    finish = _req(f"{CALIBRATION_RID}u-finish")
+    scheduler.add_request(s, finish)
+    assert not kv.stale() and kv.current != old
+    after = pool.k_buffer + pool.v_buffer
+    kept = [0, 1, 2, 3, 4]
+    for i, (buf, was) in enumerate(zip(after, before)):
+        layer, kind = layers[i % 2], "kv"[i // 2]
+        new = kv.current[layer_name(kv, layer)][kind]
+        untouched = [j for j in range(16) if j not in kept]
+        assert torch.equal(buf[untouched], was[untouched])  # other slots: byte for byte
+        got = buf[kept].view(fp8).float() * new  # read with the new scales: the values written (FP8 rounding)
+        assert torch.allclose(got, x[kept], rtol=0.13), (i, got.flatten(), x[kept].flatten())
+        if new != old[layer_name(kv, layer)][kind]:
+            assert not torch.equal(buf[kept], was[kept])  # re-encoded once (a shared slot twice would be off)
+    pause.release_held(None, s)
+    assert s.running_batch.is_empty()  # until the finish request ran
+    finish.finished = lambda: True
+    pause.release_held(None, s)
+    assert s.running_batch.reqs == [a, b] and s.waiting_queue == [waiting] and getattr(s, pause.FROZEN) is None
+    assert pause.busy(lambda sch: True, s) is True
+    # the next update's calibration gives up: released on the scales their entries were written with
+    pause.scheduler_pause(lambda *a: None, s, SimpleNamespace(mode="in_place"))
+    session.completed = 2
+    s.waiting_queue = []
+    pause.scheduler_continue(lambda *a: None, s, SimpleNamespace())
+    current, bytes_now = dict(kv.current), [b.clone() for b in after]
+    scheduler.add_request(s, _req(f"{CALIBRATION_RID}v-0"))
+    prefill(runner, 160.0, 10.0)
+    abandon = _req(f"{CALIBRATION_RID}v-abandon")
+    scheduler.add_request(s, abandon)
+    abandon.finished = lambda: True
+    pause.release_held(None, s)
+    assert s.running_batch.reqs == [a, b] and kv.stale() and kv.current == current
+    assert kv.scales() == current and all(torch.equal(u, v) for u, v in zip(pool.k_buffer + pool.v_buffer, bytes_now))
+
+
+def layer_name(kv, layer) -> str:
+    return next(n for n, m in kv.kv.layers.items() if m is layer)
 
 
 def test_a_request_sent_during_a_pause_calibrates_after_the_update(monkeypatch):

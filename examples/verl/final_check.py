@@ -1,7 +1,15 @@
-"""After a verl run of examples/verl/run_grpo_smollm2.sh: does the rollout engine equal a fresh engine
-started on the trainer's final weights?
+"""After a verl run of examples/verl/run_grpo_smollm2.sh (or run_fully_async_smollm2.sh): does the rollout
+engine equal a fresh engine started on the trainer's final weights?
 
     FLASHRL_CONFIG=int8 python examples/verl/final_check.py runs/verl verl-int8-s0
+    FLASHRL_CONFIG=int8 python examples/verl/final_check.py runs/verl-async async-int8-s0 --last-sync
+
+`--last-sync` (the fully-async trainer: no validation dumps, and its rollouter's syncs are not numbered
+by trainer steps): the digest of the engine's last sync (the trainer pushes its final weights before it
+saves them) against the fresh engine's; the greedy comparison with verl's outputs is skipped. With
+FLASHRL_KV_CACHE_DTYPE set the attention layers' KV scales are left out of the comparison (the engine
+wrote its digest right after the sync, before recalibrating them; tests/gpu/ compare the recalibrated
+scales with a fresh engine's).
 
 The recipe (with FINAL_CHECK=1) saves the actor's weights as an HF model (verl's checkpoint,
 `save_contents=['hf_model']`, at the last step, or at the latest CHECK_EVERY step of a run cut
@@ -27,6 +35,9 @@ from collections import Counter
 from pathlib import Path
 
 
+KV_SCALES = {"_k_scale", "_v_scale", "_q_scale", "_prob_scale", "k_scale", "v_scale", "q_scale", "prob_scale"}
+
+
 def latest(paths, what: str) -> Path:
     found = sorted(paths, key=lambda p: int("".join(c for c in p.stem.split("_")[-1] if c.isdigit()) or 0))
     if not found:
@@ -48,20 +59,25 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="the recipe's OUT directory")
     ap.add_argument("run", help="the run's name, e.g. verl-int8-s0")
     ap.add_argument("--max-tokens", type=int, default=32, help="the recipe's max_response_length")
+    ap.add_argument("--last-sync", action="store_true", help="compare with the engine's last sync, without "
+                    "verl's validation outputs (the fully-async recipe)")
     a = ap.parse_args(argv)
     if not os.environ.get("FLASHRL_CONFIG"):
         sys.exit("final_check: set FLASHRL_CONFIG to the run's config")
     step_dir = latest((a.out / f"ckpt-{a.run}").glob("global_step_*"), "checkpoint")
     step = int(step_dir.name.rsplit("_", 1)[1])
     ckpt = step_dir / "actor" / "huggingface"
-    # verl syncs once before step 1 and once after every update: step k's weights are sync k + 1
-    digest_file = a.out / f"digest-{a.run}" / f"tp0-sync{step + 1}.json"
-    val_file = a.out / f"val-{a.run}" / f"{step}.jsonl"  # verl's validation right after that sync
+    if a.last_sync:
+        digest_file = latest((a.out / f"digest-{a.run}").glob("tp0-sync*.json"), "engine digest")
+        val_file = None
+    else:  # verl syncs once before step 1 and once after every update: step k's weights are sync k + 1
+        digest_file = a.out / f"digest-{a.run}" / f"tp0-sync{step + 1}.json"
+        val_file = a.out / f"val-{a.run}" / f"{step}.jsonl"  # verl's validation right after that sync
     for f in (digest_file, val_file):
-        if not f.is_file():
+        if f is not None and not f.is_file():
             sys.exit(f"final_check: {f} is missing (the checkpoint is of step {step})")
     run_digest = json.loads(digest_file.read_text())
-    verl_rows = [json.loads(line) for line in val_file.read_text().splitlines() if line.strip()]
+    verl_rows = [] if val_file is None else [json.loads(x) for x in val_file.read_text().splitlines() if x.strip()]
     verl_outputs = {row["input"]: row["output"] for row in verl_rows}  # verl decodes both, specials skipped
 
     from vllm import LLM, SamplingParams
@@ -71,7 +87,10 @@ def main(argv=None) -> int:
     llm = LLM(model=str(ckpt), dtype="bfloat16", gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 30,
               max_model_len=256, seed=0)
     fresh = llm.collective_rpc("flashrl_digest")[0]
-    diff = compare(run_digest["digest"], fresh)
+    kv_scales = sorted(n for n in set(run_digest["digest"]) | set(fresh) if os.environ.get("FLASHRL_KV_CACHE_DTYPE")
+                       and n.rsplit(".", 1)[-1] in KV_SCALES)
+    diff = compare({n: d for n, d in run_digest["digest"].items() if n not in kv_scales},
+                   {n: d for n, d in fresh.items() if n not in kv_scales})
     fresh_small, run_small = llm.collective_rpc("flashrl_small_values")[0], run_digest.get("small", {})
     values = {n: {"engine": run_small[n], "fresh": fresh_small[n]} for n in diff["differ"]
               if n in run_small and n in fresh_small}
@@ -91,7 +110,7 @@ def main(argv=None) -> int:
                                      SamplingParams(temperature=0.0, max_tokens=a.max_tokens))]
     self_same = sum(list(x.outputs[0].token_ids) == list(y.outputs[0].token_ids) for x, y in zip(outs, chunked))
     result = {"config": os.environ["FLASHRL_CONFIG"], "checkpoint": str(ckpt), "step": step,
-              "engine_sync": run_digest["sync"],
+              "engine_sync": run_digest["sync"], "kv_scales_left_out": len(kv_scales),
               "tensors": diff["tensors"], "tensors_differ": len(diff["differ"]),
               "tensors_only_in_one": len(diff["only_first"]) + len(diff["only_second"]),
               "first_differing": (diff["differ"] + diff["only_first"] + diff["only_second"])[:5],

@@ -8,8 +8,10 @@ setting) bit for bit, as do the FP8 KV scales; abort: every resubmission (prompt
 the fresh engine's continuation; retract: the retracted requests' tokens after the pause (recomputed by
 the engine on the new weights) equal the fresh engine's continuation of the same batch. In place: a
 continue before the sync completed aborts the held requests with the reason and refuses a new one; the
-sync completed, a request equals the fresh engine again. Reported: requests admitted beside kept ones vs
-the fresh engine, the kept requests' stale-KV effect (in place), the first token after the continue."""
+sync completed, a request equals the fresh engine again. FP8 KV in place: no drain (the first token of a
+request sent after the continue comes while kept requests are in flight; their entries rescaled).
+Reported: requests admitted beside kept ones vs the fresh engine, the kept requests' stale-KV effect (in
+place), the first token after the continue."""
 
 from __future__ import annotations
 
@@ -123,6 +125,9 @@ def verdict(mode: str, got: dict, fresh: dict) -> dict:
             mid["repeat0"], f["mid-repeat0"])
     if got.get("kv_scales") is not None:
         checks["FP8 KV scales = fresh engine's"] = got["kv_scales"] == fresh["kv_scales"]
+        if mode == "in_place":  # the kept requests were set aside for the calibration, not drained
+            checks["no drain: the first token after the continue came with kept requests in flight"] = (
+                got.get("tokens_in_flight_at_first_token", 0) > 0)
     row["checks"] = checks
     row["failures"] = [k for k, ok in checks.items() if not ok]
     return row

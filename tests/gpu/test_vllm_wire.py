@@ -7,7 +7,10 @@ digest: every parameter, buffer and kernel-held tensor; greedy tokens; teacher-f
 IPC too; a scale of the wrong shape is refused in one line. Cases: dense Qwen2 and Qwen3-MoE x int8 and
 per-channel FP8 (vLLM's `fp8` shortcut is its own online FP8: the trainer refuses it). On two GPUs also: the
 same through vLLM's NCCL engine from a trainer on GPU 1, and a TP = 2 engine sharding the 8-bit tensors and
-scales it takes through load_weights (its digests, one per rank, = its engine-side sync's). Also recorded: bytes
+scales it takes through load_weights (its digests, one per rank, = its engine-side sync's). With FLASHRL_GPU_SQ
+(scripts/gpu_stage_sq.sh) also a calibrated YAML (`sq-int8`: SmolLM2's SmoothQuant W8A8 checkpoint and its
+profile, the trainer quantizing with the profile): its checkpoint is not the profile applied to the originals,
+so there the restores must equal the engine-side restore instead of the start. Also recorded: bytes
 on the wire vs BF16, the trainer's quantize time and each push's time (tiny models: the 7B-32B figures
 are benchmarks/wire_sync.py's)."""
 
@@ -17,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +35,8 @@ TWO = ["nccl-dense-int8", "nccl-dense-fp8_channel", "nccl-moe-fp8_channel", "tp2
        "tp2-dense-fp8_channel", "tp2-moe-int8"]
 PATHS = {"": "load_weights,ipc,ipc-packed,ipc-bf16", "nccl": "load_weights,nccl,nccl-packed,nccl-bf16",
          "tp2": "load_weights"}
+SQ = Path(os.environ["FLASHRL_GPU_SQ"]) if os.environ.get("FLASHRL_GPU_SQ") else None
+CALIBRATED = ["sq-int8"]
 
 
 def run_case(case: str, work) -> dict:
@@ -41,10 +47,16 @@ def run_case(case: str, work) -> dict:
     arch, config = case.removeprefix(f"{how}-").split("-", 1)
     engine = {**h.VLLM_ENGINE, **({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
                                   if how == "tp2" else {})}
-    orig, pert = h.model_pair(work, "qwen3_moe" if arch == "moe" else "qwen2")
+    if arch == "sq":  # the calibrated YAML (SmoothQuant checkpoint + profile) on SmolLM2
+        from lifecycle import make_sq
+
+        orig, pert, yaml, _, _ = make_sq(work, SQ)
+        value = str(yaml)
+    else:
+        orig, pert = h.model_pair(work, "qwen3_moe" if arch == "moe" else "qwen2")
+        value = h.config_value(work, config)
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
-    env.update(FLASHRL_CONFIG=h.config_value(work, config), VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    env.update(FLASHRL_CONFIG=value, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     out = work / f"wire-{case}.json"
     res = subprocess.run([sys.executable, str(h.PROBES / "wire_probe.py"), str(orig), str(pert), str(out),
                           "--paths", PATHS[how], "--engine-args", json.dumps(engine),
@@ -55,8 +67,15 @@ def run_case(case: str, work) -> dict:
     result = json.loads(out.read_text())
     checks = verdict(result)
     stages = {s["tag"]: s for s in result["stages"]}
-    diffs = {tag: differences(stages[tag], stages["start" if tag.startswith("restore-") else "engine-side"])
-             for tag in stages if tag not in ("start", "engine-side")}
+    restored = "start"
+    if arch == "sq":  # the restores (originals pushed back) = the engine-side restore, not the calibrated start
+        restored = "restore-engine-side"
+        checks = {k: ok for k, ok in checks.items() if not k.startswith("restore-")}
+        for tag in stages:
+            if tag.startswith("restore-") and tag != restored:
+                checks[f"{tag} = {restored}"] = not any(differences(stages[tag], stages[restored]).values())
+    diffs = {tag: differences(stages[tag], stages[restored if tag.startswith("restore-") else "engine-side"])
+             for tag in stages if tag not in ("start", "engine-side", restored)}
     return {"checks": checks, "failures": [k for k, ok in checks.items() if not ok], "bytes": result["bytes"],
             "differences": {t: d for t, d in diffs.items() if any(d.values())},
             "wire_ratio": result["bytes"]["wire"] / result["bytes"]["bf16"],
@@ -66,7 +85,8 @@ def run_case(case: str, work) -> dict:
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    return h.module_rows(request, CASES + (TWO if TWO_GPUS else []), run_case, gpu_work, gpu_jobs, "vllm_wire",
+    cases = CASES + (TWO if TWO_GPUS else []) + (CALIBRATED if SQ else [])
+    return h.module_rows(request, cases, run_case, gpu_work, gpu_jobs, "vllm_wire",
                          engines=f"eager, multiprocess engine core, IPC weight transfer, {h.VLLM_ENGINE}")
 
 
@@ -86,3 +106,12 @@ def test_two_gpu_paths_equal_an_engine_side_sync(rows, case):
     want = {"load_weights = engine-side sync"} | ({"nccl = engine-side sync", "nccl-packed = engine-side sync",
                                                    "nccl-bf16 = engine-side sync"} if case.startswith("nccl") else set())
     assert want <= set(row["checks"]), row
+
+
+@pytest.mark.skipif(SQ is None, reason="FLASHRL_GPU_SQ is not set (the staged SmoothQuant profile: scripts/gpu_stage_sq.sh)")
+@pytest.mark.parametrize("case", CALIBRATED)
+def test_a_calibrated_yaml_over_the_wire_equals_an_engine_side_sync(rows, case):
+    row = rows[case]
+    h.assert_exact(row)
+    assert {"load_weights = engine-side sync", "ipc = engine-side sync", "ipc-packed = engine-side sync",
+            "restore-load_weights = restore-engine-side"} <= set(row["checks"]), row

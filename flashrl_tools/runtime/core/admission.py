@@ -23,7 +23,7 @@ def admit(reasons: Iterable[str | None]) -> None:
         raise SyncIncomplete(reason)
 
 
-def model_refusal(sessions, kv_states=(), rid=None) -> str | None:
+def model_refusal(sessions, kv_states=(), rid=None, kept=None) -> str | None:
     """In the model's process: the sessions' state first, then the FP8 KV scales (which also route
-    the calibration's own requests by `rid`)."""
-    return refusal(s.status() for s in sessions) or refusal(kv.on_request(rid) for kv in kv_states)
+    the calibration's own requests by `rid`; `kept`: KVScaleState.finish's)."""
+    return refusal(s.status() for s in sessions) or refusal(kv.on_request(rid, kept) for kv in kv_states)

@@ -65,7 +65,8 @@ def rescale_fp8_(cache: torch.Tensor, old: float, new: float, rows=None, chunk: 
         return
     limit = float(torch.finfo(cache.dtype).max)
     factor = (torch.tensor(old, dtype=torch.float32) / torch.tensor(new, dtype=torch.float32)).to(cache.device)
-    index = (torch.arange(cache.shape[0]) if rows is None else torch.as_tensor(list(rows), dtype=torch.long))
+    index = (torch.arange(cache.shape[0]) if rows is None else rows.long() if isinstance(rows, torch.Tensor)
+             else torch.as_tensor(list(rows), dtype=torch.long))
     index = index.to(cache.device)
     raw = cache.view(torch.uint8)  # index kernels take bytes, not every FP8 dtype
     step = max(1, chunk // max(1, cache[:1].numel()))

@@ -20,8 +20,9 @@ from flashrl_tools.runtime.core.kv_math import AbsMax
 log = logging.getLogger("flashrl_tools.runtime")
 
 REFERENCE_SCALE = 1.0  # every scale while calibrating: the calibration's own attention reads the FP8 cache
-CALIBRATION_RID = "flashrl-kv-calibration-"  # + token + "-" + index; the last one is FINISH
+CALIBRATION_RID = "flashrl-kv-calibration-"  # + token + "-" + index; the last one is FINISH (or ABANDON)
 FINISH = "finish"
+ABANDON = "abandon"  # a calibration that failed while requests were set aside: they go on, on the old scales
 
 
 def calibration_rid(token: str, index: int | str) -> str:
@@ -111,14 +112,15 @@ class KVScaleState:
         self._disarm()
         for name, layer in self.kv.layers.items():
             self.kv.write(layer, scales[name])
-            if kept:
+            if kept is not None and len(kept):
                 self.kv.rescale(layer, self.current[name], scales[name], kept)
         changed = scales != self.current
         if changed:
             self.kv.changed()
         self.current, self.calibrated_at, self.error = scales, self.session.completed, None
         log.info("flashrl: FP8 KV scales recalibrated for the current weights (%d layers, %s%s, %.2f s)",
-                 len(scales), "changed" if changed else "unchanged", ", kept entries rescaled" if kept else "",
+                 len(scales), "changed" if changed else "unchanged",
+                 ", kept entries rescaled" if kept is not None and len(kept) else "",
                  time.perf_counter() - t0)
         return scales
 
@@ -135,10 +137,11 @@ class KVScaleState:
     def scales(self) -> dict[str, dict[str, float]]:
         return {name: self.kv.read(layer) for name, layer in self.kv.layers.items()}
 
-    def on_request(self, rid) -> str | None:
+    def on_request(self, rid, kept=None) -> str | None:
         """For an engine whose calibration requests are routed by rid (the request's entry in the
-        model's process): arms on a calibration's first sequence, finishes on its last; returns why a
-        rollout must be refused (it would read stale scales)."""
+        model's process): arms on a calibration's first sequence, finishes on its last (`kept`: as for
+        `finish`), goes back to the scales in use on ABANDON; returns why a rollout must be refused (it
+        would read stale scales)."""
         index = calibration_index(rid)
         if index is None:
             if self.armed:  # the front end gave up on a calibration
@@ -150,9 +153,11 @@ class KVScaleState:
             return None
         if index == "0" and self.stale():
             self.arm()
+        elif index == ABANDON and self.armed:
+            self.abandon()
         elif index == FINISH and self.armed:
             try:
-                self.finish()
+                self.finish(kept)
             except Exception as e:  # raised here, it would end the engine's process: rollouts are refused
                 self.error = f"{type(e).__name__}: {e}"
                 log.exception("flashrl: FP8 KV calibration failed; rollouts are refused until one succeeds")

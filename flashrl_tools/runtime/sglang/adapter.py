@@ -52,15 +52,19 @@ HOOKS: tuple[Hook, ...] = (
     Hook("pause", "sglang.srt.managers.scheduler.Scheduler.pause_generation", pause.scheduler_pause,
          HookKind.AROUND, "scheduler", "remember the pause's mode"),
     Hook("continue", "sglang.srt.managers.scheduler.Scheduler.continue_generation", pause.scheduler_continue,
-         HookKind.AROUND, "scheduler", "weights incomplete: abort what the pause held; FP8 KV after a retract: "
-         "hold the retracted requests until the scales are written"),
+         HookKind.AROUND, "scheduler", "weights incomplete: abort what the pause held; stale FP8 KV scales: set "
+         "aside the retracted requests, or the running batch kept in place, until the scales are written"),
     Hook("release_held", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", pause.release_held,
-         HookKind.AFTER, "scheduler", "FP8 KV after a retract: the held requests go on once the calibration's "
-         "last request ran"),
+         HookKind.AFTER, "scheduler", "FP8 KV: what was set aside goes on once the calibration's last request "
+         "ran (kept entries rescaled)"),
+    Hook("not_idle", "sglang.srt.managers.scheduler.Scheduler.is_fully_idle", pause.busy, HookKind.AROUND,
+         "scheduler", "not idle while requests are set aside (SGLang's idle check would count their slots as "
+         "leaked)"),
     Hook("front_pause", f"{_TOKENIZER}.pause_generation", pause.front_pause, HookKind.AROUND, "engine / server",
          "remember the pause's mode"),
     Hook("front_continue", f"{_TOKENIZER}.continue_generation", pause.front_continue, HookKind.AROUND,
-         "engine / server", "FP8 KV after a retract: calibrate at the continue, beside the held requests"),
+         "engine / server", "FP8 KV after a retract or in place: calibrate at the continue, beside the requests "
+         "set aside"),
     Hook("kv_calibrate", f"{_TOKENIZER}.generate_request", kv_front.generate_request, HookKind.AROUND,
          "engine / server", "FP8 KV cache: calibrate before the next rollout after an update"),
     *(Hook(f"kv_after_{kind}", f"{_CONTROL}.update_weights_from_{kind}", kv_front.weights_changed, HookKind.AROUND,

@@ -12,7 +12,7 @@ import logging
 
 from flashrl_tools.runtime.core.kv_driver import NoLock, calibrate, calibrating
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
-from flashrl_tools.runtime.core.kv_state import FINISH, calibration_index, calibration_rid
+from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index, calibration_rid
 
 log = logging.getLogger("flashrl_tools.runtime")
 
@@ -32,8 +32,8 @@ class TokenizerFront:
         return self.manager.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
 
     def aside(self):
-        """Requests in flight are not set aside on SGLang (the calibration waits for them), except the
-        retracted requests the schedulers hold at a continue (pause.py): they hold no KV."""
+        """Requests in flight are set aside by the schedulers at a continue after a retract or an in-place
+        pause (pause.py); at any other time the calibration waits for them."""
         return Held(len(self.manager.rid_to_state)) if getattr(self.manager, HOLD, False) else NoLock()
 
     async def stale(self) -> bool:
@@ -77,9 +77,14 @@ class TokenizerFront:
         return reason.get("type") != "abort"
 
     async def finish(self, token: str, ok: bool, rescale: bool = False) -> bool:
-        """A last request makes the schedulers write the scales (a failed calibration sends none: the
-        schedulers go back to the scales in use at the next request)."""
-        return ok and await self.prefill(self._first, calibration_rid(token, FINISH))
+        """A last request makes the schedulers write the scales (and rescale the entries of requests set
+        aside). A failed calibration sends none -- the schedulers go back to the scales in use at the next
+        request --, or, with requests set aside (`rescale`), ABANDON: they go on at once, on those scales."""
+        if ok:
+            return await self.prefill(self._first, calibration_rid(token, FINISH))
+        if rescale:
+            await self.prefill(self._first, calibration_rid(token, ABANDON))
+        return False
 
     def calibrated(self) -> None:
         setattr(self.manager, STALE, False)

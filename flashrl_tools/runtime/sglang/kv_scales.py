@@ -9,13 +9,15 @@ are set, and the decode CUDA graphs are captured again (SGLang's own `init_decod
 its `update_weights_from_disk(recapture_cuda_graph=True)` uses) when the scales changed. A model
 without a KV-cache quant method (BF16 checkpoints) gets its scale tensors here (1.0, SGLang's
 default). q is not scaled by SGLang's FP8 KV cache: only k and v are calibrated. While calibrating,
-prefills run without the prefill CUDA graph (a replayed graph would skip the hooks)."""
+prefills run without the prefill CUDA graph (a replayed graph would skip the hooks). Requests kept in
+place across an update hold entries of the old scales in the token-indexed pool (`token_to_kv_pool`,
+FP8 stored as bytes): their slots are re-encoded for the new scales (kv_math.rescale_fp8_)."""
 
 from __future__ import annotations
 
 import torch
 
-from flashrl_tools.runtime.core.kv_math import is_fp8_kv
+from flashrl_tools.runtime.core.kv_math import is_fp8_kv, rescale_fp8_
 from flashrl_tools.runtime.core.kv_state import REFERENCE_SCALE
 
 
@@ -62,8 +64,11 @@ class RadixAttentionScales:
         elif not on and self._prefill_graphs is not None:
             self.runner.prefill_cuda_graph_runner, self._prefill_graphs = self._prefill_graphs, None
 
-    def rescale(self, layer, old: dict[str, float], new: dict[str, float]) -> None:
-        raise NotImplementedError("flashrl: SGLang's FP8 KV entries are not rescaled (its front end drains)")
+    def rescale(self, layer, old: dict[str, float], new: dict[str, float], kept) -> None:
+        """`kept`: the KV-pool slots (token rows) of the requests kept in place (pause.kept_slots)."""
+        pool = self.runner.token_to_kv_pool
+        rescale_fp8_(pool.get_key_buffer(layer.layer_id), old["k"], new["k"], rows=kept)
+        rescale_fp8_(pool.get_value_buffer(layer.layer_id), old["v"], new["v"], rows=kept)
 
     def changed(self) -> None:
         """The decode CUDA graphs hold the old floats as kernel arguments: capture them again."""

@@ -9,11 +9,14 @@ the weights pushed while paused, `continue_generation`.
   default): the flush is skipped there (the namespaces keep the versions apart).
 - A `continue_generation` before the sync completed aborts the requests the pause held, with the reason
   (they would decode on half-updated weights); new requests are refused by admission until the sync completes.
-- FP8 KV cache: requests kept in place finish on the scales their KV was written with, and the calibration
-  before the next new request waits for them (SGLang cannot set them aside). Retracted requests hold no KV:
-  at the continue their scheduler holds them back, the front end calibrates at once, and the scheduler
-  releases them once the calibration's last request has run -- they are recomputed on the new weights and
-  scales, batched as on a fresh engine."""
+- FP8 KV cache, no drain: at the continue (scales stale) each scheduler sets aside what the pause held --
+  retracted requests (they hold no KV) and, in place, the running batch with its KV (`freeze`; a prefill
+  cut into chunks mid-way is aborted through SGLang's own chunked abort) and requests not yet prefilled --
+  so the front end calibrates at once on an otherwise idle engine (its batches a fresh engine's). The
+  calibration's finish request writes the scales; the kept requests' FP8 entries are re-encoded from the
+  old scales to the new ones first (`kept_slots`, kv_scales.rescale), and everything set aside goes on
+  once that request has run: retracted requests are recomputed on the new weights and scales, kept ones
+  decode on. A calibration that fails releases them on the old scales (their entries' own)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ log = logging.getLogger("flashrl_tools.runtime")
 MODE = "_flashrl_pause_mode"  # Scheduler / TokenizerManager attribute: the mode of the pause in force
 HELD = "_flashrl_held"  # Scheduler attribute: retracted requests held for the FP8 KV calibration
 FINISH_REQ = "_flashrl_finish_req"  # Scheduler attribute: the calibration's finish request, once the scales are written
+FROZEN = "_flashrl_frozen"  # Scheduler attribute: the running batch kept in place, set aside for the calibration
 SALT = "flashrl-weights-"
 
 
@@ -79,12 +83,64 @@ def scheduler_continue(original, scheduler, recv_req, *args, **kwargs):
     if problem:
         abort_held(scheduler, f"flashrl: generation continued before the weight sync completed ({problem}); "
                    "requests paused across it are aborted")
-    elif mode == "retract" and any(kv.stale() for kv in process.kv_states()):
+    elif mode in ("retract", "in_place") and any(kv.stale() for kv in process.kv_states()):
+        if mode == "in_place":
+            freeze(scheduler)
         held = [r for r in scheduler.waiting_queue if calibration_index(r.rid) is None]
         if held:
             setattr(scheduler, HELD, getattr(scheduler, HELD, []) + held)
             scheduler.waiting_queue[:] = [r for r in scheduler.waiting_queue if calibration_index(r.rid) is not None]
     return original(scheduler, recv_req, *args, **kwargs)
+
+
+def freeze(scheduler) -> None:
+    """In place with stale FP8 KV scales: settle what the pause left (SGLang leaves it to its next step: the
+    overlap loop's pending result, a prefill batch not merged yet), then set the running batch aside."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    last, chunked = scheduler.last_batch, scheduler.chunked_req
+    if getattr(scheduler, "enable_overlap", False) and last is not None and scheduler.result_queue:
+        batch, result = scheduler.result_queue.popleft()
+        scheduler.process_batch_result(batch, result)
+    if chunked is not None and not chunked.finished():  # half its prompt's KV written: SGLang's chunked abort
+        log.warning("flashrl: request %s was paused mid-prefill (chunked) with an FP8 KV cache; it is aborted at "
+                    "the continue (the new scales need its prompt recomputed): resubmit it", chunked.rid)
+        scheduler._pending_chunked_abort_req = chunked
+    if last is not None and last.forward_mode.is_extend():
+        last.filter_batch(chunked_req_to_exclude=[chunked] if chunked is not None else [])
+        if not last.is_empty():
+            if scheduler.running_batch.is_empty():
+                scheduler.running_batch = last
+            else:
+                scheduler.running_batch.merge_batch(last)
+    scheduler.last_batch = None
+    if not scheduler.running_batch.is_empty():
+        setattr(scheduler, FROZEN, scheduler.running_batch)
+        scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+        log.info("flashrl: %d requests kept in place set aside for the FP8 KV calibration",
+                 len(getattr(scheduler, FROZEN).reqs))
+
+
+def kept_slots(scheduler):
+    """The KV-pool slots of the requests set aside in place (each slot once: kept requests may share a cached
+    prefix): their entries were written with the old scales. None when nothing is set aside."""
+    import torch
+
+    batch = getattr(scheduler, FROZEN, None)
+    reqs = [] if batch is None else [r for r in batch.reqs if not r.finished() and r.req_pool_idx is not None]
+    if not reqs:
+        return None
+    table = scheduler.req_to_token_pool.req_to_token  # a decode step writes its input token's KV: the last
+    rows = [table[r.req_pool_idx, :len(r.origin_input_ids) + len(r.output_ids) - 1] for r in reqs]  # has none
+    return torch.unique(torch.cat(rows).long())
+
+
+def busy(original, scheduler, *args, **kwargs):
+    """AROUND `Scheduler.is_fully_idle`: not idle while requests are set aside (SGLang's idle check would
+    count their KV and request slots as leaked)."""
+    if getattr(scheduler, FROZEN, None) is not None or getattr(scheduler, HELD, None):
+        return False
+    return original(scheduler, *args, **kwargs)
 
 
 def abort_held(scheduler, why: str) -> None:
@@ -101,21 +157,29 @@ def abort_held(scheduler, why: str) -> None:
 
 
 def finish_queued(scheduler, req) -> None:
-    """The calibration's finish request wrote the scales: held requests go on once it has run (so their
-    recompute is batched as on a fresh engine, without it)."""
-    if getattr(scheduler, HELD, None):
+    """The calibration's finish request wrote the scales (or its abandon request gave up): what was set aside
+    goes on once it has run (so a recompute is batched as on a fresh engine, without it)."""
+    if getattr(scheduler, HELD, None) or getattr(scheduler, FROZEN, None) is not None:
         setattr(scheduler, FINISH_REQ, req)
 
 
 def release_held(result, scheduler, *args, **kwargs):
-    """AFTER `Scheduler.process_batch_result`: once the finish request ran, the held requests join the queue."""
+    """AFTER `Scheduler.process_batch_result`: once the finish request ran, the requests set aside go on."""
     req = getattr(scheduler, FINISH_REQ, None)
     if req is not None and req.finished():
-        held = getattr(scheduler, HELD, [])
+        held, frozen = getattr(scheduler, HELD, []), getattr(scheduler, FROZEN, None)
         setattr(scheduler, HELD, [])
+        setattr(scheduler, FROZEN, None)
         setattr(scheduler, FINISH_REQ, None)
         scheduler.waiting_queue.extend(held)
-        log.info("flashrl: %d retracted requests released after the FP8 KV calibration", len(held))
+        if frozen is not None:
+            if scheduler.running_batch.is_empty():
+                scheduler.running_batch = frozen
+            else:
+                scheduler.running_batch.merge_batch(frozen)
+        log.info("flashrl: %d requests released after the FP8 KV calibration (%d kept in place, %d waiting)",
+                 len(held) + (len(frozen.reqs) if frozen is not None else 0),
+                 len(frozen.reqs) if frozen is not None else 0, len(held))
     return None
 
 
@@ -127,11 +191,12 @@ async def front_pause(original, manager, obj, *args, **kwargs):
 
 async def front_continue(original, manager, obj, *args, **kwargs):
     """AROUND `TokenizerManager.continue_generation`: with an FP8 KV cache whose scales are stale after a
-    retract, calibrate right after the continue, beside the requests the schedulers hold."""
+    retract or an in-place pause, calibrate right after the continue, beside the requests the schedulers
+    set aside (scheduler_continue)."""
     mode = getattr(manager, MODE, None)
     setattr(manager, MODE, None)
     fp8 = is_fp8_kv(getattr(manager.server_args, "kv_cache_dtype", "auto"))
-    hold = fp8 and mode == "retract" and getattr(manager, STALE, True)
+    hold = fp8 and mode in ("retract", "in_place") and getattr(manager, STALE, True)
     if hold:
         setattr(manager, HOLD, True)
     try:

@@ -9,7 +9,7 @@ import logging
 
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import model_refusal
-from flashrl_tools.runtime.core.kv_state import FINISH, calibration_index
+from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index
 
 log = logging.getLogger("flashrl_tools.runtime")
 _warned: set[str] = set()
@@ -20,11 +20,13 @@ def add_request(scheduler, req, is_retracted=False, *args, **kwargs):
     FP8 KV scales are stale (the calibration's own requests are routed to the scales' state)."""
     if is_retracted or getattr(req, "finished_reason", None) is not None:
         return
-    problem = model_refusal(process.sessions(), process.kv_states(), req.rid)
-    if calibration_index(req.rid) == FINISH:  # the scales are written: retracted requests held for them go on
-        from flashrl_tools.runtime.sglang.pause import finish_queued
+    from flashrl_tools.runtime.sglang import pause
 
-        finish_queued(scheduler, req)
+    last = calibration_index(req.rid) in (FINISH, ABANDON)
+    problem = model_refusal(process.sessions(), process.kv_states(), req.rid,
+                            pause.kept_slots(scheduler) if last else None)
+    if last:  # the scales are written (or the calibration gave up): what was set aside for it goes on
+        pause.finish_queued(scheduler, req)
     if problem is not None:
         req.set_finish_with_abort(problem)
     elif getattr(req, "return_logprob", False) and "truncation" not in _warned and _truncates(req):
