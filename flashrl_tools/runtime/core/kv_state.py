@@ -114,6 +114,8 @@ class KVScaleState:
             self.kv.write(layer, scales[name])
             if kept is not None and len(kept):
                 self.kv.rescale(layer, self.current[name], scales[name], kept)
+        if kept is not None and len(kept) and torch.cuda.is_available():
+            torch.cuda.synchronize()  # rescaled before the engine's next forward (on a stream of its own)
         changed = scales != self.current
         if changed:
             self.kv.changed()
