@@ -93,7 +93,8 @@ def stream_sglang(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     engine = sglang.Engine(model_path=spec["model"], load_format="dummy" if spec["dummy"] else "auto",
-                           skip_tokenizer_init=True, dtype="bfloat16", random_seed=0, attention_backend="triton",
+                           skip_tokenizer_init=True, dtype="bfloat16", random_seed=0,
+                           attention_backend=spec.get("attention_backend") or "triton",
                            context_length=spec["prompt_len"] + spec["max_len"] + 8, log_level="error",
                            mem_fraction_static=spec["gpu_memory_utilization"])
     start_s = time.perf_counter() - t0
@@ -126,7 +127,8 @@ def stream_sglang(spec: dict) -> dict:
         kv = str(engine.server_args.kv_cache_dtype)
     finally:
         engine.shutdown()
-    return {"start_s": start_s, **out, "pause_mode": "in_place", "async_scheduling": None, "kv_cache_dtype": kv}
+    return {"start_s": start_s, **out, "pause_mode": "in_place", "async_scheduling": None, "kv_cache_dtype": kv,
+            "attention_backend": spec.get("attention_backend") or "triton"}
 
 
 async def sglang_push(engine, model_path: str, bucket_mb: int) -> dict:
@@ -282,6 +284,8 @@ def main() -> None:
     ap.add_argument("--every", type=float, help="seconds between weight updates")
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                     help="sglang (GPU): its offline Engine, in_place pauses, flattened-bucket pushes")
+    ap.add_argument("--attention-backend", default="triton",
+                    help="SGLang's attention backend (fa3 reads the FP8 KV scales from tensors: no graph capture per update)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -294,6 +298,7 @@ def main() -> None:
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util, "engine": a.engine,
+                    "attention_backend": a.attention_backend,
                     **{k: opts[k] for k in ("concurrency", "prompt_len", "max_len", "seconds", "every")}}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             if "error" not in r:

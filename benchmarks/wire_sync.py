@@ -127,6 +127,9 @@ def ipc_pushes(llm, model_path: str, config: str) -> dict:
     shapes = [(n, t.shape) for n, t in meta.state_dict().items()
               if not (n == "lm_head.weight" and meta.config.tie_word_embeddings)]
     count = {"bytes": 0}
+    # the packed buffer must hold the largest tensor (vLLM's default 1 GiB < a 7B embedding's 1.5 GB)
+    largest = max(shape.numel() * 2 for _, shape in shapes)
+    buffer_bytes = max(1 << 30, -(-largest // (1 << 20)) << 20)
 
     def tensors():  # the trainer's BF16 weights, made as they are sent (bounded memory)
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -144,7 +147,8 @@ def ipc_pushes(llm, model_path: str, config: str) -> dict:
         t0 = time.perf_counter()
         llm.start_weight_update()
         IPCWeightTransferEngine.trainer_send_weights(counted(pairs), {
-            "send_mode": lambda info: llm.update_weights({"update_info": asdict(info)}), "packed": True})
+            "send_mode": lambda info: llm.update_weights({"update_info": asdict(info)}), "packed": True,
+            "packed_buffer_size_bytes": buffer_bytes})
         llm.finish_weight_update()
         torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -154,7 +158,7 @@ def ipc_pushes(llm, model_path: str, config: str) -> dict:
     wire_s = push(pair for bucket in engine_tensors(tensors(), model_path, config, bucket_bytes=256 << 20)
                   for pair in bucket)
     return {"bf16_bytes": bf16_bytes, "wire_bytes": count["bytes"], "ipc_bf16_s": bf16_s,
-            "ipc_8bit_with_quantize_s": wire_s}
+            "ipc_8bit_with_quantize_s": wire_s, "packed_buffer_bytes": buffer_bytes}
 
 
 def config_value(config: str, work: Path) -> str:

@@ -41,12 +41,18 @@ def engine_tensors(weights: Iterable[tuple[str, torch.Tensor]], policy_model: st
     from flashrl_tools.runtime.core.convert import CONVERTED
 
     converter = trainer_converter(policy_model, config, engine)
-    # a profile also rescales norms (BF16 either way): the engine is told this sync is converted
-    bucket: list[tuple[str, torch.Tensor]] = [] if converter.profile is None else [(CONVERTED, torch.ones(1))]
+    # a profile also rescales norms (BF16 either way): the engine is told this sync is converted (the marker
+    # first, on the trainer's device: CUDA IPC shares CUDA tensors only)
+    marker = converter.profile is not None
+    bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for group in converter.checkpoint_groups(weights, set()):
+        device = group[0][1].device
+        if marker:
+            bucket.append((CONVERTED, torch.ones(1, device=device)))
+            marker = False
         for name, tensor in converter.convert_group(group):
-            bucket.append((name, tensor))
+            bucket.append((name, tensor.to(device)))  # a profile's own tensors too: where the trainer's are
             size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:
             yield bucket

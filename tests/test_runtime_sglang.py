@@ -227,6 +227,20 @@ def _calibrate(kv, runner, k_max, v_max, token="t"):
     kv.on_request(f"{CALIBRATION_RID}{token}-finish")
 
 
+def test_decode_graphs_that_read_the_scale_tensors_are_not_captured_again():
+    """SGLang's fa3 decode passes `layer.k_scale` (a view of the tensor written in place) to the kernel: new scales
+    need no capture; a decode backend set apart from the prefill one decides (SGLang's rule)."""
+    for backends, captures in (({"attention_backend": "fa3"}, 0), ({"attention_backend": "triton"}, 1),
+                               ({"attention_backend": "triton", "decode_attention_backend": "fa3"}, 0),
+                               ({"attention_backend": "fa3", "decode_attention_backend": "flashinfer"}, 1)):
+        runner, session = KVRunner(), SimpleNamespace(completed=0)
+        runner.server_args = SimpleNamespace(kv_cache_dtype="fp8_e4m3", **backends)
+        kv = KVScaleState(RadixAttentionScales(runner), session, checkpoint_scales=False)
+        _calibrate(kv, runner, 40.0, 10.0)
+        assert runner.captures == captures, backends
+        assert all(float(layer.k_scale) == layer.k_scale_float for layer in kv.kv.layers.values())
+
+
 def test_decode_graphs_are_captured_again_only_when_the_scales_change():
     """SGLang's kernels take the scales as floats baked into captured decode graphs; prefills run
     without the prefill graph while calibrating (a replayed graph would skip the hooks)."""

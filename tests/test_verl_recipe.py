@@ -120,6 +120,7 @@ def test_fully_async_recipe_composes_into_a_verl_config(default_model, tmp_path)
     rollout = cfg["actor_rollout_ref"]["rollout"]
     assert rollout["name"] == "vllm" and rollout["mode"] == "async" and rollout["calculate_log_probs"] is True
     assert rollout["checkpoint_engine"]["backend"] == "nccl"
+    assert cfg["actor_rollout_ref"]["hybrid_engine"] is False  # its trainer and rollouter assert it
     assert cfg["async_training"]["partial_rollout"] is True and cfg["async_training"]["trigger_parameter_sync_step"] == 1
     assert cfg["data"]["train_batch_size"] == 0 and cfg["data"]["gen_batch_size"] == 1  # the rollouter asserts both
     assert cfg["rollout"]["n_gpus_per_node"] == 1 and cfg["trainer"]["n_gpus_per_node"] == 1

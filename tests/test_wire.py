@@ -143,6 +143,29 @@ def test_a_smoothquant_profile_is_converted_once(default_model, smoothquant_chec
     assert any(not torch.equal(expected[n], bf16[n]) for n in norms)  # the profile rescaled norms (once)
 
 
+def test_every_tensor_goes_out_on_the_trainers_device(monkeypatch):
+    """CUDA IPC shares CUDA tensors only (vLLM's receiver rebuilds each from its CUDA handle): the marker of a
+    converted sync and a profile's own tensors (loaded on the CPU) go out where the trainer's tensors are. On
+    this CPU machine the trainer's device is `meta`; the converter stands in for a profile's."""
+    from flashrl_tools import wire
+    from flashrl_tools.runtime.core.convert import CONVERTED
+
+    class Converter:
+        profile = "p.safetensors"
+
+        def checkpoint_groups(self, weights, ignored):
+            return ([pair] for pair in weights)
+
+        def convert_group(self, group):
+            return [*group, (f"{group[0][0]}.smooth", torch.ones(2))]  # made on the CPU
+
+    monkeypatch.setattr(wire, "trainer_converter", lambda *a, **k: Converter())
+    weights = [("a.weight", torch.empty(2, 2, device="meta")), ("b.weight", torch.empty(2, device="meta"))]
+    out = [pair for bucket in wire.engine_tensors(weights, "policy", "int8") for pair in bucket]
+    assert [n for n, _ in out] == [CONVERTED, "a.weight", "a.weight.smooth", "b.weight", "b.weight.smooth"]
+    assert {t.device.type for _, t in out} == {"meta"}
+
+
 def test_a_hub_config_gives_the_trainer_the_same_tensors_as_its_local_file(tiny_models, tmp_path):
     """FLASHRL_CONFIG=USER/NAME/config.yaml@<commit> (`flashrl publish` to the local Hub, tests/hub_server.py): the
     trainer's call resolves it as the engines do (profile and all) and returns exactly the tensors the local YAML

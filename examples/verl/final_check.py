@@ -38,6 +38,16 @@ from pathlib import Path
 KV_SCALES = {"_k_scale", "_v_scale", "_q_scale", "_prob_scale", "k_scale", "v_scale", "q_scale", "prob_scale"}
 
 
+def partial_rollouts(log: Path) -> int | None:
+    """Sum of verl's `fully_async/partial/total_partial_num` over the run's log (None: not a fully-async run)."""
+    if not log.is_file():
+        return None
+    key = "fully_async/partial/total_partial_num"
+    rows = map(json.loads, filter(str.strip, log.read_text().splitlines()))
+    counts = [row["data"][key] for row in rows if key in row.get("data", {})]
+    return int(sum(counts)) if counts else None
+
+
 def latest(paths, what: str) -> Path:
     found = sorted(paths, key=lambda p: int("".join(c for c in p.stem.split("_")[-1] if c.isdigit()) or 0))
     if not found:
@@ -110,6 +120,8 @@ def main(argv=None) -> int:
                                      SamplingParams(temperature=0.0, max_tokens=a.max_tokens))]
     self_same = sum(list(x.outputs[0].token_ids) == list(y.outputs[0].token_ids) for x, y in zip(outs, chunked))
     result = {"config": os.environ["FLASHRL_CONFIG"], "checkpoint": str(ckpt), "step": step,
+              # the fully-async trainer: rollouts verl aborted at a sync and resumed (prompt + their tokens)
+              "partial_rollouts": partial_rollouts(a.out / f"{a.run}.jsonl"),
               "engine_sync": run_digest["sync"], "kv_scales_left_out": len(kv_scales),
               "tensors": diff["tensors"], "tensors_differ": len(diff["differ"]),
               "tensors_only_in_one": len(diff["only_first"]) + len(diff["only_second"]),

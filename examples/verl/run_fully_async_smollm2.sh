@@ -8,6 +8,8 @@
 #
 #   FLASHRL_CONFIG=int8 STEPS=20 bash examples/verl/run_fully_async_smollm2.sh
 #   FLASHRL_CONFIG=fp8 FLASHRL_KV_CACHE_DTYPE=fp8 bash examples/verl/run_fully_async_smollm2.sh
+#   MAX_RESPONSE_LEN=256 STALENESS=2 ...   # the rollouter always busy: syncs land on requests in flight
+#                                          # (verl aborts them and resumes each as prompt + its tokens)
 #   -> runs/verl-async/async-int8-s0.jsonl (verl's file logger)
 #
 # Extra arguments are verl (hydra) overrides. VERL_MAIN replaces `python3 -m
@@ -21,6 +23,8 @@ export FLASHRL_CONFIG=${FLASHRL_CONFIG:?set FLASHRL_CONFIG: bf16, int8, fp8 or a
 SEED=${SEED:-0}
 STEPS=${STEPS:-20}          # trainer steps (each a mini-batch of BATCH prompts x 4 responses)
 BATCH=${BATCH:-16}
+MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-32}
+STALENESS=${STALENESS:-0.5}  # how far the rollouter may run ahead of the trainer (verl: staleness_threshold)
 OUT=$(realpath -m "${OUT:-runs/verl-async}")   # absolute: verl's driver and workers are Ray actors
 MODEL=${MODEL:-$(python3 -m flashrl_tools models default)}
 DATA=$OUT/data
@@ -40,7 +44,7 @@ MAIN=${VERL_MAIN:-python3 -m verl.experimental.fully_async_policy.fully_async_ma
 $MAIN \
   algorithm.adv_estimator=grpo \
   data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
-  data.train_batch_size=0 data.gen_batch_size=1 data.max_prompt_length=64 data.max_response_length=32 \
+  data.train_batch_size=0 data.gen_batch_size=1 data.max_prompt_length=64 data.max_response_length="$MAX_RESPONSE_LEN" \
   data.seed="$SEED" \
   actor_rollout_ref.model.path="$MODEL" \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False \
@@ -49,6 +53,7 @@ $MAIN \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 \
   actor_rollout_ref.actor.use_kl_loss=False \
   actor_rollout_ref.actor.data_loader_seed="$SEED" \
+  actor_rollout_ref.hybrid_engine=False \
   actor_rollout_ref.rollout.name=vllm \
   actor_rollout_ref.rollout.mode=async \
   actor_rollout_ref.rollout.n=4 \
@@ -60,7 +65,7 @@ $MAIN \
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64 \
   algorithm.rollout_correction.rollout_is=token \
   algorithm.rollout_correction.rollout_is_threshold=2.0 \
-  async_training.staleness_threshold=0.5 async_training.trigger_parameter_sync_step=1 \
+  async_training.staleness_threshold="$STALENESS" async_training.trigger_parameter_sync_step=1 \
   async_training.require_batches=1 async_training.partial_rollout=True \
   rollout.nnodes=1 rollout.n_gpus_per_node=1 rollout.total_rollout_steps=$((STEPS * BATCH * 2)) \
   reward.custom_reward_function.path="$PWD/examples/verl/arith_reward.py" reward.custom_reward_function.name=compute_score \

@@ -167,11 +167,13 @@ def assert_exact(row: dict) -> None:
     assert failures(row) == [] and not row.get("failures"), row
 
 
-def fresh_sglang(orig: Path, pert: Path, fmt: str | None, kv: str | None, work: Path) -> dict:
+def fresh_sglang(orig: Path, pert: Path, fmt: str | None, kv: str | None, work: Path,
+                 engine_kwargs: dict | None = None) -> dict:
     """Fresh SGLang engines on the offline quantization of the original and the perturbed weights (with an
     FP8 KV cache the runtime runs there too: it calibrates them once at start): {tag: observation} or an error."""
     step = {"op": "observe", "sequences": SEQS, "max_tokens": 8}
-    out = {tag: run_sglang(quantized(src, fmt, work), [step], "bf16" if kv else None, f"fresh {tag}", kv)
+    out = {tag: run_sglang(quantized(src, fmt, work), [step], "bf16" if kv else None, f"fresh {tag}", kv,
+                           engine_kwargs)
            for tag, src in (("original", orig), ("perturbed", pert))}
     errors = [v for v in out.values() if isinstance(v, str)]
     return {"error": errors[0]} if errors else {tag: v[0] for tag, v in out.items()}

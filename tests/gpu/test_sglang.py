@@ -1,15 +1,17 @@
 """The SGLang adapter on a GPU (SGLang 0.5.17, CUDA graphs, triton attention; one engine per process:
-verify/sglang_job.py). HF-initialised random Qwen3 (dense) and Qwen3-MoE and a perturbed copy of each.
-Per case: plain SGLang engines on the offline quantization of the original and of the perturbed weights
-(the format the SGLang runtime serves: int8, per-channel FP8 for `fp8`) are the fresh references; the
-synced engine runs FLASHRL_CONFIG on the original BF16 weights and takes the perturbed weights one tensor
-per `update_weights_from_tensor` call, the originals back as one flattened bucket, the perturbed weights
-again as a bucket (GPU tensors, as verl's SGLang path sends). All exact (0.0). The sampled tokens'
-logprobs equal a hand computation from the engine's own distributions (tempered; with top-k / top-p and
-`return_sampling_mask`, renormalised). `+kv`: FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines run the
-runtime too, FLASHRL_CONFIG=bf16 on the quantized checkpoint: they calibrate once at start); the scales
-must be bit-equal to theirs, and the greedy tokens' logprobs (decode: they read the FP8 cache) are
-compared too. `moe-int8` must be refused at start (SGLang's compressed-tensors INT8 MoE is NPU-only)."""
+verify/sglang_job.py). HF-initialised random Qwen3 (dense) and Qwen3-MoE and a perturbed copy of each. Per
+case: plain SGLang engines on the offline quantization of the original and of the perturbed weights (the
+format the SGLang runtime serves: int8, per-channel FP8 for `fp8`) are the fresh references; the synced engine
+runs FLASHRL_CONFIG on the original BF16 weights and takes the perturbed weights one tensor per
+`update_weights_from_tensor` call, the originals back as one flattened bucket, the perturbed weights again as
+a bucket (GPU tensors, as verl's SGLang path sends). All exact (0.0). The sampled tokens' logprobs equal a
+hand computation from the engine's own distributions (tempered; with top-k / top-p and `return_sampling_mask`,
+renormalised). `@fa3`: SGLang's fa3 attention instead of triton (its decode kernels read the KV scales from
+the tensors the runtime writes in place: the decode graphs are not captured again after a recalibration, so
+equality with the fresh engines checks that too). `+kv`: FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines run the
+runtime too, FLASHRL_CONFIG=bf16 on the quantized checkpoint: they calibrate once at start); the scales must
+be bit-equal to theirs, and the greedy tokens' logprobs (decode: they read the FP8 cache) are compared too.
+`moe-int8` must be refused at start (SGLang's compressed-tensors INT8 MoE is NPU-only)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import gpu_harness as h
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8",
-         "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv"]
+         "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv", "dense-int8+kv@fa3"]
 ARCH = {"dense": "qwen3", "moe": "qwen3_moe"}
 FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel"}  # what the SGLang adapter serves
 PROMPTS = [[5, 70, 75, 82, 3], [7, 8, 9, 10, 11, 200], [30, 31, 32], [100, 120, 140, 160]]
@@ -61,6 +63,8 @@ def hand_checks(plain: dict, scored: dict, trunc: dict) -> dict:
 
 
 def run_case(case: str, work) -> dict:
+    case, _, backend = case.partition("@")  # `@fa3`: SGLang's fa3 attention (it reads the KV scales from tensors:
+    extra = {"attention_backend": backend} if backend else {}  # new scales, no decode-graph capture)
     arch, rest = case.split("-", 1)
     config, kv = rest.removesuffix("+kv"), "fp8" if rest.endswith("+kv") else None
     orig, pert = h.model_pair(work, ARCH[arch])
@@ -69,10 +73,10 @@ def run_case(case: str, work) -> dict:
              {"op": "push", "path": str(orig), "cuda": True, "bucket": True}, observe(),
              {"op": "push", "path": str(pert), "cuda": True, "bucket": True}, observe()]
     base = len(steps)
-    synced = h.run_sglang(orig, steps + sample_steps(base), config, f"synced {case}", kv)
+    synced = h.run_sglang(orig, steps + sample_steps(base), config, f"synced {case}", kv, extra)
     if isinstance(synced, str):
         return {"error": synced}
-    fresh = h.fresh_sglang(orig, pert, fmt, kv, work)
+    fresh = h.fresh_sglang(orig, pert, fmt, kv, work, extra)
     if "error" in fresh:
         return fresh
     start, per_tensor, restore, bucket = synced[0], synced[2], synced[4], synced[6]

@@ -27,15 +27,15 @@ import gpu_harness as h
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8", "retract-int8", "retract-fp8",
-         "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv"]
+         "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3"]
 PROBE = h.PROBES / "sglang_inflight_probe.py"
 TOKENS = 96
 
 
-def _probe(args: list[str], env: dict, tag: str, work, *options: str) -> dict | str:
+def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: str = "") -> dict | str:
     out = work / f"sgl-inflight-{tag}.json"
-    res = subprocess.run([sys.executable, str(PROBE), *args, str(out), *options,
-                          "--engine-args", json.dumps({"cuda_graph_max_bs_decode": 16})],
+    engine = {"cuda_graph_max_bs_decode": 16, **({"attention_backend": backend} if backend else {})}
+    res = subprocess.run([sys.executable, str(PROBE), *args, str(out), *options, "--engine-args", json.dumps(engine)],
                          capture_output=True, text=True, env=env, timeout=900)
     if res.returncode != 0 or not out.is_file():
         return f"exit {res.returncode}: {(res.stdout + res.stderr)[-4000:]}"
@@ -43,6 +43,7 @@ def _probe(args: list[str], env: dict, tag: str, work, *options: str) -> dict | 
 
 
 def run_case(case: str, work) -> dict:
+    case, _, backend = case.partition("@")  # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors)
     mode, rest = case.split("-", 1)
     moe = rest.startswith("moe-")
     config = rest.removeprefix("moe-").removesuffix("+kv")
@@ -50,7 +51,8 @@ def run_case(case: str, work) -> dict:
     orig, pert = h.model_pair(work, "qwen3_moe" if moe else "qwen3")
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     env.update(FLASHRL_CONFIG=config, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}))
-    got = _probe(["run", str(orig), str(pert)], env, case, work, "--mode", mode, "--tokens", str(TOKENS))
+    tag = f"{case}@{backend}" if backend else case
+    got = _probe(["run", str(orig), str(pert)], env, tag, work, "--mode", mode, "--tokens", str(TOKENS), backend=backend)
     if isinstance(got, str):
         return {"error": got}
     probe = __import__("sglang_inflight_probe")
@@ -70,9 +72,9 @@ def run_case(case: str, work) -> dict:
         batches.append([["mid-repeat0", prompt(0), 8, key("mid-repeat0")]])
     score = [[f"tf-{r}", prompt(int(r[1:])) + o["tokens"], len(prompt(0)) + got["at_pause"][r]]
              for r, o in got["kept"].items()] if mode == "in_place" else []
-    req = work / f"sgl-inflight-{case}-fresh-req.json"
+    req = work / f"sgl-inflight-{tag}-fresh-req.json"
     req.write_text(json.dumps({"batches": batches, "score": score}))
-    fresh = _probe(["serve", str(pert), str(req)], env, f"{case}-fresh", work)
+    fresh = _probe(["serve", str(pert), str(req)], env, f"{tag}-fresh", work, backend=backend)
     if isinstance(fresh, str):
         return {"error": f"fresh engine: {fresh}"}
     return verdict(mode, got, fresh)

@@ -60,7 +60,9 @@ def run_case(case: str, work) -> dict:
     out = work / f"wire-{case}.json"
     res = subprocess.run([sys.executable, str(h.PROBES / "wire_probe.py"), str(orig), str(pert), str(out),
                           "--paths", PATHS[how], "--engine-args", json.dumps(engine),
-                          *(["--no-refusal"] if how == "tp2" else [])], capture_output=True, text=True, env=env,
+                          *(["--no-refusal"] if how == "tp2" else []),
+                          *(["--kernel-values", "moe_quant_config"] if arch == "moe" else [])],
+                         capture_output=True, text=True, env=env,
                          timeout=900)
     if res.returncode != 0 or not out.is_file():
         return {"error": f"exit {res.returncode}", "log_tail": (res.stdout + res.stderr)[-4000:]}
@@ -78,6 +80,10 @@ def run_case(case: str, work) -> dict:
              for tag in stages if tag not in ("start", "engine-side", restored)}
     return {"checks": checks, "failures": [k for k, ok in checks.items() if not ok], "bytes": result["bytes"],
             "differences": {t: d for t, d in diffs.items() if any(d.values())},
+            # MoE: per stage and rank, the quant config's scale copies that are not the layer's scales
+            "moe_config_scales_not_the_params": {s["tag"]: [sorted(n for n, v in rank.items() if not v["equals_param"])
+                                                            for rank in s["kernel_values"]]
+                                                 for s in result["stages"] if "kernel_values" in s},
             "wire_ratio": result["bytes"]["wire"] / result["bytes"]["bf16"],
             "trainer_quantize_s": result["trainer_quantize_s"], "refusal": result.get("refusal"),
             "push_seconds": {s["tag"]: s["seconds"] for s in result["stages"] if s["seconds"] is not None}}

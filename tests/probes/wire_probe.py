@@ -32,6 +32,35 @@ def digest(worker):
     return model_digest(worker.model_runner.model, "vllm")
 
 
+def kernel_values(pattern: str):
+    """collective_rpc: the kernel-held tensors whose name holds `pattern` (runtime/core/digest.py names, without
+    `kernel:`), each with whether it is the layer's own parameter (same storage) and whether its values equal the
+    parameter it stands for (MoE quant configs: `_w1` / `_w2` scales = `w13_weight_scale` / `w2_weight_scale`)."""
+    def run(worker):
+        import torch
+
+        from flashrl_tools.runtime.core.digest import kernel_held_tensors
+
+        model = worker.model_runner.model
+        params = dict(model.named_parameters())
+        out = {}
+        for name, t in kernel_held_tensors(model, "vllm", device_type=t_device(model)).items():
+            if pattern not in name:
+                continue
+            prefix, _, rest = name.partition(".quant_method")
+            which = {"_w1": "w13_weight_scale", "_w2": "w2_weight_scale"}.get(rest.rsplit(".", 2)[-2])
+            cands = [f"{q}.{which}" for q in (prefix, prefix.replace(".routed_experts", ""))] if which else []
+            param = next((params[c] for c in cands if c in params), None)
+            out[name] = {"shape": list(t.shape), "param": next((c for c in cands if c in params), None),
+                         "equals_param": param is not None and param.shape == t.shape and bool(torch.equal(param, t))}
+        return out
+    return run
+
+
+def t_device(model) -> str:
+    return next(model.parameters()).device.type
+
+
 def load(buckets):
     import torch
 
@@ -141,6 +170,7 @@ def main() -> None:
     ap.add_argument("--engine-args", type=json.loads, default={})
     ap.add_argument("--paths", default="load_weights,ipc,ipc-packed,ipc-bf16", help="comma-separated (CPU: load_weights)")
     ap.add_argument("--no-refusal", action="store_true")
+    ap.add_argument("--kernel-values", default=None, help="record kernel-held tensors whose name holds this")
     x = ap.parse_args()
     paths = x.paths.split(",")
     import torch
@@ -179,9 +209,12 @@ def main() -> None:
     def observe(tag, seconds=None):
         p = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
         outs = llm.generate([{"prompt_token_ids": s} for s in seqs], p, use_tqdm=False)
-        return {"tag": tag, "seconds": seconds, "digest": llm.collective_rpc(digest),  # one per TP rank
-                "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(seqs, outs)]}
+        stage = {"tag": tag, "seconds": seconds, "digest": llm.collective_rpc(digest),  # one per TP rank
+                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                 "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(seqs, outs)]}
+        if x.kernel_values:
+            stage["kernel_values"] = llm.collective_rpc(kernel_values(x.kernel_values))
+        return stage
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     new = [(n, t.to(device)) for n, t in CheckpointReader(x.new).iter_tensors()]  # the trainer's copy

@@ -29,11 +29,11 @@ CAPABILITIES = Capabilities(
     fp8_dense=QuantFn.fp8_channel, fp8_moe=QuantFn.fp8_channel,
     checkpoint_quantization="compressed-tensors", online_quantization=(),
     fp8_kv_cache=True, kv_scales=("k", "v"), fp8_kv_note="k / v scales recalibrated before the first rollout after every sync "
-    "(decode CUDA graphs captured again when they change)", kv_dtype_names={"fp8": "fp8_e4m3"},
+    "(decode CUDA graphs captured again when they change, except with fa3 attention: it reads the scale tensors)", kv_dtype_names={"fp8": "fp8_e4m3"},
     lmhead_fp32="enable_fp32_lm_head=True",
     in_flight="`pause_generation` abort / retract / in_place, push, `continue_generation` (radix cache by weights' "
-              "version; a retract recomputes on the new weights and FP8 KV scales); FP8 KV with requests kept in place: "
-              "the calibration waits for them; bit-exact checks not yet passed on GPU",
+              "version; a retract recomputes on the new weights and FP8 KV scales); FP8 KV: calibrated at the continue "
+              "with what the pause held set aside, kept entries rescaled (no drain)",
     sleep="release / resume: with the weights' CPU backup (verl) synced weights survive; without it requests "
           "are refused until a full sync",
     push_paths=("update_weights_from_tensor per tensor and as flattened buckets", "update_weights_from_distributed",

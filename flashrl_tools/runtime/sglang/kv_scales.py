@@ -4,9 +4,11 @@
 Where SGLang 0.5.17 reads the scales (`RadixAttention`, Triton backend): the cache write divides k / v
 by the tensors `layer.k_scale` / `v_scale` (read from memory, also inside CUDA graphs), the attention
 kernels multiply by the Python floats `layer.k_scale_float` / `v_scale_float` -- kernel arguments,
-baked into a captured decode graph. So new scales are written in place into the tensors, the floats
-are set, and the decode CUDA graphs are captured again (SGLang's own `init_decode_cuda_graph`, which
-its `update_weights_from_disk(recapture_cuda_graph=True)` uses) when the scales changed. A model
+baked into a captured decode graph (flashinfer's too). So new scales are written in place into the
+tensors, the floats are set, and the decode CUDA graphs are captured again (SGLang's own
+`init_decode_cuda_graph`, which its `update_weights_from_disk(recapture_cuda_graph=True)` uses) when the
+scales changed -- except where the decode backend reads the scale tensors themselves (`fa3`:
+`layer.k_scale.expand(...)` as the kernel's descale, a view the captured graph reads at replay). A model
 without a KV-cache quant method (BF16 checkpoints) gets its scale tensors here (1.0, SGLang's
 default). q is not scaled by SGLang's FP8 KV cache: only k and v are calibrated. While calibrating,
 prefills run without the prefill CUDA graph (a replayed graph would skip the hooks). Requests kept in
@@ -71,6 +73,21 @@ class RadixAttentionScales:
         rescale_fp8_(pool.get_value_buffer(layer.layer_id), old["v"], new["v"], rows=kept)
 
     def changed(self) -> None:
-        """The decode CUDA graphs hold the old floats as kernel arguments: capture them again."""
-        if getattr(self.runner, "decode_cuda_graph_runner", None) is not None:
-            self.runner.init_decode_cuda_graph()
+        """The decode CUDA graphs hold the old floats as kernel arguments: capture them again (not where the
+        decode kernels read the scale tensors, written in place)."""
+        if getattr(self.runner, "decode_cuda_graph_runner", None) is None:
+            return
+        if decode_backend(self.runner) in TENSOR_SCALE_BACKENDS:
+            return
+        self.runner.init_decode_cuda_graph()
+
+
+TENSOR_SCALE_BACKENDS = frozenset({"fa3"})  # SGLang 0.5.17 decode backends that read layer.k_scale / v_scale
+
+
+def decode_backend(runner) -> str | None:
+    """The attention backend SGLang decodes with (its own rule: decode_attention_backend, else attention_backend)."""
+    args = getattr(runner, "server_args", None)
+    if hasattr(args, "get_attention_backends"):
+        return args.get_attention_backends()[1]
+    return getattr(args, "decode_attention_backend", None) or getattr(args, "attention_backend", None)
