@@ -5,7 +5,8 @@
 #   setsid nohup bash scripts/gpu_job_async.sh /root/res > /root/res/job.out 2>&1 < /dev/null &
 # Side by side:
 #   GPU 0    SGLang with fa3 attention (it reads the FP8 KV scales from tensors: no decode-graph capture per
-#            update): an in-place update with FP8 KV, and a sync = fresh engines; then verl's fully-async trainer
+#            update): an in-place update with FP8 KV, and a sync = fresh engines; an in-place update pushed through
+#            update_weights_from_distributed; then verl's fully-async trainer
 #            (int8, fp8 + FP8 KV; rollouter and trainer on a GPU each; long responses, staleness 2: syncs land
 #            on requests in flight -> partial rollouts) with the after-run fresh-engine check
 #   GPU 1    benchmarks, one after another: async_stream on SGLang with fa3 (7B), wire_sync through CUDA IPC
@@ -27,7 +28,7 @@ UTIL=$([ "$BIG" = 1 ] && echo 0.4 || echo 0.75)
  python3 benchmarks/wire_sync.py --ipc --preset gpu --gpu-memory-utilization "$UTIL" --workdir /root/w/bench \
    --json "$RES/bench/wire_sync_ipc.json" > "$RES/bench/wire_sync_ipc.log" 2>&1) &
 bench=$!
-(CUDA_VISIBLE_DEVICES=0 GPU_WORK=/root/w/sgl TEST_GROUPS="sinflight:1:sglang:$G/test_sglang_inflight.py::test_sglang_inflight_update[in_place-int8+kv@fa3]
+(CUDA_VISIBLE_DEVICES=0 GPU_WORK=/root/w/sgl TEST_GROUPS="sinflight:2:sglang:$G/test_sglang_inflight.py::test_sglang_inflight_update[in_place-int8+kv@fa3] $G/test_sglang_inflight.py::test_sglang_inflight_update[in_place-int8+kv@dist]
 sfa3:1:sglang:$G/test_sglang.py::test_sglang_sync_equals_a_fresh_engine[dense-int8+kv@fa3]" \
    bash scripts/gpu_tests.sh "$RES/sgl"
  # SGLang sizes its memory from what is free when it starts: verl's processes start after its engines

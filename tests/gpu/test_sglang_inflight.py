@@ -1,6 +1,7 @@
 """In-flight weight updates on SGLang 0.5.17 (issue 42; tests/probes/sglang_inflight_probe.py): 8 greedy
 requests streaming, `pause_generation(mode)`, the perturbed weights pushed per tensor through
-`update_weights_from_tensor` (flush_cache=True, SGLang's default), `continue_generation`. Radix cache on.
+`update_weights_from_tensor` (flush_cache=True, SGLang's default; `@dist`: one flattened bucket through
+`update_weights_from_distributed`), `continue_generation`. Radix cache on.
 Cases: mode x config (`+kv`: FP8 KV cache; `moe-`: Qwen3-MoE). Asserted per case: the push succeeds, a
 request sent during the pause waits, kept (in_place) and retracted requests finish, aborted ones say
 so; a request after the drain equals a fresh engine on the new weights (same FLASHRL_CONFIG and KV
@@ -27,7 +28,8 @@ import gpu_harness as h
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8", "retract-int8", "retract-fp8",
-         "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3"]
+         "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3",
+         "in_place-int8+kv@dist"]
 PROBE = h.PROBES / "sglang_inflight_probe.py"
 TOKENS = 96
 
@@ -43,7 +45,10 @@ def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: s
 
 
 def run_case(case: str, work) -> dict:
-    case, _, backend = case.partition("@")  # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors)
+    # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors); `@dist`: the push as a flattened bucket
+    # through `update_weights_from_distributed` (a gloo group with the probe)
+    case, _, option = case.partition("@")
+    backend, how = ("fa3" if option == "fa3" else ""), ("distributed" if option == "dist" else "tensor")
     mode, rest = case.split("-", 1)
     moe = rest.startswith("moe-")
     config = rest.removeprefix("moe-").removesuffix("+kv")
@@ -51,8 +56,9 @@ def run_case(case: str, work) -> dict:
     orig, pert = h.model_pair(work, "qwen3_moe" if moe else "qwen3")
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     env.update(FLASHRL_CONFIG=config, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}))
-    tag = f"{case}@{backend}" if backend else case
-    got = _probe(["run", str(orig), str(pert)], env, tag, work, "--mode", mode, "--tokens", str(TOKENS), backend=backend)
+    tag = f"{case}@{option}" if option else case
+    got = _probe(["run", str(orig), str(pert)], env, tag, work, "--mode", mode, "--tokens", str(TOKENS),
+                 "--push", how, backend=backend)
     if isinstance(got, str):
         return {"error": got}
     probe = __import__("sglang_inflight_probe")

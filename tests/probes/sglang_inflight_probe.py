@@ -1,13 +1,16 @@
 """An in-flight weight update on SGLang 0.5.17 (the offline Engine's TokenizerManager, as slime / AReaL /
 verl's SGLang server drive it): R greedy requests streaming, `pause_generation(mode)`, a request sent
 during the pause (it waits), the new weights pushed one tensor per `update_weights_from_tensor` (SGLang's
-default flush_cache=True), `continue_generation`, a request right after it, everything drained; abort
+default flush_cache=True; `--push distributed`: as one flattened bucket through `update_weights_from_distributed`,
+this process the trainer, rank 0 of a gloo group -- NCCL refuses two ranks on one GPU), `continue_generation`,
+a request right after it, everything drained; abort
 mode: each aborted request resubmitted as prompt + its partial tokens (one batch); then the kept
 requests' own prompt again. In-place mode adds a continue before the sync completed (the requests the
 pause held are aborted with the reason, a new request is refused) and the sync completed after it.
 FLASHRL_CONFIG / FLASHRL_KV_CACHE_DTYPE from the environment; the radix cache is on.
 
     python sglang_inflight_probe.py run A B --mode abort|retract|in_place OUT.json [--engine-args JSON]
+                                    [--push tensor|distributed]
     python sglang_inflight_probe.py serve B REQUEST.json OUT.json [--engine-args JSON]
 
 `run` writes what the engine returned and where each request was when the pause took it; `serve` (the
@@ -69,12 +72,54 @@ class Streams:
                 "finish_reason": reason.get("type"), "message": reason.get("message")}
 
 
+PUSH = {"how": "tensor", "group": None}  # --push; the trainer's side of the gloo group (distributed)
+
+
+async def join_group(engine) -> None:
+    """`--push distributed`: the weight-update group, this process rank 0 (the trainer), the scheduler rank 1."""
+    import torch.distributed as dist
+    from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+    from sglang.srt.utils import init_custom_process_group
+    from sglang_distributed_probe import GROUP, _free_port, beside
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    port = _free_port()
+    join = beside(lambda: init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                                     world_size=2, rank=0, group_name=GROUP))
+    ok, message = (await engine.tokenizer_manager.init_weights_update_group(InitWeightsUpdateGroupReqInput(
+        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=GROUP,
+        backend="gloo"), None))[:2]
+    PUSH["group"] = join()
+    if not ok:
+        raise RuntimeError(f"init_weights_update_group: {message}")
+
+
+async def push_distributed(engine, tensors: list) -> tuple[bool, str]:
+    """The tensors as one flattened bucket through `update_weights_from_distributed`, the broadcast beside it."""
+    import torch.distributed as dist
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    from sglang_distributed_probe import GROUP, beside
+
+    tensors = [(n, t.cuda()) for n, t in tensors]
+    flat = FlattenedTensorBucket(named_tensors=tensors).get_flattened_tensor()
+    join = beside(lambda: dist.broadcast(flat, src=0, group=PUSH["group"]))
+    ok, message = (await engine.tokenizer_manager.update_weights_from_distributed(UpdateWeightsFromDistributedReqInput(
+        names=[n for n, _ in tensors], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in tensors],
+        shapes=[list(t.shape) for _, t in tensors], group_name=GROUP, flush_cache=True,
+        load_format="flattened_bucket"), None))[:2]
+    join()
+    return ok, message
+
+
 async def push(engine, path: str, count: int | None = None) -> tuple[bool, str]:
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
 
     from flashrl_tools.safetensors_io import CheckpointReader
 
+    if PUSH["how"] == "distributed":
+        return await push_distributed(engine, list(CheckpointReader(path).iter_tensors())[:count])
     for i, (name, tensor) in enumerate(CheckpointReader(path).iter_tensors()):
         if count is not None and i >= count:
             break
@@ -91,7 +136,9 @@ async def run(engine, a: str, b: str, mode: str, requests: int, tokens: int, pau
     from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
     tm, s = engine.tokenizer_manager, Streams(engine)
-    res: dict = {"mode": mode}
+    res: dict = {"mode": mode, "push_path": PUSH["how"]}
+    if PUSH["how"] == "distributed":
+        await join_group(engine)
     kept = {f"r{i}": asyncio.create_task(s.gen(f"r{i}", prompt(i), tokens)) for i in range(requests)}
     while not all(s.seen.get(r, 0) >= pause_after for r in kept):
         for t in kept.values():
@@ -191,6 +238,7 @@ def main() -> None:
     r.add_argument("--requests", type=int, default=8)
     r.add_argument("--tokens", type=int, default=96)
     r.add_argument("--pause-after", type=int, default=12)
+    r.add_argument("--push", choices=("tensor", "distributed"), default="tensor")
     v = sub.add_parser("serve")
     v.add_argument("b")
     v.add_argument("request", help="JSON: {batches, score} (serve's docstring)")
@@ -201,6 +249,7 @@ def main() -> None:
     engine = start(x.a if x.cmd == "run" else x.b, x.engine_args)
     try:
         if x.cmd == "run":
+            PUSH["how"] = x.push
             result = engine.loop.run_until_complete(run(engine, x.a, x.b, x.mode, x.requests, x.tokens,
                                                         x.pause_after))
         else:
