@@ -28,12 +28,14 @@ CAPABILITIES = Capabilities(
     moe_note="SGLang 0.5.17 serves compressed-tensors INT8 MoE experts on NPU only",
     fp8_dense=QuantFn.fp8_channel, fp8_moe=QuantFn.fp8_channel,
     checkpoint_quantization="compressed-tensors", online_quantization=(),
-    fp8_kv_cache=True, kv_scales=("k", "v"), fp8_kv_note="k / v scales recalibrated before the first rollout after every sync "
-    "(decode CUDA graphs captured again when they change, except with fa3 attention: it reads the scale tensors)", kv_dtype_names={"fp8": "fp8_e4m3"},
+    fp8_kv_cache=True, kv_scales=("k", "v"),
+    fp8_kv_note="k / v scales recalibrated before the first rollout after every sync (decode CUDA graphs captured "
+                "again when they change, except with fa3 attention: it reads the scale tensors)",
+    kv_dtype_names={"fp8": "fp8_e4m3"},
     lmhead_fp32="enable_fp32_lm_head=True",
-    in_flight="`pause_generation` abort / retract / in_place, push, `continue_generation` (radix cache by weights' "
-              "version; a retract recomputes on the new weights and FP8 KV scales); FP8 KV: calibrated at the continue "
-              "with what the pause held set aside, kept entries rescaled (no drain)",
+    in_flight="`pause_generation` abort / retract / in_place, push, `continue_generation`: new, resubmitted and "
+              "retracted requests = a fresh engine (radix cache by weights' version); FP8 KV recalibrated at the "
+              "continue without a drain (what the pause held set aside, kept entries rescaled)",
     sleep="release / resume: with the weights' CPU backup (verl) synced weights survive; without it requests "
           "are refused until a full sync",
     push_paths=("update_weights_from_tensor per tensor and as flattened buckets", "update_weights_from_distributed",
