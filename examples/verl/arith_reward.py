@@ -11,4 +11,4 @@ from arith_task import score  # noqa: E402
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return score(solution_str, ground_truth)
+    return score(solution_str, ground_truth, (extra_info or {}).get("level") or "add1")
