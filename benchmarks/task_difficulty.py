@@ -36,7 +36,7 @@ def measure(model: str, levels: list[str], prompts: int, samples: int, seed: int
                                        tokenize=True, return_dict=False) for q in qs]
         inputs = [{"prompt_token_ids": list(map(int, x))} for x in ids]
         greedy = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-        sampled = llm.generate(inputs, SamplingParams(temperature=1.0, max_tokens=max_tokens, n=samples, seed=seed),
+        sampled = llm.generate(inputs, SamplingParams(temperature=1.0, max_tokens=max_tokens, n=samples),  # engine seed
                                use_tqdm=False)
         g = [arith_task.score(o.outputs[0].text, q["answer"], level) for o, q in zip(greedy, qs)]
         s = [[arith_task.score(c.text, q["answer"], level) for c in o.outputs] for o, q in zip(sampled, qs)]

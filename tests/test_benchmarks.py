@@ -121,3 +121,19 @@ def test_wire_sync_benchmark_smoke(tmp_path):
     (r,) = _bench(tmp_path, "wire_sync")["rows"]
     assert r["syncs_completed"] == 2 and 0 < r["wire_bytes"] < r["bf16_bytes"]
     assert r["engine_write_s"] > 0 and r["trainer_quantize_s"] > 0 and r["network_8bit_s_100g"] > 0
+
+
+def test_task_difficulty_benchmark_smoke(tmp_path):
+    """The embedded model on two task levels before training: accuracies in [0, 1], the easy level no harder."""
+    out = tmp_path / "td.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "task_difficulty.py"), "--levels", "add1,add3c",
+                          "--prompts", "16", "--samples", "2", "--max-tokens", "8", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900,  # a fixed KV cache: no profiling run
+                         env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                              "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():
+        assert 0 <= r["greedy_accuracy"] <= 1 and 0 <= r["sampled_mean_reward"] <= r["prompts_with_a_reward"] <= 1
+    assert rows["add1"]["greedy_accuracy"] >= rows["add3c"]["greedy_accuracy"]
+    assert "add3c" in res.stdout
