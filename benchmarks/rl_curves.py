@@ -14,12 +14,16 @@ recognised per line. Per step it reads:
 | mean \\|Δ log p\\| | rollout_corr/log_ppl_abs_diff | sampling/sampling_logp_difference/mean |
 | IS weights clipped (fraction) | rollout_corr/rollout_is_ratio_fraction_high + _low | - |
 | rollout seconds | timing_s/gen | rollout_seconds |
+| held-out accuracy (a BF16 engine on the trainer's weights) | heldout/bf16_accuracy | heldout_accuracy |
 
-Writes OUT.png (reward, mismatch, rollout seconds vs step; one line per run, one colour per
-config) and OUT.json: per run the final reward (mean of the last `--last` steps), mean mismatch
-and rollout seconds (over steps <= `--until` when given), the final engine check when the log has one;
-per config the seeds' mean and spread, and for every config but bf16 whether its final reward lies within the bf16 seeds'
-spread (or how far outside).
+Writes OUT.png (reward, held-out accuracy, mismatch, rollout seconds vs step; per config the seeds' mean
+with a band from the lowest to the highest seed) and OUT.json: per run the final reward (mean of the last
+`--last` steps), the last held-out accuracy, the area under the reward curve (its mean over the steps),
+the first step whose `--last`-step mean reward reaches `--target`, mean mismatch and rollout seconds (over
+steps <= `--until` when given), the final engine check when the log has one; per config the seeds' mean,
+spread and 95 % interval (Student's t over the seeds) of the final reward and held-out accuracy, and for
+every config but bf16 whether its final reward lies within the bf16 seeds' spread (or how far outside) and
+whether its 95 % interval is apart from bf16's (`separable_from_bf16`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ MEASURES = {  # name -> (verl keys summed, TRL keys summed)
     "is_clipped_frac": (["rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_is_ratio_fraction_low"],
                         []),
     "rollout_s": (["timing_s/gen"], ["rollout_seconds"]),
+    "heldout_acc": (["heldout/bf16_accuracy"], ["heldout_accuracy"]),
 }
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)  # two-sided 95 %, 1-10 dof
 
 
 class LogError(ValueError):
@@ -46,8 +52,10 @@ class LogError(ValueError):
 
 
 def read_log(path: Path) -> tuple[list[dict], dict | None]:
-    """(per-step measures, the final engine check or None) of one trainer log."""
-    steps, final = [], None
+    """(per-step measures, the final engine check or None) of one trainer log; lines of the same step (the
+    trainer's, a later evaluation's) are one step."""
+    steps: dict[int, dict] = {}
+    final = None
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
@@ -66,15 +74,15 @@ def read_log(path: Path) -> tuple[list[dict], dict | None]:
         values = row["data"] if verl else row
         if "step" not in row:
             raise LogError(f"{path}:{n}: no 'step' (not a TRL example or verl file-logger line)")
-        out = {"step": int(row["step"])}
+        out = steps.setdefault(int(row["step"]), {"step": int(row["step"]), **dict.fromkeys(MEASURES)})
         for name, (verl_keys, trl_keys) in MEASURES.items():
             keys = verl_keys if verl else trl_keys
             got = [values[k] for k in keys if isinstance(values.get(k), (int, float))]
-            out[name] = sum(got) if keys and len(got) == len(keys) else None
-        steps.append(out)
+            if keys and len(got) == len(keys):
+                out[name] = sum(got)
     if not steps:
         raise LogError(f"{path}: no steps")
-    return sorted(steps, key=lambda r: r["step"]), final
+    return [steps[k] for k in sorted(steps)], final
 
 
 def _mean(values) -> float | None:
@@ -82,23 +90,54 @@ def _mean(values) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last: int) -> dict:
+def interval(values: list) -> list[float] | None:
+    """The 95 % interval of the mean of seeds' values (Student's t), or None for fewer than two."""
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return None
+    t = T95[len(values) - 2] if len(values) <= len(T95) + 1 else 1.96
+    m, half = statistics.fmean(values), t * statistics.stdev(values) / math.sqrt(len(values))
+    return [m - half, m + half]
+
+
+def steps_to(steps: list[dict], target: float | None, window: int) -> int | None:
+    """The first step whose last `window` steps' mean reward reaches `target`."""
+    if target is None:
+        return None
+    rewards = [(r["step"], r["reward"]) for r in steps if r["reward"] is not None]
+    for i in range(len(rewards)):
+        if statistics.fmean(v for _, v in rewards[max(0, i - window + 1):i + 1]) >= target:
+            return rewards[i][0]
+    return None
+
+
+def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last: int,
+              target: float | None = None) -> dict:
     table = {"runs": {}, "configs": {}}
     for label, steps in runs.items():
         tail = steps[-last:]
+        heldout = [r["heldout_acc"] for r in steps if r["heldout_acc"] is not None]
         table["runs"][label] = {
             "steps": len(steps), "final_reward": _mean(r["reward"] for r in tail),
             "first_reward": _mean(r["reward"] for r in steps[:last]),
-            **{f"mean_{m}": _mean(r[m] for r in steps) for m in MEASURES if m != "reward"},
+            "final_heldout_acc": heldout[-1] if heldout else None, "reward_auc": _mean(r["reward"] for r in steps),
+            "steps_to_target": steps_to(steps, target, last),
+            **{f"mean_{m}": _mean(r[m] for r in steps) for m in MEASURES if m not in ("reward", "heldout_acc")},
             "final_engine_check": finals.get(label)}
     by_config: dict[str, list[str]] = {}
     for label in runs:
         by_config.setdefault(label.split("/")[0], []).append(label)
     for config, labels in by_config.items():
-        finals_r = [table["runs"][lb]["final_reward"] for lb in labels]
+        rows = [table["runs"][lb] for lb in labels]
+        finals_r = [r["final_reward"] for r in rows]
+        heldout = [r["final_heldout_acc"] for r in rows]
         table["configs"][config] = {"seeds": len(labels), "final_reward_mean": _mean(finals_r),
                                     "final_reward_min": min(finals_r), "final_reward_max": max(finals_r),
-                                    "rollout_s_mean": _mean(table["runs"][lb]["mean_rollout_s"] for lb in labels)}
+                                    "final_reward_ci95": interval(finals_r),
+                                    "final_heldout_acc_mean": _mean(heldout), "final_heldout_acc_ci95": interval(heldout),
+                                    "reward_auc_mean": _mean(r["reward_auc"] for r in rows),
+                                    "steps_to_target": [r["steps_to_target"] for r in rows],
+                                    "rollout_s_mean": _mean(r["mean_rollout_s"] for r in rows)}
     base = table["configs"].get("bf16")
     for config, row in table["configs"].items():
         if base is None or config == "bf16":
@@ -109,6 +148,8 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
                           f"{got - hi:.2g} above the bf16 seeds' highest")
         if base["rollout_s_mean"] and row["rollout_s_mean"]:
             row["rollout_s_vs_bf16"] = row["rollout_s_mean"] / base["rollout_s_mean"]
+        a, b = row["final_reward_ci95"], base["final_reward_ci95"]
+        row["separable_from_bf16"] = None if a is None or b is None else (a[1] < b[0] or a[0] > b[1])
     return table
 
 
@@ -118,19 +159,28 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "reward"), ("token_kl", "token KL(rollout‖trainer)"), ("abs_dlogp", "mean |Δ log p|"),
+    panels = [("reward", "reward"), ("heldout_acc", "held-out accuracy (BF16 engine)"),
+              ("token_kl", "token KL(rollout‖trainer)"), ("abs_dlogp", "mean |Δ log p|"),
               ("is_clipped_frac", "IS weights clipped"), ("rollout_s", "rollout s / step")]
     panels = [p for p in panels if any(r[p[0]] is not None for steps in runs.values() for r in steps)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    colours = {}
+    by_config: dict[str, list[list[dict]]] = {}
     for label, steps in runs.items():
-        config = label.split("/")[0]
-        colour = colours.setdefault(config, f"C{len(colours)}")
+        by_config.setdefault(label.split("/")[0], []).append(steps)
+    for i, (config, seeds) in enumerate(by_config.items()):
         for ax, (key, name) in zip(axes[0], panels):
-            pts = [(r["step"], r[key]) for r in steps if r[key] is not None]
-            if pts:
-                ax.plot(*zip(*pts), color=colour, alpha=0.8, lw=1.2,
-                        label=config if label == next(lb for lb in runs if lb.split("/")[0] == config) else None)
+            per_step: dict[int, list[float]] = {}
+            for steps in seeds:
+                for r in steps:
+                    if r[key] is not None:
+                        per_step.setdefault(r["step"], []).append(r[key])
+            xs = sorted(per_step)
+            if xs:  # the seeds' mean, and a band from the lowest seed to the highest
+                ax.plot(xs, [statistics.fmean(per_step[x]) for x in xs], color=f"C{i}", lw=1.4,
+                        label=f"{config} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})")
+                if len(seeds) > 1:
+                    ax.fill_between(xs, [min(per_step[x]) for x in xs], [max(per_step[x]) for x in xs],
+                                    color=f"C{i}", alpha=0.2, lw=0)
             ax.set_title(name, fontsize=10)
             ax.set_xlabel("step")
     axes[0][0].legend(fontsize=8)
@@ -148,6 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.png and OUT.json")
     ap.add_argument("--title", default="")
     ap.add_argument("--last", type=int, default=10, help="steps averaged for the final reward")
+    ap.add_argument("--target", type=float, default=None, help="reward whose first reaching (mean of --last steps) "
+                    "is reported per run")
     ap.add_argument("--until", type=int, default=None,
                     help="the table reads steps <= UNTIL only (runs that stopped at different steps "
                          "compared at the same step); the plot shows every step")
@@ -163,16 +215,21 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     upto = {lb: [r for r in steps if args.until is None or r["step"] <= args.until] for lb, steps in runs.items()}
-    table = {**summarize(upto, finals, args.last), "until_step": args.until}
+    table = {**summarize(upto, finals, args.last, args.target), "until_step": args.until, "target": args.target}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, args.out.with_suffix(".png"), args.title)
     tmp = args.out.with_suffix(".tmp.json")
     tmp.write_text(json.dumps(table, indent=2))
     tmp.replace(args.out.with_suffix(".json"))
-    print(f"{'config':8} {'seeds':>5} {'final reward':>12} {'spread':>15} {'rollout s':>9}  vs bf16")
+    def ci(pair):
+        return f"{pair[0]:.3f}-{pair[1]:.3f}" if pair else "-"
+    print(f"{'config':8} {'seeds':>5} {'final reward':>12} {'spread':>13} {'95% interval':>13} {'held-out':>8} "
+          f"{'AUC':>6} {'rollout s':>9}  vs bf16")
     for config, row in table["configs"].items():
+        heldout = row["final_heldout_acc_mean"]
         print(f"{config:8} {row['seeds']:5} {row['final_reward_mean']:12.3f} "
-              f"{row['final_reward_min']:7.3f}-{row['final_reward_max']:.3f} "
+              f"{row['final_reward_min']:6.3f}-{row['final_reward_max']:.3f} {ci(row['final_reward_ci95']):>13} "
+              f"{heldout if heldout is not None else float('nan'):8.3f} {row['reward_auc_mean']:6.3f} "
               f"{row['rollout_s_mean'] if row['rollout_s_mean'] is not None else float('nan'):9.2f}  "
               f"{row.get('vs_bf16', '')}")
     return 0

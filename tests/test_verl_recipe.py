@@ -142,18 +142,25 @@ def test_learning_curves_from_trl_and_verl_logs(tmp_path):
                                                            "rollout_corr/rollout_is_ratio_fraction_high": 0.02,
                                                            "rollout_corr/rollout_is_ratio_fraction_low": 0.0,
                                                            "timing_s/gen": s}}) + "\n")
+                if step % 2 == 0:  # the BF16 held-out evaluation's line for this step
+                    f.write(json.dumps({"step": step, "data": {"heldout/bf16_accuracy": r / 2}}) + "\n")
     verl_log(tmp_path / "b0.jsonl", [0.1, 0.2, 0.4, 0.5], [2.0] * 4)
     verl_log(tmp_path / "b1.jsonl", [0.1, 0.3, 0.5, 0.7], [2.0] * 4)
     verl_log(tmp_path / "i0.jsonl", [0.1, 0.2, 0.3, 0.3], [1.0] * 4)
     out = tmp_path / "report" / "curves"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rl_curves.py"), "--out", str(out), "--last", "2",
-                          f"bf16/0={tmp_path / 'b0.jsonl'}", f"bf16/1={tmp_path / 'b1.jsonl'}",
+                          "--target", "0.39", f"bf16/0={tmp_path / 'b0.jsonl'}", f"bf16/1={tmp_path / 'b1.jsonl'}",
                           f"int8/0={tmp_path / 'i0.jsonl'}"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     table = json.loads(out.with_suffix(".json").read_text())
     bf16, int8 = table["configs"]["bf16"], table["configs"]["int8"]
     assert (bf16["final_reward_min"], bf16["final_reward_max"]) == (0.45, 0.6)
+    half = 12.706 * 0.075  # t(1 dof) x stdev(0.45, 0.6) / sqrt(2)
+    assert bf16["final_reward_ci95"] == pytest.approx([0.525 - half, 0.525 + half])
+    assert bf16["final_heldout_acc_mean"] == pytest.approx(0.3) and bf16["reward_auc_mean"] == pytest.approx(0.35)
+    assert bf16["steps_to_target"] == [4, 3] and int8["steps_to_target"] == [None]  # mean of 2 steps >= 0.39
     assert int8["final_reward_mean"] == 0.3 and int8["vs_bf16"] == "0.15 below the bf16 seeds' lowest"
+    assert int8["separable_from_bf16"] is None  # one int8 seed: no interval
     assert int8["rollout_s_vs_bf16"] == 0.5
     assert table["runs"]["bf16/0"]["mean_is_clipped_frac"] == pytest.approx(0.02)
     assert out.with_suffix(".png").stat().st_size > 10_000
@@ -167,3 +174,22 @@ def test_learning_curves_from_trl_and_verl_logs(tmp_path):
                           f"int8/0={tmp_path / 'missing.jsonl'}"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read") and "Traceback" not in bad.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_arms_are_separable_only_when_their_95_intervals_are_apart():
+    """Issue 44's wording rule: an 8-bit arm is called different from bf16 only when the seeds' 95 % intervals
+    (Student's t) of the final reward do not overlap."""
+    spec = importlib.util.spec_from_file_location("rl_curves", REPO / "benchmarks" / "rl_curves.py")
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+
+    def run(final):
+        return [{"step": s, **dict.fromkeys(rc.MEASURES), "reward": final} for s in (1, 2)]
+    runs = {"bf16/0": run(0.60), "bf16/1": run(0.62), "bf16/2": run(0.61),
+            "int8/0": run(0.40), "int8/1": run(0.41), "int8/2": run(0.42),  # apart
+            "fp8/0": run(0.50), "fp8/1": run(0.70), "fp8/2": run(0.60)}  # overlapping
+    table = rc.summarize(runs, {}, last=2)["configs"]
+    assert table["int8"]["separable_from_bf16"] is True and table["fp8"]["separable_from_bf16"] is False
+    lo, hi = table["bf16"]["final_reward_ci95"]
+    assert lo == pytest.approx(0.61 - 4.303 * 0.01 / 3 ** 0.5) and hi == pytest.approx(0.61 + 4.303 * 0.01 / 3 ** 0.5)
+    assert rc.interval([0.5]) is None
