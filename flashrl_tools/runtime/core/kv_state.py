@@ -110,11 +110,12 @@ class KVScaleState:
             self.abandon()
             raise RuntimeError(f"KV calibration saw {len(scales)} of {len(self.kv.layers)} attention layers")
         self._disarm()
+        rescale = kept is not None and len(kept) > 0  # (a tensor of slots on SGLang: no truth value)
         for name, layer in self.kv.layers.items():
             self.kv.write(layer, scales[name])
-            if kept is not None and len(kept):
+            if rescale:
                 self.kv.rescale(layer, self.current[name], scales[name], kept)
-        if kept is not None and len(kept) and torch.cuda.is_available():
+        if rescale and torch.cuda.is_available():
             torch.cuda.synchronize()  # rescaled before the engine's next forward (on a stream of its own)
         changed = scales != self.current
         if changed:
@@ -122,7 +123,7 @@ class KVScaleState:
         self.current, self.calibrated_at, self.error = scales, self.session.completed, None
         log.info("flashrl: FP8 KV scales recalibrated for the current weights (%d layers, %s%s, %.2f s)",
                  len(scales), "changed" if changed else "unchanged",
-                 ", kept entries rescaled" if kept is not None and len(kept) else "",
+                 ", kept entries rescaled" if rescale else "",
                  time.perf_counter() - t0)
         return scales
 
