@@ -11,19 +11,25 @@ recognised per line. Per step it reads:
 | --- | --- | --- |
 | reward | critic/score/mean | reward |
 | token KL(rollout ‖ trainer) | rollout_corr/kl | - (TRL does not log it) |
-| mean \\|Δ log p\\| | rollout_corr/log_ppl_abs_diff | sampling/sampling_logp_difference/mean |
+| \\|Δ mean log p\\| per sequence | rollout_corr/log_ppl_abs_diff | - |
+| mean \\|Δ log p\\| per token | rollout_corr/flashrl_abs_logp_diff_mean | sampling/sampling_logp_difference/mean |
+| p99 \\|Δ log p\\| per token | rollout_corr/flashrl_abs_logp_diff_p99 | - |
 | IS weights clipped (fraction) | rollout_corr/rollout_is_ratio_fraction_high + _low | - |
+| tokens with p_train / p_rollout > 2 | rollout_corr/flashrl_ratio_above_2 | - |
+| response length | response_length/mean | - |
 | rollout seconds | timing_s/gen | rollout_seconds |
 | held-out accuracy (a BF16 engine on the trainer's weights) | heldout/bf16_accuracy | heldout_accuracy |
 
 Writes OUT.png (reward, held-out accuracy, mismatch, rollout seconds vs step; per config the seeds' mean
 with a band from the lowest to the highest seed) and OUT.json: per run the final reward (mean of the last
 `--last` steps), the last held-out accuracy, the area under the reward curve (its mean over the steps),
-the first step whose `--last`-step mean reward reaches `--target`, mean mismatch and rollout seconds (over
+the first step whose `--last`-step mean reward reaches `--target`, the held-out accuracy at the first evaluation
+(step 0: the start model) and the last, mean mismatch and rollout seconds (over
 steps <= `--until` when given), the final engine check when the log has one; per config the seeds' mean,
 spread and 95 % interval (Student's t over the seeds) of the final reward and held-out accuracy, and for
 every config but bf16 whether its final reward lies within the bf16 seeds' spread (or how far outside) and
-whether its 95 % interval is apart from bf16's (`separable_from_bf16`).
+whether its 95 % interval is apart from bf16's (`separable_from_bf16`; `heldout_separable_from_bf16` the
+same for the held-out accuracy). The verl keys `rollout_corr/flashrl_*` come from flashrl_tools/verl_metrics.py.
 """
 
 from __future__ import annotations
@@ -39,8 +45,12 @@ MEASURES = {  # name -> (verl keys summed, TRL keys summed)
     "reward": (["critic/score/mean"], ["reward"]),
     "token_kl": (["rollout_corr/kl"], []),
     "abs_dlogp": (["rollout_corr/log_ppl_abs_diff"], ["sampling/sampling_logp_difference/mean"]),
+    "abs_dlogp_token": (["rollout_corr/flashrl_abs_logp_diff_mean"], ["sampling/sampling_logp_difference/mean"]),
+    "abs_dlogp_p99": (["rollout_corr/flashrl_abs_logp_diff_p99"], []),
     "is_clipped_frac": (["rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_is_ratio_fraction_low"],
                         []),
+    "ratio_above_2": (["rollout_corr/flashrl_ratio_above_2"], []),
+    "response_len": (["response_length/mean"], []),
     "rollout_s": (["timing_s/gen"], ["rollout_seconds"]),
     "heldout_acc": (["heldout/bf16_accuracy"], ["heldout_accuracy"]),
 }
@@ -120,7 +130,8 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
         table["runs"][label] = {
             "steps": len(steps), "final_reward": _mean(r["reward"] for r in tail),
             "first_reward": _mean(r["reward"] for r in steps[:last]),
-            "final_heldout_acc": heldout[-1] if heldout else None, "reward_auc": _mean(r["reward"] for r in steps),
+            "final_heldout_acc": heldout[-1] if heldout else None, "first_heldout_acc": heldout[0] if heldout else None,
+            "reward_auc": _mean(r["reward"] for r in steps),
             "steps_to_target": steps_to(steps, target, last),
             **{f"mean_{m}": _mean(r[m] for r in steps) for m in MEASURES if m not in ("reward", "heldout_acc")},
             "final_engine_check": finals.get(label)}
@@ -135,6 +146,9 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
                                     "final_reward_min": min(finals_r), "final_reward_max": max(finals_r),
                                     "final_reward_ci95": interval(finals_r),
                                     "final_heldout_acc_mean": _mean(heldout), "final_heldout_acc_ci95": interval(heldout),
+                                    "final_heldout_acc_min": min((h for h in heldout if h is not None), default=None),
+                                    "final_heldout_acc_max": max((h for h in heldout if h is not None), default=None),
+                                    "first_heldout_acc_mean": _mean(r["first_heldout_acc"] for r in rows),
                                     "reward_auc_mean": _mean(r["reward_auc"] for r in rows),
                                     "steps_to_target": [r["steps_to_target"] for r in rows],
                                     "rollout_s_mean": _mean(r["mean_rollout_s"] for r in rows)}
@@ -148,8 +162,10 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
                           f"{got - hi:.2g} above the bf16 seeds' highest")
         if base["rollout_s_mean"] and row["rollout_s_mean"]:
             row["rollout_s_vs_bf16"] = row["rollout_s_mean"] / base["rollout_s_mean"]
-        a, b = row["final_reward_ci95"], base["final_reward_ci95"]
-        row["separable_from_bf16"] = None if a is None or b is None else (a[1] < b[0] or a[0] > b[1])
+        for key, name in (("final_reward_ci95", "separable_from_bf16"),
+                          ("final_heldout_acc_ci95", "heldout_separable_from_bf16")):
+            a, b = row[key], base[key]
+            row[name] = None if a is None or b is None else (a[1] < b[0] or a[0] > b[1])
     return table
 
 
@@ -159,10 +175,14 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "reward"), ("heldout_acc", "held-out accuracy (BF16 engine)"),
-              ("token_kl", "token KL(rollout‖trainer)"), ("abs_dlogp", "mean |Δ log p|"),
-              ("is_clipped_frac", "IS weights clipped"), ("rollout_s", "rollout s / step")]
-    panels = [p for p in panels if any(r[p[0]] is not None for steps in runs.values() for r in steps)]
+    panels = [(("reward",), "reward"), (("heldout_acc",), "held-out accuracy (BF16 engine)"),
+              (("token_kl",), "token KL(rollout‖trainer)"), (("abs_dlogp_token", "abs_dlogp"), "mean |Δ log p|"),
+              (("abs_dlogp_p99",), "p99 |Δ log p|"),
+              (("ratio_above_2", "is_clipped_frac"), "IS ratio > 2 (clipped at C = 2)"),
+              (("response_len",), "response length"), (("rollout_s",), "rollout s / step")]
+    def present(key):
+        return any(r[key] is not None for steps in runs.values() for r in steps)
+    panels = [(next(k for k in keys if present(k)), name) for keys, name in panels if any(map(present, keys))]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     by_config: dict[str, list[list[dict]]] = {}
     for label, steps in runs.items():

@@ -6,7 +6,11 @@
 # scripts/gpu_install.sh:
 #   STEPS=100 setsid nohup bash scripts/gpu_verl_runs.sh /root/res/verl bf16:0 int8:0 fp8:0 moe-int8:0 ... &
 # (moe-CONFIG:SEED: issue 30's MoE run, `flashrl models tiny --arch qwen3_moe`, MOE_STEPS=20 steps;
-# CONFIG+kv: with FLASHRL_KV_CACHE_DTYPE=fp8). RECIPE=async: examples/verl/run_fully_async_smollm2.sh
+# CONFIG+kv: with FLASHRL_KV_CACHE_DTYPE=fp8; CONFIG-notis / CONFIG-mis: the recipe's TIS=off / mis, issue 44's
+# arms). LEVEL=add2c|mul21|...: the task level (default add1). HELDOUT=1: every CHECK_EVERY steps a checkpoint
+# kept, evaluated after the run by a BF16 engine (examples/verl/heldout_eval.py, `heldout/bf16_accuracy` lines
+# in the run's log) and removed but the last. A run whose OUT/RUN.done exists is skipped: the same command
+# resumes a set of runs cut short. RECIPE=async: examples/verl/run_fully_async_smollm2.sh
 # instead (two GPUs: rollouter and trainer; runs async-CONFIG-sSEED, final check of the last sync).
 # Per run: OUT/verl-CONFIG-sSEED.jsonl (verl's file logger + the final check), OUT/RUN.log, and
 # OUT/RUN.done when both finished. Many runs share the GPU: each vLLM engine gets a fixed 1 GiB KV
@@ -20,11 +24,16 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_TH
 unset VLLM_ENABLE_V1_MULTIPROCESSING   # verl runs vLLM's engine core as its own process
 mkdir -p "$OUT"
 MODEL=$(python3 -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())"); export MODEL
-python3 examples/verl/arith_data.py "$OUT/data" --train $(( ${STEPS:-100} * ${BATCH:-32} )) --seed 0 >/dev/null
+LEVEL=${LEVEL:-add1}; export LEVEL
+DATA=$OUT/data; [ "$LEVEL" = add1 ] || DATA=$OUT/data-$LEVEL
+[ -f "$DATA/train.parquet" ] || python3 examples/verl/arith_data.py "$DATA" --train $(( ${STEPS:-100} * ${BATCH:-32} )) \
+  --seed 0 --level "$LEVEL" >/dev/null
 RECIPE_SH=examples/verl/run_grpo_smollm2.sh PREFIX=verl CHECK_ARGS=()
 [ "${RECIPE:-grpo}" = async ] && RECIPE_SH=examples/verl/run_fully_async_smollm2.sh PREFIX=async CHECK_ARGS=(--last-sync)
 for spec in "$@"; do
-  cfg=${spec%%:*} seed=${spec##*:} run=$PREFIX-${spec%%:*}-s${spec##*:} model=$MODEL steps=${STEPS:-100} plen=64 kv=
+  cfg=${spec%%:*} seed=${spec##*:} run=$PREFIX-${spec%%:*}-s${spec##*:} model=$MODEL steps=${STEPS:-100} plen=64 kv= tis=token
+  [ -f "$OUT/$run.done" ] && { echo "$run: done before, skipped"; continue; }
+  case $cfg in *-notis) cfg=${cfg%-notis} tis=off ;; *-mis) cfg=${cfg%-mis} tis=mis ;; esac
   [ "${cfg%+kv}" != "$cfg" ] && cfg=${cfg%+kv} kv=fp8
   if [ "${cfg#moe-}" != "$cfg" ]; then  # moe-CONFIG:SEED: the tiny random Qwen3-MoE (byte tokenizer), MOE_STEPS
     cfg=${cfg#moe-} steps=${MOE_STEPS:-20} plen=256
@@ -33,7 +42,7 @@ for spec in "$@"; do
   fi
   (
     for try in 1 2 3; do  # verl picks torch.distributed's port at random: runs side by side may collide
-    FLASHRL_CONFIG=$cfg FLASHRL_KV_CACHE_DTYPE=$kv SEED=$seed OUT=$OUT FINAL_CHECK=1 VLLM_CACHE_ROOT=/root/vc/$run \
+    FLASHRL_CONFIG=$cfg FLASHRL_KV_CACHE_DTYPE=$kv SEED=$seed OUT=$OUT FINAL_CHECK=1 VLLM_CACHE_ROOT=/root/vc/$run TIS=$tis \
       RUN=$run MODEL=$model STEPS=$steps PROMPT_LEN=$plen CHECK_EVERY=${CHECK_EVERY:-10} \
       bash scripts/private_tmp.sh "/root/tmp/$run" bash "$RECIPE_SH" \
       +ray_kwargs.ray_init._temp_dir=/tmp/ray_$run +ray_kwargs.ray_init.include_dashboard=False \
@@ -48,8 +57,13 @@ for spec in "$@"; do
     mv "$OUT/$run.log" "$OUT/$run.try$try.log"; sleep $(( RANDOM % 20 + 5 ))
     done
     FLASHRL_CONFIG=$cfg FLASHRL_KV_CACHE_DTYPE=$kv VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
-      python3 examples/verl/final_check.py "$OUT" "$run" "${CHECK_ARGS[@]}" > "$OUT/$run.check.log" 2>&1
+      python3 examples/verl/final_check.py "$OUT" "$run" --data "$DATA" "${CHECK_ARGS[@]}" > "$OUT/$run.check.log" 2>&1
     echo "check exit $?" >> "$OUT/$run.log"
+    if [ "${HELDOUT:-0}" = 1 ]; then
+      VLLM_CACHE_ROOT=/root/vc/$run-heldout python3 examples/verl/heldout_eval.py "$OUT" "$run" --data "$DATA" \
+        --model "$model" --delete > "$OUT/$run.heldout.log" 2>&1
+      echo "heldout exit $?" >> "$OUT/$run.log"
+    fi
     touch "$OUT/$run.done"
   ) &
   sleep "${STAGGER:-20}"   # start-ups one after another (compile, memory checks)

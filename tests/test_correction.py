@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from flashrl_tools.correction import MODES, correction_metrics, importance_weights
+from flashrl_tools.correction import MODES, correction_metrics, importance_weights, mismatch_metrics
 
 L = math.log
 
@@ -160,6 +160,29 @@ def test_identical_to_verl_offpolicy_metrics_and_geometric_filter():
     kept_verl = (keep * mask).sum(-1) > 0
     assert kept_ours.any() and not kept_ours.all()  # the bounds actually split this batch
     assert torch.equal(kept_ours, kept_verl)
+
+
+def test_verl_hook_adds_token_metrics_to_verls_step_metrics(monkeypatch):
+    """flashrl_tools/verl_metrics.py, the Ray setup hook issue 44's runs install: verl's own entry point (with
+    TIS off, as an arm without correction runs it) returns verl's metrics plus the token-level mean and p99
+    |d log p| and the share of ratios above 2, equal to mismatch_metrics; installing twice wraps once."""
+    h = _verl()
+    from flashrl_tools import verl_metrics
+
+    monkeypatch.setattr(h, "compute_offpolicy_metrics", h.compute_offpolicy_metrics)  # restored after the test
+    verl_metrics.install()
+    wrapped = h.compute_offpolicy_metrics
+    verl_metrics.install()
+    assert h.compute_offpolicy_metrics is wrapped
+    train, rollout, mask = _random_inputs(seed=3)
+    rollout = torch.nan_to_num(rollout, nan=-1.0)
+    _, _, metrics = h.compute_rollout_correction_and_rejection_mask(train, rollout, mask.float(), rollout_is=None)
+    ours = mismatch_metrics(train, rollout, mask)
+    assert metrics["rollout_corr/flashrl_abs_logp_diff_mean"] == pytest.approx(ours.mean_abs_log_ratio, rel=1e-6)
+    assert metrics["rollout_corr/flashrl_abs_logp_diff_p99"] == pytest.approx(ours.p99_abs_log_ratio, rel=1e-6)
+    assert metrics["rollout_corr/flashrl_ratio_above_2"] == pytest.approx(ours.tis_truncated_frac)
+    assert 0 < ours.tis_truncated_frac < 1 and ours.p99_abs_log_ratio > ours.mean_abs_log_ratio
+    assert "rollout_corr/kl" in metrics and "rollout_corr/rollout_is_mean" not in metrics  # verl's own, no TIS
 
 
 def test_all_modes_listed():

@@ -61,7 +61,7 @@ def test_recipe_composes_into_a_verl_config(default_model, tmp_path):
         "sys.argv = ['main_ppo', '--cfg', 'job'] + sys.argv[1:]\n"
         "runpy.run_module('verl.trainer.main_ppo', run_name='__main__')\n")
     env = {**os.environ, "FLASHRL_CONFIG": "int8", "SEED": "3", "STEPS": "4", "OUT": str(tmp_path / "run"),
-           "FINAL_CHECK": "1",
+           "FINAL_CHECK": "1", "HELDOUT": "1", "LEVEL": "mul21", "TIS": "mis",
            "MODEL": str(default_model), "VERL_MAIN": f"{sys.executable} {wrapper}",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     res = subprocess.run(["bash", str(REPO / "examples" / "verl" / "run_grpo_smollm2.sh")], env=env,
@@ -73,8 +73,10 @@ def test_recipe_composes_into_a_verl_config(default_model, tmp_path):
     rollout = cfg["actor_rollout_ref"]["rollout"]
     assert rollout["name"] == "vllm" and rollout["n"] == 8 and rollout["seed"] == 3
     assert rollout["free_cache_engine"] is True  # verl's hybrid engine sleeps between rollouts
+    # TIS=mis: token-level masking outside [0.5, 2] (verl's IcePop form), not truncation
     assert cfg["algorithm"]["rollout_correction"]["rollout_is"] == "token"
-    assert cfg["algorithm"]["rollout_correction"]["rollout_is_threshold"] == 2.0
+    assert cfg["algorithm"]["rollout_correction"]["rollout_is_threshold"] == "0.5_2.0"
+    assert cfg["ray_kwargs"]["ray_init"]["runtime_env"]["worker_process_setup_hook"] == "flashrl_tools.verl_metrics.install"
     assert cfg["trainer"]["total_training_steps"] == 4 and cfg["trainer"]["n_gpus_per_node"] == 1
     assert cfg["reward"]["custom_reward_function"]["path"] == str(REPO / "examples" / "verl" / "arith_reward.py")
     env_vars = cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
@@ -86,7 +88,14 @@ def test_recipe_composes_into_a_verl_config(default_model, tmp_path):
     assert cfg["trainer"]["default_local_dir"] == str(run / "ckpt-verl-int8-s3")
     assert cfg["trainer"]["validation_data_dir"] == str(run / "val-verl-int8-s3")
     assert cfg["actor_rollout_ref"]["actor"]["checkpoint"]["save_contents"] == ["hf_model"]
-    assert (tmp_path / "run" / "data" / "train.parquet").is_file()
+    assert cfg["trainer"]["max_actor_ckpt_to_keep"] is None  # HELDOUT=1: every checkpoint kept for the evaluation
+    assert cfg["data"]["train_files"] == str(run / "data-mul21" / "train.parquet")
+    import pandas as pd
+
+    assert pd.read_parquet(run / "data-mul21" / "test.parquet")["prompt"].map(lambda p: " * " in p[0]["content"]).all()
+    bad = subprocess.run(["bash", str(REPO / "examples" / "verl" / "run_grpo_smollm2.sh")], env={**env, "TIS": "yes"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "TIS=yes: use token, off or mis"
 
 
 @needs_verl
@@ -193,3 +202,63 @@ def test_arms_are_separable_only_when_their_95_intervals_are_apart():
     lo, hi = table["bf16"]["final_reward_ci95"]
     assert lo == pytest.approx(0.61 - 4.303 * 0.01 / 3 ** 0.5) and hi == pytest.approx(0.61 + 4.303 * 0.01 / 3 ** 0.5)
     assert rc.interval([0.5]) is None
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / "verl" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_heldout_evaluation_scores_every_checkpoint_into_the_log(tmp_path):
+    """examples/verl/heldout_eval.py without its engine (the GPU runs drive a BF16 vLLM engine through the same
+    code): the start model and every kept checkpoint in step order, scored at the split's level, written into
+    the run's log once (a second evaluation replaces the first, verl's lines and the final check kept), every
+    checkpoint but the last removed; rl_curves reads the accuracies; a run without checkpoints is refused."""
+    he = _example("heldout_eval")
+    _data_module().write(tmp_path / "data-mul21", 8, 6, seed=0, level="mul21")
+    prompts, answers, level = he.split(tmp_path / "data-mul21")
+    assert level == "mul21" and len(prompts) == len(answers) == 6 and prompts[0][0]["role"] == "user"
+    for step in (10, 5):
+        (tmp_path / "ckpt-r" / f"global_step_{step}" / "actor" / "huggingface").mkdir(parents=True)
+    (tmp_path / "ckpt-r" / "global_step_7").mkdir()  # no hf_model in it: not a checkpoint to evaluate
+    found = he.checkpoints(tmp_path / "ckpt-r")
+    assert [s for s, _ in found] == [5, 10]
+    log = tmp_path / "r.jsonl"
+    log.write_text("\n".join(json.dumps(x) for x in (
+        {"step": 1, "data": {"critic/score/mean": 0.1}}, {"step": 5, "data": {"heldout/bf16_accuracy": 0.99}},
+        {"final_check": {"equal": True}})) + "\n")
+    right = {None: 1, 5: 3, 10: 6}  # prompts answered right by the start model and after steps 5 and 10
+    state = {"step": None}
+
+    def load(path):
+        state["step"] = int(path.parent.parent.name.rsplit("_", 1)[1])
+
+    def generate():
+        n = right[state["step"]]
+        return [f"{a} * 1 = {a}" if i < n else f"It is {int(a) + 1}" for i, a in enumerate(answers)]
+    acc = he.evaluate(generate, load, [(0, None)] + found, answers, level, delete_upto=10)
+    he.rewrite_log(log, acc)
+    assert acc == {s: {he.KEY: n / 6, "heldout/prompts": 6} for s, n in ((0, 1), (5, 3), (10, 6))}
+    assert not (tmp_path / "ckpt-r" / "global_step_5").exists() and found[-1][1].is_dir()
+    state["step"] = None  # evaluated again (a resumed job): the kept checkpoint's line replaced, step 5's kept
+    again = he.evaluate(generate, load, [(0, None)] + he.checkpoints(tmp_path / "ckpt-r"), answers, level,
+                        delete_upto=10)
+    he.rewrite_log(log, again)
+    assert sorted(again) == [0, 10]
+    rows = [json.loads(x) for x in log.read_text().splitlines()]
+    assert sum(he.KEY in r.get("data", {}) for r in rows) == 3 and {"final_check": {"equal": True}} in rows
+    rc = _bench("rl_curves")
+    steps, final = rc.read_log(log)
+    assert [(r["step"], r["heldout_acc"]) for r in steps] == [(0, 1 / 6), (1, None), (5, 0.5), (10, 1.0)]
+    assert final == {"equal": True}
+    with pytest.raises(SystemExit, match="no checkpoints in .*ckpt-missing: run the recipe with FINAL_CHECK=1"):
+        he.main([str(tmp_path), "missing"])
+
+
+def _bench(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="the recipe's OUT directory")
     ap.add_argument("run", help="the run's name, e.g. verl-int8-s0")
     ap.add_argument("--max-tokens", type=int, default=32, help="the recipe's max_response_length")
+    ap.add_argument("--data", type=Path, default=None, help="the run's data directory (default OUT/data; "
+                    "OUT/data-LEVEL for a LEVEL other than add1)")
     ap.add_argument("--last-sync", action="store_true", help="compare with the engine's last sync, without "
                     "verl's validation outputs (the fully-async recipe)")
     a = ap.parse_args(argv)
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
               if n in run_small and n in fresh_small}
     print("digest:", {k: v if k == "tensors" else len(v) for k, v in diff.items()}, flush=True)
     tok = llm.get_tokenizer()
-    prompts = val_prompts(tok, a.out / "data" / "test.parquet")
+    prompts = val_prompts(tok, (a.data or a.out / "data") / "test.parquet")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=a.max_tokens))
     ours = {tok.decode(p, skip_special_tokens=True): tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)

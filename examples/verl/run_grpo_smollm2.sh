@@ -8,6 +8,12 @@
 #   -> runs/verl/verl-int8-s0.jsonl (verl's file logger: reward, rollout_corr/*, timing_s/*)
 #   python benchmarks/rl_curves.py --out docs/rl/verl-smollm2 bf16/0=runs/verl/verl-bf16-s0.jsonl ...
 #
+# LEVEL picks the task (examples/arith_task.py LEVELS; default add1, the one every config saturates; issue
+# 44's runs use a harder one). TIS=token (default: truncated IS, C = 2) | off (no correction; verl still
+# logs the mismatch) | mis (token-level masking outside [0.5, 2], verl's IcePop). Every run logs the
+# token-level mismatch (flashrl_tools/verl_metrics.py: mean and p99 |d log p|, ratios above 2).
+# HELDOUT=1 (with FINAL_CHECK=1) keeps every CHECK_EVERY checkpoint for examples/verl/heldout_eval.py.
+#
 # FINAL_CHECK=1 keeps what examples/verl/final_check.py compares after the run: the actor's weights
 # (verl's hf_model checkpoint, OUT/ckpt-RUN, at the last step and every CHECK_EVERY steps, so a run
 # cut short can still be checked), the rollout engine's weight digest after every sync
@@ -22,15 +28,23 @@ STEPS=${STEPS:-100}
 BATCH=${BATCH:-32}       # prompts per step (x N=8 completions)
 OUT=$(realpath -m "${OUT:-runs/verl}")   # absolute: verl's driver and workers are Ray actors
 MODEL=${MODEL:-$(python3 -m flashrl_tools models default)}
-DATA=$OUT/data
-[ -f "$DATA/train.parquet" ] || python3 examples/verl/arith_data.py "$DATA" --train $((STEPS * BATCH)) --seed 0 >/dev/null
+LEVEL=${LEVEL:-add1}
+DATA=$OUT/data; [ "$LEVEL" = add1 ] || DATA=$OUT/data-$LEVEL
+[ -f "$DATA/train.parquet" ] || python3 examples/verl/arith_data.py "$DATA" --train $((STEPS * BATCH)) --seed 0 \
+  --level "$LEVEL" >/dev/null
+case ${TIS:-token} in
+  token) CORR=(algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2.0) ;;
+  off)   CORR=(algorithm.rollout_correction.rollout_is=null) ;;
+  mis)   CORR=(algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold='"0.5_2.0"') ;;
+  *) echo "TIS=${TIS}: use token, off or mis" >&2; exit 2 ;;
+esac
 TAG=$(basename "$FLASHRL_CONFIG" .yaml)
 RUN=${RUN:-verl-$TAG-s$SEED}
 export VERL_FILE_LOGGER_PATH=${VERL_FILE_LOGGER_PATH:-$OUT/$RUN.jsonl}
 CHECK=()
 if [ "${FINAL_CHECK:-0}" = 1 ]; then  # every CHECK_EVERY steps and at the last (only the latest kept)
   CHECK=(trainer.save_freq="${CHECK_EVERY:-$STEPS}" "actor_rollout_ref.actor.checkpoint.save_contents=['hf_model']"
-         trainer.max_actor_ckpt_to_keep=1
+         trainer.max_actor_ckpt_to_keep="$([ "${HELDOUT:-0}" = 1 ] && echo null || echo 1)"
          trainer.default_local_dir="$OUT/ckpt-$RUN" trainer.test_freq="${CHECK_EVERY:-$STEPS}"
          trainer.validation_data_dir="$OUT/val-$RUN"
          +ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_SYNC_DIGEST="$OUT/digest-$RUN")
@@ -55,8 +69,8 @@ $MAIN \
   actor_rollout_ref.rollout.calculate_log_probs=True \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 \
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64 \
-  algorithm.rollout_correction.rollout_is=token \
-  algorithm.rollout_correction.rollout_is_threshold=2.0 \
+  "${CORR[@]}" \
+  +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=flashrl_tools.verl_metrics.install \
   reward.custom_reward_function.path="$PWD/examples/verl/arith_reward.py" reward.custom_reward_function.name=compute_score \
   +ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG="$FLASHRL_CONFIG" \
   trainer.logger='["console","file"]' trainer.project_name=flashrl trainer.experiment_name="grpo-$TAG-s$SEED" \
