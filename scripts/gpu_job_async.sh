@@ -10,8 +10,9 @@
 #            (int8, fp8 + FP8 KV; rollouter and trainer on a GPU each; long responses, staleness 2: syncs land
 #            on requests in flight -> partial rollouts) with the after-run fresh-engine check
 #   GPU 1    benchmarks, one after another: async_stream on SGLang with fa3 (7B), wire_sync through CUDA IPC
-#   both     vLLM wire: TP = 2 MoE int8 (recording the MoE quant configs' scale copies) and the calibrated YAML
-# -> RES/{sgl,vwire}/ (gpu_tests.sh), RES/verl/, RES/bench/; RES/SESSIONDONE when all finished.
+#   both     vLLM wire: TP = 2 MoE int8 (recording the MoE quant configs' scale copies) and the calibrated YAML;
+#            then the calibrated YAML updated in flight on vLLM (keep, abort)
+# -> RES/{sgl,vwire,vinfl}/ (gpu_tests.sh), RES/verl/, RES/bench/; RES/SESSIONDONE when all finished.
 set -uo pipefail
 RES=${1:?usage: gpu_job_async.sh RES}
 cd "$(dirname "$0")/.." || exit 1
@@ -38,5 +39,9 @@ sgl=$!
 W="$G/test_vllm_wire.py"
 FLASHRL_GPU_SQ=/root/sq GPU_WORK=/root/w/vwire TEST_GROUPS="vwire:2:vllm:$W::test_two_gpu_paths_equal_an_engine_side_sync[tp2-moe-int8] $W::test_a_calibrated_yaml_over_the_wire_equals_an_engine_side_sync[sq-int8]" \
   bash scripts/gpu_tests.sh "$RES/vwire"
+# then, in the same work directory (the calibrated checkpoint and profile already built there): the calibrated
+# YAML updated in flight (keep, abort)
+FLASHRL_GPU_SQ=/root/sq GPU_WORK=/root/w/vwire TEST_GROUPS="vinfl:2:vllm:$G/test_vllm_inflight.py::test_calibrated_yaml_inflight_update" \
+  bash scripts/gpu_tests.sh "$RES/vinfl"
 wait $sgl $bench
 touch "$RES/SESSIONDONE"

@@ -5,11 +5,11 @@ every CHECK_EVERY steps) and the model the run started from (step 0).
     python examples/verl/heldout_eval.py runs/verl verl-int8-s0 --data runs/verl/data-mul21 [--delete]
 
 One BF16 vLLM engine (FLASHRL_CONFIG=bf16 whatever the run's config: the runtime's syncs, which equal a fresh
-engine) starts on the start model; each checkpoint's tensors are pushed into it with `load_weights`, then the held-out split (`DATA/test.parquet`, the prompts as verl's agent loop tokenizes them)
-is answered greedily and scored with examples/arith_task.py at the split's level. The accuracies are written
-into the run's log as `{"step": N, "data": {"heldout/bf16_accuracy": ...}}` lines (benchmarks/rl_curves.py
-reads them; earlier held-out lines of the same steps are replaced, the file is rewritten through a
-temporary file).
+engine) starts on the start model; each checkpoint's tensors are pushed into it with `load_weights`, then
+the held-out split (`DATA/test.parquet`, the prompts as verl's agent loop tokenizes them) is answered greedily
+and scored with examples/arith_task.py at the split's level. The accuracies are written into the run's log as
+`{"step": N, "data": {"heldout/bf16_accuracy": ...}}` lines (benchmarks/rl_curves.py reads them; earlier
+held-out lines of the same steps are replaced, the file is rewritten through a temporary file).
 `--delete` removes each checkpoint once evaluated, but the last (final_check.py reads it).
 """
 

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,10 @@ IPC = ["keep-int8-ipc=wire", "abort-int8+kv-ipc=wire-packed", "keep-fp8-ipc=bf16
 # `-nccl=HOW` (two GPUs): the same through vLLM's NCCL engine, the probe the trainer on GPU 1
 NCCL = ["keep-int8-nccl=wire-packed", "abort-int8+kv-nccl=wire", "keep-moe-fp8-nccl=bf16"]
 TWO_GPUS = torch.cuda.device_count() >= 2
+# `sq-int8` (FLASHRL_GPU_SQ: scripts/gpu_stage_sq.sh): the calibrated YAML (SmoothQuant checkpoint + profile on
+# SmolLM2, tests/gpu/lifecycle.py make_sq); compared with the same engine synced with nothing in flight
+SQ = Path(os.environ["FLASHRL_GPU_SQ"]) if os.environ.get("FLASHRL_GPU_SQ") else None
+CALIBRATED = ["keep-sq-int8", "abort-sq-int8"]
 CASES = KEEP + ["keepclear-int8", "keepclear-int8+kv", "abort-bf16", "abort-int8", "abort-fp8", "abort-int8+kv",
                 "abort-moe-fp8", "wait-int8", "wait-int8+kv"] + IPC
 
@@ -47,8 +52,14 @@ def run_case(case: str, work) -> dict:
     config = rest.removeprefix("moe-")
     kv = config.endswith("+kv")
     config = config.removesuffix("+kv")
-    orig, pert = h.model_pair(work, "qwen3_moe" if moe else "qwen2")
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
+    if config == "sq-int8":
+        from lifecycle import make_sq
+
+        orig, pert, yaml = make_sq(work, SQ)[:3]
+        config = str(yaml)
+    else:
+        orig, pert = h.model_pair(work, "qwen3_moe" if moe else "qwen2")
     env.update(FLASHRL_CONFIG=config, VLLM_ALLOW_INSECURE_SERIALIZATION="1", **({"FLASHRL_KV_CACHE_DTYPE": "fp8"}
                                                                                  if kv else {}))
     engine = {**h.VLLM_ENGINE, "enforce_eager": not compiled}
@@ -56,6 +67,7 @@ def run_case(case: str, work) -> dict:
             "--mode", "keep" if mode == "keepclear" else mode, "--engine-args", json.dumps(engine),
             "--prefix", json.dumps(h.SEQS[0] * 6), "--tokens", "96", "--requests", "8", "--pause-after", "12"]
     args += ["--clear-cache"] if mode == "keepclear" else []
+    args += ["--reference", "sync"] if config.endswith(".yaml") else []
     args += ["--floor"] if kv and mode == "keep" else []
     if ipc or nccl:  # CUDA IPC needs the engine core in a process of its own (NCCL: GPU 0, the trainer GPU 1)
         args += ["--ipc", ipc] if ipc else ["--nccl", nccl]
@@ -74,11 +86,18 @@ def run_case(case: str, work) -> dict:
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    return h.module_rows(request, CASES + (NCCL if TWO_GPUS else []), run_case, gpu_work, gpu_jobs, "vllm_inflight")
+    return h.module_rows(request, CASES + (NCCL if TWO_GPUS else []) + (CALIBRATED if SQ else []), run_case,
+                         gpu_work, gpu_jobs, "vllm_inflight")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_inflight_update(rows, case):
+    h.assert_exact(rows[case])
+
+
+@pytest.mark.skipif(SQ is None, reason="FLASHRL_GPU_SQ is not set (the staged SmoothQuant profile: scripts/gpu_stage_sq.sh)")
+@pytest.mark.parametrize("case", CALIBRATED)
+def test_calibrated_yaml_inflight_update(rows, case):
     h.assert_exact(rows[case])
 
 

@@ -19,8 +19,10 @@ the FP8 cache's own effect on logprobs, beside which the kept requests' stale-KV
 With --ipc the full push comes from this process's GPU through vLLM's CUDA-IPC engine (BF16 or the trainer's
 8-bit tensors, packed or not; the engine core runs in its own process).
 With --nccl (two GPUs) the same through vLLM's NCCL engine, this process the trainer on GPU 1.
+With --reference sync (a calibrated YAML, which serves its own checkpoint) the reference is an engine started on A
+and synced to B with nothing in flight.
 Usage: python inflight_probe.py A B --mode keep|abort|wait [--clear-cache] [--floor] [--ipc HOW | --nccl HOW]
-       [--engine-args JSON]
+       [--engine-args JSON] [--reference fresh|sync]
 """
 
 import argparse
@@ -41,7 +43,7 @@ def prompt(i: int) -> list[int]:
 
 async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, requests: int, tokens: int,
               pause_after: int, floor: bool = False, transfer: bool = False, ipc: str | None = None,
-              nccl: str | None = None) -> dict:
+              nccl: str | None = None, reference: str = "fresh") -> dict:
     from vllm import SamplingParams
 
     from flashrl_tools.runtime.core.session import SyncIncomplete
@@ -134,7 +136,13 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
     engine.shutdown()
 
     phase("fresh engine")
-    fresh = start(b, engine_args)
+    if reference == "sync":  # a calibrated YAML serves its own checkpoint: the reference is an engine started
+        # the same way and synced to B with nothing in flight (= a fresh engine on B's calibrated checkpoint,
+        # tests/gpu/test_vllm_lifecycle.py)
+        fresh = start(a, engine_args)
+        await fresh.collective_rpc(push_checkpoint(b))
+    else:
+        fresh = start(b, engine_args)
     fresh_out = {"during": prompt(50), "after": prompt(60), "repeat0": prompt(0)}
     res["admitted_equal_fresh"] = {}
     for r, ids in fresh_out.items():
@@ -303,6 +311,8 @@ if __name__ == "__main__":
     ap.add_argument("--nccl", choices=("bf16", "bf16-packed", "wire", "wire-packed"),
                     help="the full push from GPU 1 through vLLM's NCCL engine (two GPUs)")
     ap.add_argument("--prefix", type=json.loads, help="the shared prefix's token ids (JSON; default: 72 tokens)")
+    ap.add_argument("--reference", choices=("fresh", "sync"), default="fresh", help="what the requests are compared "
+                    "with: a fresh engine on B, or (a calibrated YAML) an engine on A synced to B with nothing in flight")
     x = ap.parse_args()
     if x.prefix:
         PREFIX[:] = x.prefix
@@ -313,7 +323,8 @@ if __name__ == "__main__":
         subprocess.run([sys.executable, "-c", "import sys; from flashrl_tools.verify.perturb import perturb; "
                         "perturb(sys.argv[1], sys.argv[2])", x.a, x.b], check=True)
     print("RESULT" + json.dumps(asyncio.run(run(x.a, x.b, x.mode, x.clear_cache, x.engine_args, x.requests, x.tokens,
-                                                x.pause_after, x.floor, x.transfer, x.ipc, x.nccl))),
+                                                x.pause_after, x.floor, x.transfer, x.ipc, x.nccl,
+                                                x.reference))),
           flush=True)
     from flashrl_tools.verify.engine_job import exit_engine_process
 
