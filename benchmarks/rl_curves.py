@@ -183,7 +183,12 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
     def present(key):
         return any(r[key] is not None for steps in runs.values() for r in steps)
     panels = [(next(k for k in keys if present(k)), name) for keys, name in panels if any(map(present, keys))]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    rows = 1 if len(panels) <= 4 else 2
+    cols = math.ceil(len(panels) / rows)
+    fig, grid = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    axes = [[ax for row in grid for ax in row]]
+    for ax in axes[0][len(panels):]:
+        ax.set_visible(False)
     by_config: dict[str, list[list[dict]]] = {}
     for label, steps in runs.items():
         by_config.setdefault(label.split("/")[0], []).append(steps)

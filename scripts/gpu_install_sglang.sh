@@ -12,6 +12,11 @@ if [ ! -d /tmp/site_sgl/sglang ]; then
   [ "$(md5sum /tmp/sgl.tar.xz | cut -d' ' -f1)" = "$(cat "$DIR"/s1/sgl.md5)" ] || { echo "sgl bundle: md5 mismatch"; exit 1; }
   mkdir -p /tmp/site_sgl && tar -C /tmp/site_sgl -xJf /tmp/sgl.tar.xz && rm /tmp/sgl.tar.xz
 fi
+if ls "$DIR"/fa3/f*/fa3.part.* >/dev/null 2>&1 && [ ! -f /tmp/site_sgl/sgl_kernel/flash_ops.abi3.so ]; then
+  cat "$DIR"/fa3/f*/fa3.part.* > /tmp/fa3.xz  # FA3=1 staging: SGLang's fa3 attention backend
+  [ "$(md5sum /tmp/fa3.xz | cut -d' ' -f1)" = "$(cat "$DIR"/fa3/f1/fa3.md5)" ] || { echo "fa3: md5 mismatch"; exit 1; }
+  xz -dc /tmp/fa3.xz > /tmp/site_sgl/sgl_kernel/flash_ops.abi3.so && rm /tmp/fa3.xz
+fi
 if ls "$DIR"/x/*.whl >/dev/null 2>&1; then
   need=$(PYTHONPATH=/tmp/site_sgl:/tmp/site python3 - "$DIR"/x/*.whl <<'PY'
 import importlib.metadata as md, os, sys

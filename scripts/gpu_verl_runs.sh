@@ -21,6 +21,9 @@ OUT=${1:?usage: gpu_verl_runs.sh OUT CONFIG:SEED ...}; shift
 cd "$(dirname "$0")/.." || exit 1
 source scripts/gpu_env.sh
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=2
+# every process would start a BLAS / OpenMP pool as wide as the host: a dozen verl runs side by side ran out of
+# threads on a 64-core host (2026-11-26: "pthread_create failed: Resource temporarily unavailable", runs lost)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 unset VLLM_ENABLE_V1_MULTIPROCESSING   # verl runs vLLM's engine core as its own process
 mkdir -p "$OUT"
 MODEL=$(python3 -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())"); export MODEL

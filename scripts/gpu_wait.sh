@@ -16,7 +16,7 @@ while [ "$(date +%s)" -lt "$end" ]; do
 done
 pack
 cat "$RES"/session.log 2>/dev/null | tail -n 5
-for f in "$RES"/trl/*.log "$RES"/verl/*.log "$RES"/async/verl/async-*.log "$RES"/check.log; do
+for f in "$RES"/trl/*.log "$RES"/verl/*.log "$RES"/j01/verl/async-*.log "$RES"/check.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
 done
 for f in "$RES"/arms-*/*.jsonl; do  # issue 44's arms: steps logged, held-out lines, final check

@@ -117,7 +117,7 @@ def test_fully_async_recipe_composes_into_a_verl_config(default_model, tmp_path)
         "    pass\n"
         "sys.argv = ['fully_async_main', '--cfg', 'job'] + sys.argv[1:]\n"
         "main()\n")
-    env = {**os.environ, "FLASHRL_CONFIG": "int8", "FLASHRL_KV_CACHE_DTYPE": "fp8", "STEPS": "4",
+    env = {**os.environ, "FLASHRL_CONFIG": "int8", "FLASHRL_KV_CACHE_DTYPE": "fp8", "STEPS": "4", "ROLLOUT_MAX_SEQS": "4",
            "OUT": str(tmp_path / "run"), "MODEL": str(default_model), "VERL_MAIN": f"{sys.executable} {wrapper}",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     res = subprocess.run(["bash", str(REPO / "examples" / "verl" / "run_fully_async_smollm2.sh")], env=env,
@@ -128,6 +128,7 @@ def test_fully_async_recipe_composes_into_a_verl_config(default_model, tmp_path)
     cfg = yaml.safe_load(res.stdout)
     rollout = cfg["actor_rollout_ref"]["rollout"]
     assert rollout["name"] == "vllm" and rollout["mode"] == "async" and rollout["calculate_log_probs"] is True
+    assert rollout["max_num_seqs"] == 4  # a rollouter slower than the trainer: syncs land on requests in flight
     assert rollout["checkpoint_engine"]["backend"] == "nccl"
     assert cfg["actor_rollout_ref"]["hybrid_engine"] is False  # its trainer and rollouter assert it
     assert cfg["async_training"]["partial_rollout"] is True and cfg["async_training"]["trigger_parameter_sync_step"] == 1

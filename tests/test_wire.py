@@ -143,6 +143,58 @@ def test_a_smoothquant_profile_is_converted_once(default_model, smoothquant_chec
     assert any(not torch.equal(expected[n], bf16[n]) for n in norms)  # the profile rescaled norms (once)
 
 
+REFUSED_THEN_BF16 = """
+import json, os, sys
+from vllm import LLM
+from flashrl_tools.runtime.core.convert import CONVERTED
+from flashrl_tools.runtime.core.digest import model_digest
+from flashrl_tools.safetensors_io import CheckpointReader
+from flashrl_tools.verify.engine_job import push_checkpoint
+from flashrl_tools.wire import engine_tensors
+
+policy, new = sys.argv[1], sys.argv[2]
+llm = LLM(model=policy, dtype="bfloat16", max_model_len=256, enforce_eager=True)
+wire = dict(p for b in engine_tensors(CheckpointReader(new).iter_tensors(), policy) for p in b)
+name = next(n for n, t in wire.items() if t.element_size() == 1 and f"{n}_scale" in wire)
+bad = [(CONVERTED, wire[CONVERTED]), (name, wire[name]), (f"{name}_scale", wire[f"{name}_scale"][:1])]
+
+
+def refuse(worker):
+    try:
+        worker.model_runner.model.load_weights(bad)
+    except Exception as e:
+        return str(e)
+
+
+digest = lambda w: model_digest(w.model_runner.model, "vllm")  # noqa: E731
+llm.collective_rpc(push_checkpoint(new))
+before = llm.collective_rpc(digest)[0]
+refusal = llm.collective_rpc(refuse)[0]
+llm.collective_rpc(push_checkpoint(new))
+print("RESULT" + json.dumps({"refusal": refusal, "equal": llm.collective_rpc(digest)[0] == before}))
+"""
+
+
+def test_a_refused_calibrated_push_leaves_nothing_behind(default_model, smoothquant_checkpoint, sq_profile, tmp_path):
+    """A calibrated engine refuses a converted sync's mismatched 8-bit tensor in one line (the shape check, past
+    `flashrl.converted`); the BF16 sync pushed after it is converted on the engine again: equal to the same BF16
+    sync before the refusal (a CONVERTED left over would take the BF16 tensors as converted ones)."""
+    from flashrl_tools.verify.perturb import perturb
+
+    new = tmp_path / "new"
+    perturb(default_model, new, seed=1, match=("",))
+    config = tmp_path / "sq.yaml"
+    config.write_text(f"version: 1\nconfigs:\n- fn: int8\n  model: {smoothquant_checkpoint}\n  profile: {sq_profile[0]}\n")
+    env = {**os.environ, "FLASHRL_CONFIG": str(config), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    res = subprocess.run([sys.executable, "-c", REFUSED_THEN_BF16, str(default_model), str(new)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line is not None, res.stdout[-2000:] + res.stderr[-3000:]
+    got = json.loads(line[len("RESULT"):])
+    assert "does not match this engine's int8 format" in got["refusal"] and "expected" in got["refusal"], got
+    assert got["equal"], got
+
+
 def test_every_tensor_goes_out_on_the_trainers_device(monkeypatch):
     """CUDA IPC shares CUDA tensors only (vLLM's receiver rebuilds each from its CUDA handle): the marker of a
     converted sync and a profile's own tensors (loaded on the CPU) go out where the trainer's tensors are. On

@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="the model the run started from (default: the embedded one)")
     ap.add_argument("--max-tokens", type=int, default=32, help="the recipe's max_response_length")
     ap.add_argument("--delete", action="store_true", help="remove each checkpoint once evaluated, but the last")
+    ap.add_argument("--log", type=Path, default=None, help="where the lines go (default OUT/RUN.jsonl; another file "
+                    "while the run still writes its log)")
     a = ap.parse_args(argv)
     data = a.data or a.out / "data"
     found = checkpoints(a.out / f"ckpt-{a.run}")
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
 
     steps = [(0, None)] + found
     accuracies = evaluate(generate, load, steps, answers, level, delete_upto=found[-1][0] if a.delete else None)
-    rewrite_log(a.out / f"{a.run}.jsonl", accuracies)
+    rewrite_log(a.log or a.out / f"{a.run}.jsonl", accuracies)
     return 0
 
 

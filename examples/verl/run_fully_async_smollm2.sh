@@ -8,8 +8,11 @@
 #
 #   FLASHRL_CONFIG=int8 STEPS=20 bash examples/verl/run_fully_async_smollm2.sh
 #   FLASHRL_CONFIG=fp8 FLASHRL_KV_CACHE_DTYPE=fp8 bash examples/verl/run_fully_async_smollm2.sh
-#   MAX_RESPONSE_LEN=256 STALENESS=2 ...   # the rollouter always busy: syncs land on requests in flight
-#                                          # (verl aborts them and resumes each as prompt + its tokens)
+#   ROLLOUT_MAX_SEQS=4 MAX_RESPONSE_LEN=256 STALENESS=2 ...
+#       partial rollouts: verl aborts the requests in flight at a sync and resumes each as prompt + its tokens,
+#       but only a rollouter slower than the trainer has requests in flight then (a faster one waits at its
+#       staleness bound: 2026-11-26, 24 steps at vLLM's 256 sequences, 0 partial). vLLM decoding 4 sequences at
+#       a time makes this 135M rollouter the slower side.
 #   -> runs/verl-async/async-int8-s0.jsonl (verl's file logger)
 #
 # Extra arguments are verl (hydra) overrides. VERL_MAIN replaces `python3 -m
@@ -25,6 +28,7 @@ STEPS=${STEPS:-20}          # trainer steps (each a mini-batch of BATCH prompts 
 BATCH=${BATCH:-16}
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-32}
 STALENESS=${STALENESS:-0.5}  # how far the rollouter may run ahead of the trainer (verl: staleness_threshold)
+ROLLOUT_MAX_SEQS=${ROLLOUT_MAX_SEQS:-256}  # sequences vLLM decodes at once (verl's default 256)
 OUT=$(realpath -m "${OUT:-runs/verl-async}")   # absolute: verl's driver and workers are Ray actors
 MODEL=${MODEL:-$(python3 -m flashrl_tools models default)}
 DATA=$OUT/data
@@ -56,7 +60,7 @@ $MAIN \
   actor_rollout_ref.hybrid_engine=False \
   actor_rollout_ref.rollout.name=vllm \
   actor_rollout_ref.rollout.mode=async \
-  actor_rollout_ref.rollout.n=4 \
+  actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.max_num_seqs="$ROLLOUT_MAX_SEQS" \
   actor_rollout_ref.rollout.seed="$SEED" \
   actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
   actor_rollout_ref.rollout.gpu_memory_utilization=0.5 \

@@ -60,6 +60,12 @@ class WeightConverter:
         self._halves: dict[str, dict[str, torch.Tensor]] = {}  # pre-quantized weights awaiting their partner
         self.converted = False  # the trainer said this sync's tensors are converted (wire.py, profiles)
 
+    def end_push(self) -> None:
+        """A sync completed or a push was refused: this sync's CONVERTED and half-received pre-quantized pairs
+        do not carry over (the next sync says CONVERTED again, or is converted here)."""
+        self.converted = False
+        self._halves.clear()
+
     @classmethod
     def for_checkpoint(cls, fn: ConfigFn, loaded_dir: Path, profile_path: str | None) -> WeightConverter:
         """Derive what to quantize from the checkpoint the engine actually loaded (from the

@@ -134,6 +134,13 @@ class SyncSession:
         return self.state.completed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *args, **kwargs) -> set[str]:
+        try:
+            return self._load_weights(weights, *args, **kwargs)
+        except Exception:  # refused (a pre-quantized tensor is refused before any sync opens): nothing carries over
+            self.converter.end_push()
+            raise
+
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *args, **kwargs) -> set[str]:
         pending = self.converter.checkpoint_groups(weights, self.ignored)  # one list per trainer tensor
         loaded: set[str] = set()
         while (first := next(pending, None)) is not None:
@@ -149,7 +156,6 @@ class SyncSession:
                 loaded |= set(self.writer.load(converted, *args, **kwargs) or ())
             except Exception as e:
                 self.state.fail(f"{type(e).__name__}: {e}")
-                self.converter.converted = False
                 raise
             pending = itertools.chain(repeated, pending)
             if self.state.active and self.state.done():
@@ -178,7 +184,7 @@ class SyncSession:
         from flashrl_tools.runtime.core.digest import write_after_sync
 
         self.writer.finish()
-        self.converter.converted = False  # the next sync says it again, or is converted here
+        self.converter.end_push()
         self.state.complete()
         log.info("flashrl: weight sync %d complete (%d tensors)", self.state.completed, len(self.state.seen))
         write_after_sync(self.model, self.state.completed, self.engine, self.rank)  # FLASHRL_SYNC_DIGEST
