@@ -3,7 +3,7 @@
 # the vLLM bundle (../shared/gpu/build-vllm-bundle.sh, which brings flashinfer, xgrammar, openai,
 # fastapi, pyzmq, msgspec, ...). Downloads what SGLang's offline Engine and HTTP server need on top of
 # it and of the host's image, drops sglang-kernel's FA3 library (flash_ops: 1.1 GB unpacked; the engine
-# then runs attention_backend="triton"; FA3=1 stages it apart, OUT/fa3/fN/fa3.part.*, ~7 parts of 45 MB, for
+# then runs attention_backend="triton"; FA3=1 stages it apart, OUT/fa3/fN/fa3.part.*, 4 parts of 45 MB, for
 # the fa3 cases: copied to DIR/fa3/fN on the host) and its Blackwell (sm100) kernels, and writes
 #   OUT/s1/part.00, OUT/s2/part.01, ...  one xz tarball in <= 45 MB parts (one `run` carry each)
 #   OUT/x/*.whl   installed on the host only where it lacks them: IPython (+ deps; `import sglang`
@@ -25,7 +25,7 @@ python3 -m pip download -q --no-deps $PLAT -d "$W/whl" \
   orjson tiktoken pycryptodomex lxml zstandard ${EXTRA:-}
 mkdir -p "$W/site"
 for w in "$W"/whl/*.whl; do python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$w" "$W/site"; done
-if [ "${FA3:-0}" = 1 ]; then  # the FA3 library in parts of its own (OUT/fa3/fN: ~7 carries), for attention_backend="fa3"
+if [ "${FA3:-0}" = 1 ]; then  # the FA3 library in parts of its own (OUT/fa3/fN: 4 carries), for attention_backend="fa3"
   xz -T0 -6 -c "$W/site/sgl_kernel/flash_ops.abi3.so" > "$W/fa3.xz"
   (cd "$W" && split -b 45m -d fa3.xz fa3.part. && md5sum fa3.xz | cut -d' ' -f1 > fa3.md5)
 fi
