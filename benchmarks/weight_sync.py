@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import preset_options, run_worker  # noqa: E402
+from harness import preset_options, run_worker, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {"gpu": dict(shapes="7b,14b,32b", modes="native-bf16,bf16,fp8,int8", repeats=3),
@@ -108,7 +108,7 @@ def worker(spec: dict) -> dict:
               enforce_eager=not gpu, seed=0, enable_prefix_caching=False)
     runs = llm.collective_rpc(sync_in_worker(spec["model"], spec["native"], spec["repeats"]))[0]
     best = min(runs, key=lambda r: r["sync_s"])
-    return {"runs": runs, **best}
+    return {"runs": runs, **best, **vllm_settings(llm)}
 
 
 def run_one(spec: dict, mode: str) -> dict:

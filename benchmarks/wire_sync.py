@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import preset_options, run_worker  # noqa: E402
+from harness import preset_options, run_worker, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {"gpu": dict(shapes="7b,14b,32b", configs="int8,fp8_channel"),
@@ -108,8 +108,8 @@ def worker(spec: dict) -> dict:
               dtype="bfloat16", max_model_len=512, gpu_memory_utilization=spec["gpu_memory_utilization"],
               enforce_eager=True, seed=0, enable_prefix_caching=False, **ipc)  # a sync: no graphs needed
     if ipc:
-        return ipc_pushes(llm, spec["model"], spec["config"])
-    return llm.collective_rpc(push_in_worker(spec["model"], spec["config"]))[0]
+        return {**ipc_pushes(llm, spec["model"], spec["config"]), **vllm_settings(llm)}
+    return {**llm.collective_rpc(push_in_worker(spec["model"], spec["config"]))[0], **vllm_settings(llm)}
 
 
 def ipc_pushes(llm, model_path: str, config: str) -> dict:

