@@ -18,6 +18,7 @@ KV capacity (tokens; how many full-length sequences fit), peak device memory, ra
 
     python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step_7b.json
     python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
+    python benchmarks/rl_step.py --preset dapo      # Qwen3-8B / 7B / 14B, prompts of 1-2k tokens, responses <= 16k
 """
 
 from __future__ import annotations
@@ -41,7 +42,23 @@ PRESETS = {
                 max_len=8192),
     "cpu": dict(shapes="default", configs="bf16,int8,int8+kv", prompts=4, samples=4, prompt_len=64, max_len=128),
     "smoke": dict(shapes="tiny", configs="bf16,int8+kv", prompts=2, samples=3, prompt_len=16, max_len=48),
+    # issue 45's anchors (NeMo-RL's Qwen3-8B FP8 report, DAPO): prompts of 1-2k tokens, responses up to 16k
+    "dapo": dict(shapes="qwen3-8b,7b,14b", configs="bf16,int8+kv,fp8+kv", prompts=64, samples=8,
+                 prompt_len="1024-2048", max_len=16384),
 }
+
+
+def prompt_lengths(count: int, spec, seed: int = 0) -> list[int]:
+    """Each prompt's length: `spec` tokens (an int), or drawn uniformly from "LO-HI" (seeded: the same for every
+    config)."""
+    text = str(spec)
+    lo, sep, hi = text.partition("-")
+    if not (lo.isdigit() and (not sep or hi.isdigit())) or int(lo) < 1 or (sep and int(hi) < int(lo)):
+        raise ValueError(f"--prompt-len {text!r}: use N or LO-HI tokens (e.g. 1024 or 1024-2048)")
+    if not sep:
+        return [int(lo)] * count
+    rng = random.Random(seed + 7)
+    return [rng.randint(int(lo), int(hi)) for _ in range(count)]
 
 
 def output_lengths(count: int, cap: int, seed: int = 0, fixed: bool = False) -> list[int]:
@@ -80,7 +97,7 @@ def worker(spec: dict) -> dict:
     gpu = torch.cuda.is_available()
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["max_len"] + 8,
+              dtype="bfloat16", max_model_len=max(spec["prompt_lens"]) + spec["max_len"] + 8,
               gpu_memory_utilization=spec["gpu_memory_utilization"], enforce_eager=not gpu, seed=0,
               enable_prefix_caching=True, disable_log_stats=not spec.get("stats", False))
     start_s = time.perf_counter() - t0
@@ -91,7 +108,7 @@ def worker(spec: dict) -> dict:
 
     def rollout(step: int, cap: int) -> dict:
         rng = random.Random(1000 + step)  # new prompts every step, the same for every config
-        prompts = [[rng.randrange(10, vocab) for _ in range(spec["prompt_len"])] for _ in range(spec["prompts"])]
+        prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in spec["prompt_lens"]]
         reqs, params = [], []
         for i, length in enumerate(lengths):
             reqs.append({"prompt_token_ids": prompts[i // spec["samples"]]})
@@ -120,7 +137,7 @@ def worker(spec: dict) -> dict:
     second = rollout(1, spec["max_len"])
     memory = llm.collective_rpc(_device_memory)[0]
     return {"engine_start_s": start_s, "kv_cache_tokens": kv_tokens,
-            "full_length_seqs_in_kv": kv_tokens // (spec["prompt_len"] + spec["max_len"]),
+            "full_length_seqs_in_kv": kv_tokens // (max(spec["prompt_lens"]) + spec["max_len"]),
             "quantization": llm.llm_engine.vllm_config.model_config.quantization,
             "kv_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,
             "rollout_1": first, "rollout_2": second, "sync_s": sync["sync_s"], "convert_s": sync["convert_s"],
@@ -183,7 +200,7 @@ def main() -> None:
     ap.add_argument("--configs", help="bf16,fp8,int8,<yaml>; NAME+kv adds an FP8 KV cache")
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--samples", type=int, help="samples per prompt (GRPO group size)")
-    ap.add_argument("--prompt-len", type=int)
+    ap.add_argument("--prompt-len", help="tokens per prompt: N, or LO-HI drawn per prompt (the same for every config)")
     ap.add_argument("--max-len", type=int, help="cap of the output length distribution")
     ap.add_argument("--first-max-len", type=int, default=None,
                     help="cap of the output lengths of the rollout before the sync (default: --max-len; "
@@ -200,12 +217,16 @@ def main() -> None:
 
     opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
     lengths = output_lengths(opts["prompts"] * opts["samples"], opts["max_len"], fixed=a.fixed_len)
+    try:
+        plens = prompt_lengths(opts["prompts"], opts["prompt_len"])
+    except ValueError as e:
+        sys.exit(f"rl_step: {e}")
     rows = []
     for shape in opts["shapes"].split(","):
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "samples": opts["samples"],
-                    "prompt_len": opts["prompt_len"], "max_len": opts["max_len"], "gpu_memory_utilization": util,
+                    "prompt_lens": plens, "max_len": opts["max_len"], "gpu_memory_utilization": util,
                     "first_max_len": a.first_max_len, "fixed_len": a.fixed_len, "stats": a.stats}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)

@@ -1,4 +1,4 @@
-"""Model shapes for the GPU benchmarks: Qwen2.5 and Qwen3-MoE configs written as config-only
+"""Model shapes for the GPU benchmarks: Qwen2.5, Qwen3 and Qwen3-MoE configs written as config-only
 directories (vLLM `load_format="dummy"`), and the embedded model for CPU runs."""
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ QWEN25 = {
 }
 
 
+_QWEN3_COMMON = {**_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+                 "head_dim": 128, "attention_bias": False, "max_position_embeddings": 40960}
+QWEN3 = {
+    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,  # NeMo-RL's FP8 anchor
+                 "num_attention_heads": 32, "num_key_value_heads": 8},
+}
+
+
 _MOE_COMMON = {**_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                "vocab_size": 151936, "head_dim": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
                "norm_topk_prob": True, "attention_bias": False, "rope_theta": 1000000.0,
@@ -38,14 +46,16 @@ QWEN3_MOE = {
 
 
 def model_dir(shape: str, root: Path) -> tuple[Path, bool]:
-    """(model directory, dummy weights?) for a shape name: 7b | 14b | 32b | tiny | 30b-a3b |
-    moe-tiny | default."""
+    """(model directory, dummy weights?) for a shape name: 7b | 14b | 32b | tiny (Qwen2.5) | qwen3-8b |
+    30b-a3b | moe-tiny | default."""
     if shape == "default":
         from flashrl_tools.models import resolve_model
 
         return resolve_model("default"), False
     if shape in QWEN3_MOE:
         d, config = Path(root) / f"qwen3-moe-{shape}-shape", {**_MOE_COMMON, **QWEN3_MOE[shape]}
+    elif shape in QWEN3:
+        d, config = Path(root) / f"{shape}-shape", {**_QWEN3_COMMON, **QWEN3[shape]}
     else:
         d, config = Path(root) / f"qwen2.5-{shape}-shape", {**_COMMON, **QWEN25[shape]}
     d.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -98,6 +100,28 @@ def test_rl_step_fixed_lengths_are_the_cap():
 
     assert output_lengths(4, 8192, fixed=True) == [8192] * 4
     assert output_lengths(4, 8192) != [8192] * 4
+
+
+def test_rl_step_dapo_workload_prompt_lengths_and_the_qwen3_8b_shape(tmp_path):
+    """Issue 45's anchor workload: prompt lengths drawn in 1024-2048 (seeded: the same for every config), the
+    Qwen3-8B shape as a config-only model transformers reads; a malformed --prompt-len refused in one line."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rl_step import PRESETS, prompt_lengths
+    from shapes import model_dir
+    from transformers import AutoConfig
+
+    drawn = prompt_lengths(64, PRESETS["dapo"]["prompt_len"])
+    assert drawn == prompt_lengths(64, "1024-2048") and 1024 <= min(drawn) < max(drawn) <= 2048
+    assert prompt_lengths(3, 16) == [16, 16, 16]
+    with pytest.raises(ValueError, match="use N or LO-HI"):
+        prompt_lengths(3, "2048-1024")
+    path, dummy = model_dir("qwen3-8b", tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    assert dummy and config.model_type == "qwen3" and config.num_hidden_layers == 36 and config.head_dim == 128
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rl_step.py"), "--preset", "smoke",
+                          "--prompt-len", "16-x"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stderr.strip().endswith("use N or LO-HI tokens (e.g. 1024 or 1024-2048)")
+    assert "Traceback" not in bad.stderr
 
 
 def test_rl_step_rejects_unknown_config_suffix():
