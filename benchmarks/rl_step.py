@@ -112,7 +112,8 @@ def worker(spec: dict) -> dict:
         reqs, params = [], []
         for i, length in enumerate(lengths):
             reqs.append({"prompt_token_ids": prompts[i // spec["samples"]]})
-            params.append(SamplingParams(temperature=1.0, max_tokens=min(length, cap), ignore_eos=True, logprobs=0,
+            params.append(SamplingParams(temperature=1.0, max_tokens=min(length, cap), ignore_eos=True,
+                                         logprobs=0 if spec.get("logprobs", True) else None,
                                          seed=step * 100003 + i, detokenize=False))
         preempted = _preemptions(llm)
         t0 = time.perf_counter()
@@ -207,6 +208,8 @@ def main() -> None:
                          "a short one saves device time: the step is timed on the rollout after the sync)")
     ap.add_argument("--fixed-len", action="store_true",
                     help="every sample exactly --max-len tokens (with --prompts 1 --samples 1: the tail's floor)")
+    ap.add_argument("--no-logprobs", action="store_true",
+                    help="no sampling logprobs (what returning them costs; TIS needs them)")
     ap.add_argument("--stats", action="store_true",
                     help="vLLM's stat logging on; each rollout reports how many requests were preempted")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -227,7 +230,8 @@ def main() -> None:
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "samples": opts["samples"],
                     "prompt_lens": plens, "max_len": opts["max_len"], "gpu_memory_utilization": util,
-                    "first_max_len": a.first_max_len, "fixed_len": a.fixed_len, "stats": a.stats}
+                    "first_max_len": a.first_max_len, "fixed_len": a.fixed_len, "stats": a.stats,
+                    "logprobs": not a.no_logprobs}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)
@@ -237,14 +241,16 @@ def main() -> None:
 
     print_table(rows, f"RL step on {device}, vLLM {vllm.__version__}: {opts['prompts']} prompts x {opts['samples']} "
                       f"samples, {opts['prompt_len']} tokens in, out {min(lengths)}..{max(lengths)} "
-                      f"(mean {sum(lengths) / len(lengths):.0f}, cap {opts['max_len']}), T=1 + logprobs; "
+                      f"(mean {sum(lengths) / len(lengths):.0f}, cap {opts['max_len']}), T=1"
+                      f"{'' if a.no_logprobs else ' + logprobs'}; "
                       f"step = rollout after the sync + full sync")
     if a.json:
         from flashrl_tools.fsutil import atomic_write_text
 
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(a.json), json.dumps({
-            "device": device, "vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"), "settings": opts,
+            "device": device, "vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"),
+            "settings": {**opts, "logprobs": not a.no_logprobs},
             "gpu_memory_utilization": util, "output_lengths": {"count": len(lengths), "mean": sum(lengths) / len(lengths),
                                                                "max": max(lengths), "total": sum(lengths)},
             "rows": rows}, indent=1))
