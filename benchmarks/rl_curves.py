@@ -2,6 +2,7 @@
 how much faster is its step?
 
     python benchmarks/rl_curves.py --out docs/rl/verl-smollm2 bf16/0=logs/bf16-s0.jsonl int8/0=... ...
+    python benchmarks/rl_curves.py --out docs/rl/arms --dir benchmarks/results/verl_arms_mul21   # every run there
 
 Each RUN is CONFIG/SEED=PATH. PATH is a log of examples/trl_grpo.py (one JSON object per step) or
 verl's file logger (`trainer.logger=[...,"file"]`: {"step", "data": {...}} per step); the format is
@@ -217,9 +218,24 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
     tmp.replace(out)
 
 
+def run_specs(directory: Path) -> list[str]:
+    """CONFIG/SEED=PATH for every PREFIX-CONFIG-sSEED.jsonl in `directory` (empty logs skipped: runs that died at
+    start), by config then seed."""
+    import re
+
+    found = []
+    for path in sorted(directory.glob("*.jsonl")):
+        m = re.fullmatch(r"[^-]+-(.+)-s(\d+)\.jsonl", path.name)
+        if m and path.stat().st_size:
+            found.append((m.group(1), int(m.group(2)), path))
+    return [f"{c}/{seed}={path}" for c, seed, path in sorted(found)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", help="CONFIG/SEED=PATH")
+    ap.add_argument("runs", nargs="*", help="CONFIG/SEED=PATH")
+    ap.add_argument("--dir", type=Path, default=None, help="also every PREFIX-CONFIG-sSEED.jsonl in this directory "
+                    "(scripts/gpu_verl_runs.sh's logs, e.g. verl-int8-notis-s2.jsonl -> int8-notis/2)")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.png and OUT.json")
     ap.add_argument("--title", default="")
     ap.add_argument("--last", type=int, default=10, help="steps averaged for the final reward")
@@ -231,7 +247,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     runs, finals = {}, {}
     try:
-        for spec in args.runs:
+        specs = list(args.runs) + (run_specs(args.dir) if args.dir else [])
+        if not specs:
+            raise LogError("no runs: give CONFIG/SEED=PATH or --dir with PREFIX-CONFIG-sSEED.jsonl logs")
+        for spec in specs:
             label, sep, path = spec.partition("=")
             if not sep or "/" not in label:
                 raise LogError(f"run {spec!r}: expected CONFIG/SEED=PATH, e.g. int8/0=logs/int8-s0.jsonl")

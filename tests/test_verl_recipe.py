@@ -186,6 +186,28 @@ def test_learning_curves_from_trl_and_verl_logs(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_directory_of_arm_logs_is_read_by_name():
+    """`rl_curves.py --dir`: scripts/gpu_verl_runs.sh's log names give each run's arm and seed (a log that died empty
+    is left out); none found is one error line."""
+    import tempfile
+
+    rc = _bench("rl_curves")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        for name in ("verl-bf16-s0", "verl-bf16-s1", "verl-int8-notis-s2", "verl-int8+kv-s0"):
+            (d / f"{name}.jsonl").write_text(json.dumps({"step": 1, "data": {"critic/score/mean": 0.5}}) + "\n")
+        (d / "verl-fp8-s0.jsonl").write_text("")
+        (d / "notes.jsonl").write_text("{}\n")
+        specs = rc.run_specs(d)
+        assert [x.split("=")[0] for x in specs] == ["bf16/0", "bf16/1", "int8+kv/0", "int8-notis/2"]
+        assert rc.main(["--out", str(d / "out" / "c"), "--dir", str(d)]) == 0
+        table = json.loads((d / "out" / "c.json").read_text())
+        assert set(table["configs"]) == {"bf16", "int8+kv", "int8-notis"}
+        empty = d / "empty"
+        empty.mkdir()
+        assert rc.main(["--out", str(d / "x"), "--dir", str(empty)]) == 2
+
+
 def test_arms_are_separable_only_when_their_95_intervals_are_apart():
     """Issue 44's wording rule: an 8-bit arm is called different from bf16 only when the seeds' 95 % intervals
     (Student's t) of the final reward do not overlap."""
