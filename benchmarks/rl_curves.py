@@ -6,7 +6,8 @@ how much faster is its step?
 
 Each RUN is CONFIG/SEED=PATH. PATH is a log of examples/trl_grpo.py (one JSON object per step) or
 verl's file logger (`trainer.logger=[...,"file"]`: {"step", "data": {...}} per step); the format is
-recognised per line. Per step it reads:
+recognised per line; a verl log's sidecar RUN.heldout.jsonl (examples/verl/heldout_eval.py) is read with it. Per
+step it reads:
 
 | measure | verl key | TRL example key |
 | --- | --- | --- |
@@ -71,6 +72,9 @@ def read_log(path: Path) -> tuple[list[dict], dict | None]:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise LogError(f"cannot read {path}: {e.strerror}") from None
+    sidecar = path.with_name(path.name.removesuffix(".jsonl") + ".heldout.jsonl")
+    if sidecar.is_file():  # examples/verl/heldout_eval.py's results for this run
+        lines += sidecar.read_text().splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -8,9 +8,9 @@
 # (moe-CONFIG:SEED: issue 30's MoE run, `flashrl models tiny --arch qwen3_moe`, MOE_STEPS=20 steps;
 # CONFIG+kv: with FLASHRL_KV_CACHE_DTYPE=fp8; CONFIG-notis / CONFIG-mis: the recipe's TIS=off / mis, issue 44's
 # arms). LEVEL=add2c|mul21|...: the task level (default add1). HELDOUT=1: every CHECK_EVERY steps a checkpoint
-# kept, evaluated after the run by a BF16 engine (examples/verl/heldout_eval.py, `heldout/bf16_accuracy` lines
-# in the run's log) and removed but the last. A run whose OUT/RUN.done exists is skipped: the same command
-# resumes a set of runs cut short. RECIPE=async: examples/verl/run_fully_async_smollm2.sh
+# kept, evaluated while the runs go on by one BF16 engine (examples/verl/heldout_eval.py --watch: OUT/RUN.heldout.jsonl,
+# read by benchmarks/rl_curves.py) and removed but the latest. A run whose OUT/RUN.done exists is skipped: the
+# same command resumes a set of runs cut short. RECIPE=async: examples/verl/run_fully_async_smollm2.sh
 # instead (two GPUs: rollouter and trainer; runs async-CONFIG-sSEED, final check of the last sync).
 # Per run: OUT/verl-CONFIG-sSEED.jsonl (verl's file logger + the final check), OUT/RUN.log, and
 # OUT/RUN.done when both finished. Many runs share the GPU: each vLLM engine gets a fixed 1 GiB KV
@@ -33,6 +33,11 @@ DATA=$OUT/data; [ "$LEVEL" = add1 ] || DATA=$OUT/data-$LEVEL
   --seed 0 --level "$LEVEL" >/dev/null
 RECIPE_SH=examples/verl/run_grpo_smollm2.sh PREFIX=verl CHECK_ARGS=()
 [ "${RECIPE:-grpo}" = async ] && RECIPE_SH=examples/verl/run_fully_async_smollm2.sh PREFIX=async CHECK_ARGS=(--last-sync)
+if [ "${HELDOUT:-0}" = 1 ]; then  # one BF16 engine evaluates every run's checkpoints as they come (sidecar logs)
+  runs=(); for spec in "$@"; do [ -f "$OUT/$PREFIX-${spec%%:*}-s${spec##*:}.done" ] || runs+=("$PREFIX-${spec%%:*}-s${spec##*:}"); done
+  [ ${#runs[@]} -gt 0 ] && VLLM_CACHE_ROOT=/root/vc/heldout-$$ python3 examples/verl/heldout_eval.py "$OUT" "${runs[@]}" \
+    --data "$DATA" --model "$MODEL" --watch --delete > "$OUT/heldout-$$.log" 2>&1 &
+fi
 for spec in "$@"; do
   cfg=${spec%%:*} seed=${spec##*:} run=$PREFIX-${spec%%:*}-s${spec##*:} model=$MODEL steps=${STEPS:-100} plen=64 kv= tis=token
   [ -f "$OUT/$run.done" ] && { echo "$run: done before, skipped"; continue; }
@@ -62,11 +67,6 @@ for spec in "$@"; do
     FLASHRL_CONFIG=$cfg FLASHRL_KV_CACHE_DTYPE=$kv VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
       python3 examples/verl/final_check.py "$OUT" "$run" --data "$DATA" "${CHECK_ARGS[@]}" > "$OUT/$run.check.log" 2>&1
     echo "check exit $?" >> "$OUT/$run.log"
-    if [ "${HELDOUT:-0}" = 1 ]; then
-      VLLM_CACHE_ROOT=/root/vc/$run-heldout python3 examples/verl/heldout_eval.py "$OUT" "$run" --data "$DATA" \
-        --model "$model" --delete > "$OUT/$run.heldout.log" 2>&1
-      echo "heldout exit $?" >> "$OUT/$run.log"
-    fi
     touch "$OUT/$run.done"
   ) &
   sleep "${STAGGER:-20}"   # start-ups one after another (compile, memory checks)

@@ -19,8 +19,8 @@ cat "$RES"/session.log 2>/dev/null | tail -n 5
 for f in "$RES"/trl/*.log "$RES"/verl/*.log "$RES"/j01/verl/async-*.log "$RES"/check.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
 done
-for f in "$RES"/arms-*/*.jsonl; do  # issue 44's arms: steps logged, held-out lines, final check
+for f in "$RES"/arms-*/*-s[0-9].jsonl; do  # issue 44's arms: steps logged, held-out results, final check
   [ -f "$f" ] && echo "$(basename "$(dirname "$f")")/$(basename "$f"): $(grep -c '"critic/score/mean"' "$f") steps," \
-    "$(grep -c heldout "$f") held-out, $(grep -o '"equal": [a-z]*' "$f" | tail -n 1)"
+    "$(cat "${f%.jsonl}.heldout.jsonl" 2>/dev/null | wc -l) held-out, $(grep -o '"equal": [a-z]*' "$f" | tail -n 1)"
 done
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader

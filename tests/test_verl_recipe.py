@@ -234,50 +234,47 @@ def _example(name):
     return module
 
 
-def test_heldout_evaluation_scores_every_checkpoint_into_the_log(tmp_path):
+def test_heldout_evaluation_scores_every_checkpoint_into_a_sidecar_log(tmp_path):
     """examples/verl/heldout_eval.py without its engine (the GPU runs drive a BF16 vLLM engine through the same
-    code): the start model and every kept checkpoint in step order, scored at the split's level, written into
-    the run's log once (a second evaluation replaces the first, verl's lines and the final check kept), every
-    checkpoint but the last removed; rl_curves reads the accuracies; a run without checkpoints is refused."""
+    code): per run the start model (evaluated once for all runs) and every finished checkpoint in step order,
+    scored at the split's level, appended to RUN.heldout.jsonl; a second pass evaluates only what is new; a
+    checkpoint verl has not finished is not read; with --delete every evaluated checkpoint but the latest goes;
+    rl_curves reads the sidecar beside the run's log; runs without checkpoints are refused in one line."""
     he = _example("heldout_eval")
     _data_module().write(tmp_path / "data-mul21", 8, 6, seed=0, level="mul21")
     prompts, answers, level = he.split(tmp_path / "data-mul21")
     assert level == "mul21" and len(prompts) == len(answers) == 6 and prompts[0][0]["role"] == "user"
-    for step in (10, 5):
-        (tmp_path / "ckpt-r" / f"global_step_{step}" / "actor" / "huggingface").mkdir(parents=True)
-    (tmp_path / "ckpt-r" / "global_step_7").mkdir()  # no hf_model in it: not a checkpoint to evaluate
-    found = he.checkpoints(tmp_path / "ckpt-r")
-    assert [s for s, _ in found] == [5, 10]
-    log = tmp_path / "r.jsonl"
-    log.write_text("\n".join(json.dumps(x) for x in (
-        {"step": 1, "data": {"critic/score/mean": 0.1}}, {"step": 5, "data": {"heldout/bf16_accuracy": 0.99}},
-        {"final_check": {"equal": True}})) + "\n")
-    right = {None: 1, 5: 3, 10: 6}  # prompts answered right by the start model and after steps 5 and 10
-    state = {"step": None}
+
+    def ckpt(run, step, latest):
+        (tmp_path / f"ckpt-{run}" / f"global_step_{step}" / "actor" / "huggingface").mkdir(parents=True)
+        (tmp_path / f"ckpt-{run}" / "latest_checkpointed_iteration.txt").write_text(str(latest))
+    ckpt("a", 5, 5)
+    ckpt("a", 10, 5)  # being written: verl has not recorded it yet
+    ckpt("b", 5, 5)
+    right = {None: 1, ("a", 5): 3, ("a", 10): 6, ("b", 5): 2}  # prompts answered right by each model
+    state = {"now": None}
 
     def load(path):
-        state["step"] = int(path.parent.parent.name.rsplit("_", 1)[1])
+        state["now"] = (path.parents[2].name.removeprefix("ckpt-"), int(path.parent.parent.name.rsplit("_", 1)[1]))
 
     def generate():
-        n = right[state["step"]]
+        n = right[state["now"]]
         return [f"{a} * 1 = {a}" if i < n else f"It is {int(a) + 1}" for i, a in enumerate(answers)]
-    acc = he.evaluate(generate, load, [(0, None)] + found, answers, level, delete_upto=10)
-    he.rewrite_log(log, acc)
-    assert acc == {s: {he.KEY: n / 6, "heldout/prompts": 6} for s, n in ((0, 1), (5, 3), (10, 6))}
-    assert not (tmp_path / "ckpt-r" / "global_step_5").exists() and found[-1][1].is_dir()
-    state["step"] = None  # evaluated again (a resumed job): the kept checkpoint's line replaced, step 5's kept
-    again = he.evaluate(generate, load, [(0, None)] + he.checkpoints(tmp_path / "ckpt-r"), answers, level,
-                        delete_upto=10)
-    he.rewrite_log(log, again)
-    assert sorted(again) == [0, 10]
-    rows = [json.loads(x) for x in log.read_text().splitlines()]
-    assert sum(he.KEY in r.get("data", {}) for r in rows) == 3 and {"final_check": {"equal": True}} in rows
-    rc = _bench("rl_curves")
-    steps, final = rc.read_log(log)
-    assert [(r["step"], r["heldout_acc"]) for r in steps] == [(0, 1 / 6), (1, None), (5, 0.5), (10, 1.0)]
-    assert final == {"equal": True}
-    with pytest.raises(SystemExit, match="no checkpoints in .*ckpt-missing: run the recipe with FINAL_CHECK=1"):
-        he.main([str(tmp_path), "missing"])
+    ev = he.Evaluator(generate, load, answers, level)
+    assert ev.run_pass(tmp_path, ["a", "b"], delete=True) == 4  # a: 0, 5; b: 0, 5
+    (tmp_path / "ckpt-a" / "latest_checkpointed_iteration.txt").write_text("10")
+    assert ev.run_pass(tmp_path, ["a", "b"], delete=True) == 1  # a: 10 only
+    assert ev.run_pass(tmp_path, ["a", "b"], delete=True) == 0
+    rows = [json.loads(x) for x in (tmp_path / "a.heldout.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["data"][he.KEY]) for r in rows] == [(0, 1 / 6), (5, 0.5), (10, 1.0)]
+    assert not (tmp_path / "ckpt-a" / "global_step_5").exists() and (tmp_path / "ckpt-a" / "global_step_10").is_dir()
+    assert (tmp_path / "ckpt-b" / "global_step_5").is_dir()  # the latest of b
+    (tmp_path / "a.jsonl").write_text(json.dumps({"step": 5, "data": {"critic/score/mean": 0.25}}) + "\n")
+    steps, _ = _bench("rl_curves").read_log(tmp_path / "a.jsonl")
+    assert [(r["step"], r["reward"], r["heldout_acc"]) for r in steps] == [(0, None, 1 / 6), (5, 0.25, 0.5),
+                                                                           (10, None, 1.0)]
+    with pytest.raises(SystemExit, match="no checkpoints in .*: run the recipe with FINAL_CHECK=1"):
+        he.main([str(tmp_path), "missing", "--data", str(tmp_path / "data-mul21")])
 
 
 def _bench(name):
