@@ -5,7 +5,8 @@
 #   setsid nohup bash scripts/gpu_job_async.sh /root/res > /root/res/job.out 2>&1 < /dev/null &
 # Side by side:
 #   GPU 0    SGLang with fa3 attention (it reads the FP8 KV scales from tensors: no decode-graph capture per
-#            update): an in-place update with FP8 KV, and a sync = fresh engines; then verl's fully-async
+#            update): an in-place update with FP8 KV, and a sync = fresh engines; SGLang's 8-bit updates for dense
+#            fp8 and the calibrated YAML (issue 43); then verl's fully-async
 #            trainer (int8, fp8 + FP8 KV; rollouter and trainer on a GPU each; a rollouter slower than the
 #            trainer, 4 sequences at a time: syncs land on requests in flight -> partial rollouts) with the
 #            after-run fresh-engine check
@@ -26,8 +27,9 @@ G=tests/gpu
    --workdir /root/w/bench --json "$RES/bench/async_stream_sglang_fa3_7b.json" > "$RES/bench/async_stream_sglang_fa3.log" 2>&1) &
 bench=$!
 (CUDA_VISIBLE_DEVICES=0 GPU_WORK=/root/w/sgl TEST_GROUPS="sinflight:1:sglang:$G/test_sglang_inflight.py::test_sglang_inflight_update[in_place-int8+kv@fa3]
-sfa3:1:sglang:$G/test_sglang.py::test_sglang_sync_equals_a_fresh_engine[dense-int8+kv@fa3]" \
-   bash scripts/gpu_tests.sh "$RES/sgl"
+sfa3:1:sglang:$G/test_sglang.py::test_sglang_sync_equals_a_fresh_engine[dense-int8+kv@fa3]
+swire:1:sglang:$G/test_sglang_wire.py::test_trainer_quantized_updates_equal_a_fresh_engine[dense-fp8] $G/test_sglang_wire.py::test_a_calibrated_yaml_over_the_wire_equals_an_engine_side_sync" \
+   FLASHRL_GPU_SQ=/root/sq bash scripts/gpu_tests.sh "$RES/sgl"
  # SGLang sizes its memory from what is free when it starts: verl's processes start after its engines
  RECIPE=async STEPS=${ASYNC_STEPS:-12} ROLLOUT_MAX_SEQS=4 MAX_RESPONSE_LEN=256 STALENESS=2 STAGGER=30 \
    bash scripts/gpu_verl_runs.sh "$RES/verl" int8:0 fp8+kv:0 > "$RES/verl/runs.out" 2>&1) &
