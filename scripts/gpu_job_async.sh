@@ -13,7 +13,7 @@
 #   GPU 1    async_stream on SGLang with fa3 (7B): the first token after a continue, with and without FP8 KV
 #   both     vLLM wire reruns: TP = 2 MoE int8 (MoE quant-config copies compared by value) and the calibrated
 #            YAML (the refusal sent with flashrl.converted; the BF16 sync after it)
-# -> RES/{sgl,vwire}/ (gpu_tests.sh), RES/verl/, RES/bench/; RES/SESSIONDONE when all finished.
+# -> RES/{sgl,swire,vwire}/ (gpu_tests.sh), RES/verl/, RES/bench/; RES/SESSIONDONE when all finished.
 set -uo pipefail
 RES=${1:?usage: gpu_job_async.sh RES}
 cd "$(dirname "$0")/.." || exit 1
@@ -27,9 +27,11 @@ G=tests/gpu
    --workdir /root/w/bench --json "$RES/bench/async_stream_sglang_fa3_7b.json" > "$RES/bench/async_stream_sglang_fa3.log" 2>&1) &
 bench=$!
 (CUDA_VISIBLE_DEVICES=0 GPU_WORK=/root/w/sgl TEST_GROUPS="sinflight:1:sglang:$G/test_sglang_inflight.py::test_sglang_inflight_update[in_place-int8+kv@fa3]
-sfa3:1:sglang:$G/test_sglang.py::test_sglang_sync_equals_a_fresh_engine[dense-int8+kv@fa3]
-swire:1:sglang:$G/test_sglang_wire.py::test_trainer_quantized_updates_equal_a_fresh_engine[dense-fp8] $G/test_sglang_wire.py::test_a_calibrated_yaml_over_the_wire_equals_an_engine_side_sync" \
-   FLASHRL_GPU_SQ=/root/sq bash scripts/gpu_tests.sh "$RES/sgl"
+sfa3:1:sglang:$G/test_sglang.py::test_sglang_sync_equals_a_fresh_engine[dense-int8+kv@fa3]" \
+   bash scripts/gpu_tests.sh "$RES/sgl"
+ CUDA_VISIBLE_DEVICES=0 GPU_WORK=/root/w/sgl FLASHRL_GPU_SQ=/root/sq \
+   TEST_GROUPS="swire:1:sglang:$G/test_sglang_wire.py::test_trainer_quantized_updates_equal_a_fresh_engine[dense-fp8] $G/test_sglang_wire.py::test_a_calibrated_yaml_over_the_wire_equals_an_engine_side_sync" \
+   bash scripts/gpu_tests.sh "$RES/swire"
  # SGLang sizes its memory from what is free when it starts: verl's processes start after its engines
  RECIPE=async STEPS=${ASYNC_STEPS:-12} ROLLOUT_MAX_SEQS=4 MAX_RESPONSE_LEN=256 STALENESS=2 STAGGER=30 \
    bash scripts/gpu_verl_runs.sh "$RES/verl" int8:0 fp8+kv:0 > "$RES/verl/runs.out" 2>&1) &
