@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,8 @@ def test_the_runtime_leaves_vllms_asynchronous_scheduling_on(default_model, tmp_
     from flashrl_tools.runtime.vllm.engine_args import configure_engine
 
     monkeypatch.setenv("FLASHRL_HOME", str(tmp_path_factory.getbasetemp() / "async-scheduling-home"))  # shared
+    # vLLM's ParallelConfig for external_launcher sets VLLM_ENABLE_V1_MULTIPROCESSING=0 in os.environ: restored after
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
     if kv:
         monkeypatch.setenv("FLASHRL_KV_CACHE_DTYPE", kv)
     for backend in (None, "mp", "external_launcher"):
