@@ -23,7 +23,6 @@ writes JSON. Same prompts and lengths for every config.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_env, preset_options, run_worker  # noqa: E402
+from harness import bench_parser, config_env, output_args, preset_options, run_worker, serve_worker  # noqa: E402
 from rl_step import output_lengths  # noqa: E402
 from shapes import model_dir  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
@@ -269,13 +268,9 @@ def print_table(rows: list[dict], header: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        spec = json.loads(Path(sys.argv[2]).read_text())
-        Path(sys.argv[3]).write_text(json.dumps(worker(spec)))
+    if serve_worker(worker):
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS))
-    ap.add_argument("--shapes")
+    ap = bench_parser(__doc__, PRESETS)
     ap.add_argument("--configs")
     ap.add_argument("--concurrency", type=int)
     ap.add_argument("--prompt-len", type=int)
@@ -286,9 +281,7 @@ def main() -> None:
                     help="sglang (GPU): its offline Engine, in_place pauses, flattened-bucket pushes")
     ap.add_argument("--attention-backend", default="triton",
                     help="SGLang's attention backend (fa3 reads the FP8 KV scales from tensors: no graph capture per update)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    output_args(ap)
     a = ap.parse_args()
     import torch
 

@@ -33,6 +33,32 @@ def run_worker(script: str, spec: dict, env: dict) -> dict:
         return json.loads(out.read_text())
 
 
+def serve_worker(worker) -> bool:
+    """The child side of run_worker: when this process is `SCRIPT --worker REQ OUT`, write `worker(request)` to OUT
+    and return True (the script then returns)."""
+    if len(sys.argv) != 4 or sys.argv[1] != "--worker":
+        return False
+    Path(sys.argv[3]).write_text(json.dumps(worker(json.loads(Path(sys.argv[2]).read_text()))))
+    return True
+
+
+def bench_parser(doc: str, presets: dict, shapes_help: str | None = None):
+    """The engine benchmarks' parser: --preset and --shapes; the script adds its own, then `output_args`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(presets), default=None)
+    ap.add_argument("--shapes", help=shapes_help)
+    return ap
+
+
+def output_args(ap) -> None:
+    """--gpu-memory-utilization, --workdir, --json (preset_options and the JSON writer read them)."""
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+
+
 def config_env(config: str) -> dict | str:
     """This environment running `config` (NAME, or NAME+kv for an FP8 KV cache), or why it cannot."""
     import os

@@ -23,7 +23,6 @@ KV capacity (tokens; how many full-length sequences fit), peak device memory, ra
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_env, preset_options, run_worker, vllm_settings  # noqa: E402
+from harness import bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
 
@@ -196,12 +195,9 @@ def print_table(rows: list[dict], header: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        Path(sys.argv[3]).write_text(json.dumps(worker(json.loads(Path(sys.argv[2]).read_text()))))
+    if serve_worker(worker):
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=PRESETS, default=None)
-    ap.add_argument("--shapes", help="7b,14b,32b,30b-a3b (dummy weights), tiny, default (embedded model)")
+    ap = bench_parser(__doc__, PRESETS, "7b,14b,32b,30b-a3b (dummy weights), tiny, default (embedded model)")
     ap.add_argument("--configs", help="bf16,fp8,int8,<yaml>; NAME+kv adds an FP8 KV cache")
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--samples", type=int, help="samples per prompt (GRPO group size)")
@@ -216,9 +212,7 @@ def main() -> None:
                     help="no sampling logprobs (what returning them costs; TIS needs them)")
     ap.add_argument("--stats", action="store_true",
                     help="vLLM's stat logging on; each rollout reports how many requests were preempted")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    output_args(ap)
     a = ap.parse_args()
     import torch
 

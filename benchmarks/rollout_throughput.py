@@ -16,7 +16,6 @@ KV cache the first includes the scales' recalibration (and the decode graphs' ca
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import preset_options, run_worker, vllm_settings  # noqa: E402
+from harness import bench_parser, output_args, preset_options, run_worker, serve_worker, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {
@@ -156,24 +155,17 @@ def run_one(spec: dict, config: str) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        spec = json.loads(Path(sys.argv[2]).read_text())
-        result = (worker_sglang if spec.get("engine") == "sglang" else worker)(spec)
-        Path(sys.argv[3]).write_text(json.dumps(result))
+    if serve_worker(lambda spec: (worker_sglang if spec.get("engine") == "sglang" else worker)(spec)):
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=PRESETS, default=None)
-    ap.add_argument("--shapes")
+    ap = bench_parser(__doc__, PRESETS)
     ap.add_argument("--configs")
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--prompt-len", type=int)
     ap.add_argument("--output-len", type=int)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     ap.add_argument("--sync-bucket-mb", type=int, default=0,
                     help="SGLang: also time one full BF16 sync in flattened buckets of this size (verl's path)")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    output_args(ap)
     a = ap.parse_args()
     import torch
 

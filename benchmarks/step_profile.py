@@ -14,7 +14,6 @@ categories by name; idle = the traced window minus the union of those intervals.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import re
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_env, preset_options, run_worker, vllm_settings  # noqa: E402
+from harness import bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {
@@ -141,20 +140,15 @@ def worker(spec: dict) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        Path(sys.argv[3]).write_text(json.dumps(worker(json.loads(Path(sys.argv[2]).read_text()))))
+    if serve_worker(worker):
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=PRESETS, default=None)
-    ap.add_argument("--shapes")
+    ap = bench_parser(__doc__, PRESETS)
     ap.add_argument("--configs")
     ap.add_argument("--bulk", type=int, help="sequences decoding at once in the bulk phase")
     ap.add_argument("--tail", type=int, help="sequences decoding at once in the tail phase")
     ap.add_argument("--tokens", type=int, help="decode steps profiled per phase")
     ap.add_argument("--prompt-len", type=int)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    output_args(ap)
     a = ap.parse_args()
     import torch
 

@@ -21,7 +21,6 @@ its own): BF16 vs the trainer's 8-bit tensors, each timed from `start_weight_upd
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import preset_options, run_worker, vllm_settings  # noqa: E402
+from harness import bench_parser, output_args, preset_options, run_worker, serve_worker, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {"gpu": dict(shapes="7b,14b,32b", configs="int8,fp8_channel"),
@@ -184,16 +183,11 @@ def print_table(rows: list, device: str, version: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        Path(sys.argv[3]).write_text(json.dumps(worker(json.loads(Path(sys.argv[2]).read_text()))))
+    if serve_worker(worker):
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=PRESETS, default=None)
-    ap.add_argument("--shapes")
+    ap = bench_parser(__doc__, PRESETS)
     ap.add_argument("--configs")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    output_args(ap)
     ap.add_argument("--ipc", action="store_true", help="GPU: push through vLLM's CUDA-IPC weight-transfer engine")
     a = ap.parse_args()
     import torch
