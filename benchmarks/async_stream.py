@@ -94,7 +94,8 @@ def stream_sglang(spec: dict) -> dict:
     engine = sglang.Engine(model_path=spec["model"], load_format="dummy" if spec["dummy"] else "auto",
                            skip_tokenizer_init=True, dtype="bfloat16", random_seed=0,
                            attention_backend=spec.get("attention_backend") or "triton",
-                           context_length=spec["prompt_len"] + spec["max_len"] + 8, log_level="error",
+                           context_length=spec["prompt_len"] + spec["max_len"] + 8,
+                           log_level=spec.get("log_level") or "error",
                            mem_fraction_static=spec["gpu_memory_utilization"])
     start_s = time.perf_counter() - t0
     tm = engine.tokenizer_manager
@@ -281,6 +282,9 @@ def main() -> None:
                     help="sglang (GPU): its offline Engine, in_place pauses, flattened-bucket pushes")
     ap.add_argument("--attention-backend", default="triton",
                     help="SGLang's attention backend (fa3 reads the FP8 KV scales from tensors: no graph capture per update)")
+    ap.add_argument("--log-level", default="error",
+                    help="SGLang's log level (info: its scheduler's decode-batch lines, to see where a stream waits; "
+                         "the runtime's own log: FLASHRL_LOGGING_LEVEL=INFO)")
     output_args(ap)
     a = ap.parse_args()
     import torch
@@ -291,7 +295,7 @@ def main() -> None:
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util, "engine": a.engine,
-                    "attention_backend": a.attention_backend,
+                    "attention_backend": a.attention_backend, "log_level": a.log_level,
                     **{k: opts[k] for k in ("concurrency", "prompt_len", "max_len", "seconds", "every")}}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             if "error" not in r:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One four-GPU host, two jobs side by side, after scripts/gpu_install.sh and gpu_install_sglang.sh:
-#   GPUs 0-1  JOB01 (default scripts/gpu_job_async.sh: issues 42 / 43's GPU leftovers)
-#   GPUs 2-3  issue 44's verl GRPO arms on one task LEVEL (default mul21), ARMS (CONFIG[+kv][-notis|-mis]:SEED)
-#             dealt alternately to GPU 2 and GPU 3 (scripts/gpu_verl_runs.sh, HELDOUT=1: held-out accuracy from
-#             a BF16 engine every CHECK_EVERY steps, STEPS steps)
+# One four-GPU host, after scripts/gpu_install.sh (and gpu_install_sglang.sh when JOB01 needs SGLang):
+#   JOB01 on GPUs 0-1 (default scripts/gpu_job_async.sh: issues 42 / 43's GPU leftovers); JOB01="" skips it
+#   issue 44's verl GRPO arms on ARM_GPUS (default 2 3; "0 1 2 3" with JOB01=""), task LEVEL (default mul21),
+#             ARMS (CONFIG[+kv][-notis|-mis]:SEED) dealt round-robin to those GPUs (scripts/gpu_verl_runs.sh,
+#             HELDOUT=1: held-out accuracy from a BF16 engine every CHECK_EVERY steps, STEPS steps)
 #   setsid nohup bash scripts/gpu_job_x4.sh /root/res > /root/res/job.out 2>&1 < /dev/null &
+#   JOB01="" ARM_GPUS="0 1 2 3" setsid nohup bash scripts/gpu_job_x4.sh /root/res ...   # issue 44 alone: all 21 runs
 # -> RES/j01/ (JOB01's results), RES/arms-LEVEL/; RES/SESSIONDONE when all finished. Runs already done
 # (RES/arms-LEVEL/RUN.done) are skipped: the same command resumes. ARMS="" or JOB01="" leaves those GPUs idle.
 set -uo pipefail
@@ -13,8 +14,12 @@ cd "$(dirname "$0")/.." || exit 1
 JOB01=${JOB01-scripts/gpu_job_async.sh}
 LEVEL=${LEVEL:-mul21}
 # issue 44's arms (3 seeds each): bf16 and int8 with and without TIS, fp8 and int8 + FP8 KV with TIS, int8 with
-# token masking (MIS); a device session fits about 12 runs of 100 steps: run them in two sessions (resumable)
-ARMS=${ARMS-bf16:0 bf16-notis:0 int8:0 int8-notis:0 bf16:1 bf16-notis:1 int8:1 int8-notis:1 bf16:2 bf16-notis:2 int8:2 int8-notis:2}
+# token masking (MIS). 70 steps (the BF16 pilot's held-out accuracy had levelled off by step 50-70): six runs
+# share a GPU at ~15 s per step, so the 21 runs on four GPUs fit one device session (100 steps did not)
+ARMS=${ARMS-bf16:0 bf16-notis:0 int8:0 int8-notis:0 fp8:0 int8+kv:0 int8-mis:0 \
+bf16:1 bf16-notis:1 int8:1 int8-notis:1 fp8:1 int8+kv:1 int8-mis:1 \
+bf16:2 bf16-notis:2 int8:2 int8-notis:2 fp8:2 int8+kv:2 int8-mis:2}
+read -r -a gpus <<< "${ARM_GPUS:-2 3}"
 pids=()
 if [ -n "$JOB01" ]; then
   mkdir -p "$RES/j01"
@@ -24,13 +29,14 @@ fi
 read -r -a arms <<< "$ARMS"
 if [ ${#arms[@]} -gt 0 ]; then
   mkdir -p "$RES/arms-$LEVEL"
-  for gpu in 2 3; do
-    mine=(); for i in "${!arms[@]}"; do [ $(( i % 2 )) = $(( gpu - 2 )) ] && mine+=("${arms[$i]}"); done
+  for g in "${!gpus[@]}"; do
+    gpu=${gpus[$g]}
+    mine=(); for i in "${!arms[@]}"; do [ $(( i % ${#gpus[@]} )) = "$g" ] && mine+=("${arms[$i]}"); done
     [ ${#mine[@]} -gt 0 ] || continue
-    (CUDA_VISIBLE_DEVICES=$gpu LEVEL=$LEVEL STEPS=${STEPS:-100} HELDOUT=1 CHECK_EVERY=10 STAGGER=15 \
+    (CUDA_VISIBLE_DEVICES=$gpu LEVEL=$LEVEL STEPS=${STEPS:-70} HELDOUT=1 CHECK_EVERY=10 STAGGER=15 \
        bash scripts/gpu_verl_runs.sh "$RES/arms-$LEVEL" "${mine[@]}" > "$RES/arms-$LEVEL/runs-gpu$gpu.out" 2>&1) &
     pids+=($!)
-    sleep 5  # the data set is written once (the second sees it)
+    sleep 5  # the data set is written once (the others see it)
   done
 fi
 wait "${pids[@]}"
