@@ -19,6 +19,12 @@ KV capacity (tokens; how many full-length sequences fit), peak device memory, ra
     python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step_7b.json
     python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
     python benchmarks/rl_step.py --preset dapo      # Qwen3-8B / 7B / 14B, prompts of 1-2k tokens, responses <= 16k
+    python benchmarks/rl_step.py --engine sglang --shapes 7b --configs bf16,int8+kv   # GPU, SGLang 0.5.17
+
+`--engine sglang`: the same step on SGLang's offline Engine (radix cache on, its overlap scheduler on, the
+attention backend of `--attention-backend`), the sync as verl's SGLang path sends it: flattened BF16 buckets
+through `update_weights_from_tensor` (rollout_throughput.sglang_sync_seconds; SGLang has no layerwise-reload
+A/B, so `reload s` is empty).
 """
 
 from __future__ import annotations
@@ -103,17 +109,13 @@ def worker(spec: dict) -> dict:
     cache = llm.llm_engine.vllm_config.cache_config
     kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
     vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
-    lengths = output_lengths(spec["prompts"] * spec["samples"], spec["max_len"], fixed=spec.get("fixed_len", False))
 
     def rollout(step: int, cap: int) -> dict:
-        rng = random.Random(1000 + step)  # new prompts every step, the same for every config
-        prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in spec["prompt_lens"]]
-        reqs, params = [], []
-        for i, length in enumerate(lengths):
-            reqs.append({"prompt_token_ids": prompts[i // spec["samples"]]})
-            params.append(SamplingParams(temperature=1.0, max_tokens=min(length, cap), ignore_eos=True,
-                                         logprobs=0 if spec.get("logprobs", True) else None,
-                                         seed=step * 100003 + i, detokenize=False))
+        ids, lengths, seeds = sampled_requests(spec, step, cap, vocab)
+        reqs = [{"prompt_token_ids": p} for p in ids]
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True,
+                                 logprobs=0 if spec.get("logprobs", True) else None, seed=seed, detokenize=False)
+                  for n, seed in zip(lengths, seeds)]
         preempted = _preemptions(llm)
         t0 = time.perf_counter()
         outs = llm.generate(reqs, params, use_tqdm=False)
@@ -148,6 +150,74 @@ def worker(spec: dict) -> dict:
             "output_tok_per_s": second["output_tok_per_s"], **memory, **vllm_settings(llm)}
 
 
+def sampled_requests(spec: dict, step: int, cap: int, vocab: int) -> tuple[list[list[int]], list[int], list]:
+    """One rollout's requests: each sample's prompt token ids (new prompts every step, the same for every config
+    and engine), its length and its sampling seed (None with `--unseeded`: as verl and TRL sample; a seeded
+    request costs vLLM's sampler a generator call of its own per step)."""
+    rng = random.Random(1000 + step)
+    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in spec["prompt_lens"]]
+    lengths = output_lengths(spec["prompts"] * spec["samples"], spec["max_len"], fixed=spec.get("fixed_len", False))
+    ids = [prompts[i // spec["samples"]] for i in range(len(lengths))]
+    seeds = [step * 100003 + i if spec.get("seeded", True) else None for i in range(len(lengths))]
+    return ids, [min(n, cap) for n in lengths], seeds
+
+
+def worker_sglang(spec: dict) -> dict:
+    """The step on SGLang: the same requests, T=1 with each sampled token's logprob, per-request lengths and
+    seeds; a full BF16 sync of the policy's shapes in flattened buckets (timed: the calls), then the rollout
+    after it (with an FP8 KV cache its first request recalibrates the scales: inside the step)."""
+    import sglang
+    import torch
+
+    from rollout_throughput import sglang_sync_seconds
+
+    t0 = time.perf_counter()
+    engine = sglang.Engine(model_path=spec["model"], load_format="dummy" if spec["dummy"] else "auto",
+                           skip_tokenizer_init=True, dtype="bfloat16", random_seed=0,
+                           attention_backend=spec.get("attention_backend") or "triton",
+                           context_length=max(spec["prompt_lens"]) + spec["max_len"] + 8, log_level="error",
+                           mem_fraction_static=spec["gpu_memory_utilization"])
+    try:
+        start_s = time.perf_counter() - t0
+        info = engine.get_server_info()
+        kv_tokens = int(info.get("max_total_num_tokens") or 0)
+        vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
+        logprobs = spec.get("logprobs", True)
+
+        def rollout(step: int, cap: int) -> dict:
+            ids, lengths, seeds = sampled_requests(spec, step, cap, vocab)
+            params = [{"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True,
+                       **({} if seed is None else {"sampling_seed": seed})} for n, seed in zip(lengths, seeds)]
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=ids, sampling_params=params, return_logprob=logprobs)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(o["output_ids"]) for o in outs)
+            with_logprobs = sum(1 for o in outs if len((o.get("meta_info") or {}).get("output_token_logprobs") or [])
+                                == len(o["output_ids"]) > 0)
+            return {"rollout_s": seconds, "output_tokens": tokens, "samples_with_logprobs": with_logprobs,
+                    "output_tok_per_s": tokens / seconds}
+
+        engine.generate(input_ids=[[11] * 8], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        first = rollout(0, spec.get("first_max_len") or spec["max_len"])
+        bucket = spec.get("sync_bucket_mb") or 512
+        first_sync = sglang_sync_seconds(engine, spec["model"], bucket)  # one-time costs (JIT): reported apart
+        sync = sglang_sync_seconds(engine, spec["model"], bucket)
+        second = rollout(1, spec["max_len"])
+        free, total = torch.cuda.mem_get_info()
+        return {"engine": "sglang", "engine_start_s": start_s, "kv_cache_tokens": kv_tokens,
+                "full_length_seqs_in_kv": kv_tokens // (max(spec["prompt_lens"]) + spec["max_len"]),
+                "quantization": info.get("quantization"), "kv_cache_dtype": str(engine.server_args.kv_cache_dtype),
+                "attention_backend": spec.get("attention_backend") or "triton",
+                "rollout_1": first, "rollout_2": second, "sync_s": sync["sync_s"], "first_sync_s": first_sync["sync_s"],
+                "sync_layerwise_s": None, "sync_bucket_mb": bucket, "step_s": second["rollout_s"] + sync["sync_s"],
+                "output_tokens": second["output_tokens"], "output_tok_per_s": second["output_tok_per_s"],
+                "peak_allocated_bytes": None, "device_used_bytes": total - free,
+                # SGLang's counterpart of vLLM's asynchronous scheduling: its overlap scheduler (on by default)
+                "async_scheduling": not getattr(engine.server_args, "disable_overlap_schedule", False)}
+    finally:
+        engine.shutdown()
+
+
 def run_one(spec: dict, config: str) -> dict:
     env = config_env(config)
     if isinstance(env, str):
@@ -163,7 +233,7 @@ def add_ratios(rows: list[dict]) -> None:
             continue
         r["rollout_vs_bf16"] = r["rollout_2"]["rollout_s"] / base["rollout_2"]["rollout_s"]
         r["sync_vs_bf16"] = r["sync_s"] / base["sync_s"]
-        r["sync_layerwise_vs_bf16"] = r["sync_layerwise_s"] / base["sync_s"]
+        r["sync_layerwise_vs_bf16"] = r["sync_layerwise_s"] / base["sync_s"] if r["sync_layerwise_s"] else None
         r["step_vs_bf16"] = r["step_s"] / base["step_s"]
         # issue 45: the speed-up as a fraction of the 2.0x bound of 8-bit weights + 8-bit KV when decode reads bytes
         r["of_2x_bound"] = base["step_s"] / r["step_s"] / 2.0
@@ -179,6 +249,9 @@ def print_table(rows: list[dict], header: str) -> None:
     def ratio(value) -> str:  # "-" where this run had no bf16 row of the shape
         return f"{value:.2f}x" if value else "-"
 
+    def f(value, spec: str) -> str:  # "-" where the engine has no such figure
+        return "-" if value is None else format(value, spec)
+
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:8} {r['config']:9} error: {r['error']}")
@@ -188,14 +261,14 @@ def print_table(rows: list[dict], header: str) -> None:
         bound = f"{r['of_2x_bound']:.2f}" if r.get("of_2x_bound") else "-"
         print(f"{r['shape']:8} {r['config']:9} {r['rollout_2']['rollout_s']:9.2f} {r['sync_s']:8.3f} "
               f"{r['step_s']:8.2f} {ratio(r.get('step_vs_bf16')):>9} {ratio(r.get('sync_vs_bf16')):>9} "
-              f"{r['sync_layerwise_s']:8.3f} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} "
+              f"{f(r['sync_layerwise_s'], '8.3f'):>8} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} "
               f"{r['kv_cache_tokens']:10d} {ratio(r.get('kv_vs_bf16')):>7} {peak:>8} {preempt:>7} "
               f"{bound:>7} "
               f"{str(r.get('async_scheduling', '-')):>9}")
 
 
 def main() -> None:
-    if serve_worker(worker):
+    if serve_worker(lambda spec: (worker_sglang if spec.get("engine") == "sglang" else worker)(spec)):
         return
     ap = bench_parser(__doc__, PRESETS, "7b,14b,32b,30b-a3b (dummy weights), tiny, default (embedded model)")
     ap.add_argument("--configs", help="bf16,fp8,int8,<yaml>; NAME+kv adds an FP8 KV cache")
@@ -212,6 +285,11 @@ def main() -> None:
                     help="no sampling logprobs (what returning them costs; TIS needs them)")
     ap.add_argument("--stats", action="store_true",
                     help="vLLM's stat logging on; each rollout reports how many requests were preempted")
+    ap.add_argument("--unseeded", action="store_true",
+                    help="no per-request sampling seed (verl and TRL set none; the default seeds every request)")
+    ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                    help="sglang (GPU, SGLang 0.5.17): its offline Engine, the sync as flattened BF16 buckets")
+    ap.add_argument("--attention-backend", default="triton", help="SGLang's attention backend (--engine sglang)")
     output_args(ap)
     a = ap.parse_args()
     import torch
@@ -229,26 +307,29 @@ def main() -> None:
             spec = {"model": str(path), "dummy": dummy, "prompts": opts["prompts"], "samples": opts["samples"],
                     "prompt_lens": plens, "max_len": opts["max_len"], "gpu_memory_utilization": util,
                     "first_max_len": a.first_max_len, "fixed_len": a.fixed_len, "stats": a.stats,
-                    "logprobs": not a.no_logprobs}
+                    "logprobs": not a.no_logprobs, "seeded": not a.unseeded, "engine": a.engine,
+                    "attention_backend": a.attention_backend}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)
     add_ratios(rows)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    import vllm
+    import importlib
 
-    print_table(rows, f"RL step on {device}, vLLM {vllm.__version__}: {opts['prompts']} prompts x {opts['samples']} "
+    version = importlib.import_module(a.engine).__version__
+    engine = f"{'SGLang' if a.engine == 'sglang' else 'vLLM'} {version}"
+    print_table(rows, f"RL step on {device}, {engine}: {opts['prompts']} prompts x {opts['samples']} "
                       f"samples, {opts['prompt_len']} tokens in, out {min(lengths)}..{max(lengths)} "
                       f"(mean {sum(lengths) / len(lengths):.0f}, cap {opts['max_len']}), T=1"
-                      f"{'' if a.no_logprobs else ' + logprobs'}; "
+                      f"{'' if a.no_logprobs else ' + logprobs'}{', unseeded' if a.unseeded else ''}; "
                       f"step = rollout after the sync + full sync")
     if a.json:
         from flashrl_tools.fsutil import atomic_write_text
 
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(a.json), json.dumps({
-            "device": device, "vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"),
-            "settings": {**opts, "logprobs": not a.no_logprobs},
+            "device": device, a.engine: version, "date": time.strftime("%Y-%m-%d"),
+            "settings": {**opts, "logprobs": not a.no_logprobs, "seeded": not a.unseeded, "engine": a.engine},
             "gpu_memory_utilization": util, "output_lengths": {"count": len(lengths), "mean": sum(lengths) / len(lengths),
                                                                "max": max(lengths), "total": sum(lengths)},
             "rows": rows}, indent=1))

@@ -125,6 +125,76 @@ def test_rl_step_dapo_workload_prompt_lengths_and_the_qwen3_8b_shape(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+def test_rl_step_on_sglang_sends_the_vllm_rows_requests_and_times_the_rollout_after_the_sync(tmp_path, monkeypatch):
+    """`rl_step --engine sglang` (GPU only: SGLang is not installed here) against a stand-in Engine: the same
+    prompts, lengths and seeds as the vLLM worker's, the rollout before the sync capped, two syncs (the first
+    reported apart), the step = the rollout after the sync + the second sync; logprobs counted per sample;
+    `--unseeded` sends no sampling seed; the table prints SGLang's row (no layerwise reload)."""
+    import types
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import rl_step
+    import rollout_throughput
+
+    events: list = []
+
+    class Engine:
+        def __init__(self, **kwargs):
+            self.server_args = types.SimpleNamespace(kv_cache_dtype="fp8_e4m3", disable_overlap_schedule=False)
+            events.append(("start", kwargs["context_length"], kwargs["attention_backend"]))
+
+        def get_server_info(self):
+            return {"max_total_num_tokens": 4096, "quantization": "w8a8_int8"}
+
+        def generate(self, input_ids, sampling_params, return_logprob=False):
+            params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+            events.append(("generate", input_ids, params, return_logprob))
+            return [{"output_ids": [1] * p["max_new_tokens"],
+                     "meta_info": {"output_token_logprobs": [(-0.5, 1, None)] * p["max_new_tokens"]
+                                   if return_logprob else None}} for p in params]
+
+        def shutdown(self):
+            events.append(("shutdown",))
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=Engine))
+    monkeypatch.setattr(rollout_throughput, "sglang_sync_seconds",
+                        lambda engine, model, mb: events.append(("sync", mb)) or {"sync_s": 0.25})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (1 << 30, 3 << 30))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 500}))
+    spec = {"model": str(model), "dummy": True, "prompts": 2, "samples": 3, "prompt_lens": [5, 7], "max_len": 40,
+            "first_max_len": 10, "gpu_memory_utilization": 0.5, "logprobs": True, "engine": "sglang"}
+    row = rl_step.worker_sglang(spec)
+
+    kinds = [e[0] for e in events]
+    assert kinds == ["start", "generate", "generate", "sync", "sync", "generate", "shutdown"]
+    assert events[0][1:] == (7 + 40 + 8, "triton")
+    lengths = rl_step.output_lengths(6, 40)
+    for event, step, cap in ((events[2], 0, 10), (events[5], 1, 40)):
+        ids, want, seeds = rl_step.sampled_requests(spec, step, cap, 500)  # what the vLLM worker sends
+        assert event[1] == ids and [len(p) for p in ids] == [5, 5, 5, 7, 7, 7]
+        assert [p["max_new_tokens"] for p in event[2]] == want == [min(n, cap) for n in lengths]
+        assert [p["sampling_seed"] for p in event[2]] == seeds and event[3] is True
+    assert row["rollout_1"]["output_tokens"] == sum(min(n, 10) for n in lengths)
+    assert row["rollout_2"]["output_tokens"] == sum(lengths) and row["rollout_2"]["samples_with_logprobs"] == 6
+    assert row["step_s"] == row["rollout_2"]["rollout_s"] + 0.25 and row["sync_layerwise_s"] is None
+    assert row["kv_cache_tokens"] == 4096 and row["full_length_seqs_in_kv"] == 4096 // 47
+    assert row["async_scheduling"] is True and row["device_used_bytes"] == 2 << 30
+
+    events.clear()
+    row = rl_step.worker_sglang({**spec, "logprobs": False, "seeded": False})
+    last = [e for e in events if e[0] == "generate"][-1]
+    assert last[3] is False and all("sampling_seed" not in p for p in last[2])
+    assert row["rollout_2"]["samples_with_logprobs"] == 0
+    rows = [{"shape": "7b", "config": "bf16", **row}, {"shape": "7b", "config": "int8+kv", **row, "step_s": 1.0}]
+    rl_step.add_ratios(rows)
+    rl_step.print_table(rows, "header")
+    assert rows[1]["sync_layerwise_vs_bf16"] is None and rows[1]["step_vs_bf16"] == 1.0 / row["step_s"]
+
+
 def test_rl_step_rejects_unknown_config_suffix():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rl_step import run_one
