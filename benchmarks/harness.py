@@ -21,12 +21,17 @@ def preset_options(args, presets: dict, gpu_util: float) -> tuple[dict, float, P
 
 
 def run_worker(script: str, spec: dict, env: dict) -> dict:
-    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": last stderr line}."""
+    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": last stderr line}.
+    With FLASHRL_BENCH_LOG=PATH in the environment the worker's whole output is appended there (the engines'
+    own logs: SGLang's scheduler at --log-level info, the runtime's at FLASHRL_LOGGING_LEVEL=INFO)."""
     with tempfile.TemporaryDirectory() as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
         req.write_text(json.dumps(spec))
         res = subprocess.run([sys.executable, script, "--worker", str(req), str(out)], env=env,
                              capture_output=True, text=True)
+        if env.get("FLASHRL_BENCH_LOG"):
+            with open(env["FLASHRL_BENCH_LOG"], "a") as log:
+                log.write(f"==== {Path(script).name} worker, rc {res.returncode}\n{res.stdout}{res.stderr}")
         if res.returncode != 0:
             sys.stderr.write(res.stderr[-4000:])
             return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}

@@ -195,6 +195,30 @@ def test_rl_step_on_sglang_sends_the_vllm_rows_requests_and_times_the_rollout_af
     assert rows[1]["sync_layerwise_vs_bf16"] is None and rows[1]["step_vs_bf16"] == 1.0 / row["step_s"]
 
 
+def test_a_worker_s_own_output_is_kept_with_flashrl_bench_log(tmp_path):
+    """FLASHRL_BENCH_LOG: the worker's stdout and stderr (an engine's log) appended to the file, rc included;
+    without it nothing is written and a failing worker still gives its last stderr line as the error."""
+    import os
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from harness import run_worker
+
+    script = tmp_path / "w.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'benchmarks')!r})\nfrom harness import serve_worker\n"
+                      "def work(spec):\n    print('engine says hi'); print('scheduler line', file=sys.stderr)\n"
+                      "    if spec['fail']:\n        sys.exit('worker: it failed')\n    return {'ok': spec['n']}\n"
+                      "serve_worker(work)\n")
+    log = tmp_path / "bench.log"
+    env = {**os.environ, "FLASHRL_BENCH_LOG": str(log)}
+    assert run_worker(str(script), {"fail": False, "n": 3}, env) == {"ok": 3}
+    assert run_worker(str(script), {"fail": True, "n": 0}, env) == {"error": "worker: it failed"}
+    text = log.read_text()
+    assert text.count("engine says hi") == 2 and text.count("scheduler line") == 2
+    assert "w.py worker, rc 0" in text and "w.py worker, rc 1" in text
+    plain = {k: v for k, v in os.environ.items() if k != "FLASHRL_BENCH_LOG"}
+    assert run_worker(str(script), {"fail": False, "n": 1}, plain) == {"ok": 1} and log.read_text() == text
+
+
 def test_rl_step_rejects_unknown_config_suffix():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rl_step import run_one
