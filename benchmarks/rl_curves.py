@@ -31,7 +31,11 @@ steps <= `--until` when given), the final engine check when the log has one; per
 spread and 95 % interval (Student's t over the seeds) of the final reward and held-out accuracy, and for
 every config but bf16 whether its final reward lies within the bf16 seeds' spread (or how far outside) and
 whether its 95 % interval is apart from bf16's (`separable_from_bf16`; `heldout_separable_from_bf16` the
-same for the held-out accuracy). The verl keys `rollout_corr/flashrl_*` come from flashrl_tools/verl_metrics.py.
+same for the held-out accuracy). `comparisons`: each arm minus bf16 and each precision's TIS effect (CONFIG -
+CONFIG-notis, CONFIG-mis - CONFIG) as differences of seed means with Welch 95 % intervals, for the final held-out
+accuracy, its area under the curve (the mean over the evaluations) and the final reward; `--target-acc` adds the
+first evaluated step reaching that held-out accuracy. The verl keys `rollout_corr/flashrl_*` come from
+flashrl_tools/verl_metrics.py.
 """
 
 from __future__ import annotations
@@ -115,6 +119,29 @@ def interval(values: list) -> list[float] | None:
     return [m - half, m + half]
 
 
+def difference(a: list, b: list) -> dict | None:
+    """mean(a) - mean(b) with its 95 % interval (Welch's t: unequal variances, Welch-Satterthwaite degrees of
+    freedom), and whether the interval excludes 0; None unless both have two values or more."""
+    a, b = [v for v in a if v is not None], [v for v in b if v is not None]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff, se = statistics.fmean(a) - statistics.fmean(b), math.sqrt(va + vb)
+    if se == 0:
+        return {"diff": diff, "ci95": [diff, diff], "separable": diff != 0}
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    t = T95[max(1, math.floor(dof)) - 1] if dof < len(T95) + 1 else 1.96  # floor: the wider, conservative t
+    lo, hi = diff - t * se, diff + t * se
+    return {"diff": diff, "ci95": [lo, hi], "separable": lo > 0 or hi < 0}
+
+
+def steps_to_accuracy(steps: list[dict], target: float | None) -> int | None:
+    """The first evaluated step whose held-out accuracy reaches `target`."""
+    if target is None:
+        return None
+    return next((r["step"] for r in steps if r["heldout_acc"] is not None and r["heldout_acc"] >= target), None)
+
+
 def steps_to(steps: list[dict], target: float | None, window: int) -> int | None:
     """The first step whose last `window` steps' mean reward reaches `target`."""
     if target is None:
@@ -127,7 +154,7 @@ def steps_to(steps: list[dict], target: float | None, window: int) -> int | None
 
 
 def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last: int,
-              target: float | None = None) -> dict:
+              target: float | None = None, target_acc: float | None = None) -> dict:
     table = {"runs": {}, "configs": {}}
     for label, steps in runs.items():
         tail = steps[-last:]
@@ -137,7 +164,9 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
             "first_reward": _mean(r["reward"] for r in steps[:last]),
             "final_heldout_acc": heldout[-1] if heldout else None, "first_heldout_acc": heldout[0] if heldout else None,
             "reward_auc": _mean(r["reward"] for r in steps),
+            "heldout_auc": _mean(heldout),  # the mean over the evaluations (every CHECK_EVERY steps)
             "steps_to_target": steps_to(steps, target, last),
+            "steps_to_heldout_target": steps_to_accuracy(steps, target_acc),
             **{f"mean_{m}": _mean(r[m] for r in steps) for m in MEASURES if m not in ("reward", "heldout_acc")},
             "final_engine_check": finals.get(label)}
     by_config: dict[str, list[str]] = {}
@@ -155,7 +184,9 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
                                     "final_heldout_acc_max": max((h for h in heldout if h is not None), default=None),
                                     "first_heldout_acc_mean": _mean(r["first_heldout_acc"] for r in rows),
                                     "reward_auc_mean": _mean(r["reward_auc"] for r in rows),
+                                    "heldout_auc_mean": _mean(r["heldout_auc"] for r in rows),
                                     "steps_to_target": [r["steps_to_target"] for r in rows],
+                                    "steps_to_heldout_target": [r["steps_to_heldout_target"] for r in rows],
                                     "rollout_s_mean": _mean(r["mean_rollout_s"] for r in rows)}
     base = table["configs"].get("bf16")
     for config, row in table["configs"].items():
@@ -171,7 +202,31 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
                           ("final_heldout_acc_ci95", "heldout_separable_from_bf16")):
             a, b = row[key], base[key]
             row[name] = None if a is None or b is None else (a[1] < b[0] or a[0] > b[1])
+    table["comparisons"] = comparisons(table)
     return table
+
+
+def comparisons(table: dict) -> dict:
+    """Issue 44's questions as differences of seed means with Welch 95 % intervals: every arm against bf16, and
+    each precision's TIS effect (CONFIG - CONFIG-notis; CONFIG-mis - CONFIG), on the final held-out accuracy, its
+    area under the curve and the final reward."""
+    runs, configs = table["runs"], table["configs"]
+
+    def values(config, key):
+        return [r[key] for label, r in runs.items() if label.split("/")[0] == config]
+
+    def compare(a, b):
+        return {key: difference(values(a, key), values(b, key))
+                for key in ("final_heldout_acc", "heldout_auc", "final_reward")}
+    out = {}
+    for config in configs:
+        if config != "bf16" and "bf16" in configs:
+            out[f"{config} - bf16"] = compare(config, "bf16")
+        if f"{config}-notis" in configs:
+            out[f"{config} - {config}-notis (TIS effect)"] = compare(config, f"{config}-notis")
+        if f"{config}-mis" in configs:
+            out[f"{config}-mis - {config} (masking vs truncation)"] = compare(f"{config}-mis", config)
+    return out
 
 
 def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
@@ -245,6 +300,8 @@ def main(argv=None) -> int:
     ap.add_argument("--last", type=int, default=10, help="steps averaged for the final reward")
     ap.add_argument("--target", type=float, default=None, help="reward whose first reaching (mean of --last steps) "
                     "is reported per run")
+    ap.add_argument("--target-acc", type=float, default=None,
+                    help="held-out accuracy whose first reaching (an evaluated step) is reported per run")
     ap.add_argument("--until", type=int, default=None,
                     help="the table reads steps <= UNTIL only (runs that stopped at different steps "
                          "compared at the same step); the plot shows every step")
@@ -263,7 +320,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     upto = {lb: [r for r in steps if args.until is None or r["step"] <= args.until] for lb, steps in runs.items()}
-    table = {**summarize(upto, finals, args.last, args.target), "until_step": args.until, "target": args.target}
+    table = {**summarize(upto, finals, args.last, args.target, args.target_acc), "until_step": args.until,
+             "target": args.target, "target_acc": args.target_acc}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, args.out.with_suffix(".png"), args.title)
     tmp = args.out.with_suffix(".tmp.json")
@@ -280,6 +338,17 @@ def main(argv=None) -> int:
               f"{heldout if heldout is not None else float('nan'):8.3f} {row['reward_auc_mean']:6.3f} "
               f"{row['rollout_s_mean'] if row['rollout_s_mean'] is not None else float('nan'):9.2f}  "
               f"{row.get('vs_bf16', '')}")
+    if table["comparisons"]:
+        print(f"\n{'difference (95 % interval, Welch)':44} {'final held-out':>26} {'held-out AUC':>26} {'final reward':>26}")
+    for name, row in table["comparisons"].items():
+        cells = []
+        for key in ("final_heldout_acc", "heldout_auc", "final_reward"):
+            d = row[key]
+            cells.append("-" if d is None else f"{d['diff']:+.3f} ({d['ci95'][0]:+.3f}..{d['ci95'][1]:+.3f})"
+                         f"{' *' if d['separable'] else ''}")
+        print(f"{name:44} {cells[0]:>26} {cells[1]:>26} {cells[2]:>26}")
+    if any(d and d["separable"] for row in table["comparisons"].values() for d in row.values()):
+        print("* the interval excludes 0")
     return 0
 
 

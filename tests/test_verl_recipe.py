@@ -227,6 +227,36 @@ def test_arms_are_separable_only_when_their_95_intervals_are_apart():
     assert rc.interval([0.5]) is None
 
 
+def test_tis_effect_and_differences_from_bf16_carry_welch_intervals():
+    """The analysis issue 44 asks for: each arm minus bf16 and each precision's TIS effect as a difference of seed
+    means with a Welch 95 % interval (separable only when it excludes 0), on the final held-out accuracy, its area
+    under the curve and the final reward; the first evaluated step reaching a held-out target."""
+    spec = importlib.util.spec_from_file_location("rl_curves", REPO / "benchmarks" / "rl_curves.py")
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+
+    def run(curve):  # held-out accuracy at steps 0, 10, 20; reward = accuracy
+        return [{"step": s, **dict.fromkeys(rc.MEASURES), "reward": a, "heldout_acc": a} for s, a in zip((0, 10, 20), curve)]
+    runs = {"bf16/0": run((0.2, 0.35, 0.45)), "bf16/1": run((0.2, 0.36, 0.46)), "bf16/2": run((0.2, 0.34, 0.44)),
+            "int8/0": run((0.2, 0.25, 0.30)), "int8/1": run((0.2, 0.26, 0.31)), "int8/2": run((0.2, 0.27, 0.29)),
+            "int8-notis/0": run((0.2, 0.26, 0.33)), "int8-notis/1": run((0.2, 0.24, 0.29)),
+            "int8-notis/2": run((0.2, 0.25, 0.31))}
+    table = rc.summarize(runs, {}, last=1, target_acc=0.3)
+    c = table["comparisons"]
+    apart = c["int8 - bf16"]["final_heldout_acc"]
+    assert apart["diff"] == pytest.approx(0.30 - 0.45) and apart["separable"] is True and apart["ci95"][1] < 0
+    # Welch with equal variances (0.01^2 each, n = 3): se = sqrt(2) * 0.01 / sqrt(3), dof = 4 -> t = 2.776
+    half = 2.776 * 2 ** 0.5 * 0.01 / 3 ** 0.5
+    assert apart["ci95"] == pytest.approx([-0.15 - half, -0.15 + half])
+    tis = c["int8 - int8-notis (TIS effect)"]["final_heldout_acc"]
+    assert tis["diff"] == pytest.approx(0.30 - 0.31) and tis["separable"] is False and tis["ci95"][0] < 0 < tis["ci95"][1]
+    assert c["int8 - bf16"]["heldout_auc"]["diff"] == pytest.approx((0.2 + 0.26 + 0.30) / 3 - (0.2 + 0.35 + 0.45) / 3)
+    assert "int8-notis - bf16" in c and "bf16 - bf16-notis (TIS effect)" not in c
+    assert table["configs"]["bf16"]["steps_to_heldout_target"] == [10, 10, 10]
+    assert table["configs"]["int8"]["steps_to_heldout_target"] == [20, 20, None]
+    assert rc.difference([0.5], [0.4, 0.3]) is None
+
+
 def _example(name):
     spec = importlib.util.spec_from_file_location(name, REPO / "examples" / "verl" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
