@@ -374,6 +374,10 @@ def test_session_settings_are_honoured(engine, policy, home, monkeypatch, caplog
     record = json.loads((home / "digest" / "tp0-sync2.json").read_text())
     assert record["sync"] == 2 and record["tensors"] == len(record["digest"]) > 10
     assert loaded.session.timing and loaded.session.convert_seconds > 0
+    assert loaded.session.load_seconds >= loaded.session.convert_seconds  # the writer's time includes converting
+    timed = re.findall(r"weight sync 1 complete \(\d+ tensors; convert (\d+\.\d+) s, write (\d+\.\d+) s\)",
+                       caplog.text)  # the start's push, logged while caplog listened: where its time went
+    assert len(timed) == 1 and float(timed[0][1]) > 0, caplog.text
 
 
 # -- FP8 KV cache: the scales' state with each adapter's layers, and the calibration's front end ---------

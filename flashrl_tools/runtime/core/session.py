@@ -128,6 +128,8 @@ class SyncSession:
         self.ignored: set[str] = set()
         self.timing = settings().sync_timing
         self.convert_seconds = 0.0  # time spent converting (quantizing) tensors, all syncs
+        self.load_seconds = 0.0  # time in the writer (converting included), all syncs
+        self._at_begin = (0.0, 0.0)  # both at the start of the sync in progress
 
     @property
     def completed(self) -> int:
@@ -150,10 +152,15 @@ class SyncSession:
                     log.warning("flashrl: %s received twice; starting the weight sync over", names[0])
                 self.writer.begin(reopen=self.state.active)
                 self.state.begin()
+                self._at_begin = (self.convert_seconds, self.load_seconds)
             repeated: list = []
             try:
                 converted = self._convert(self._run(itertools.chain([first], pending), repeated))
+                t0 = time.perf_counter()
                 loaded |= set(self.writer.load(converted, *args, **kwargs) or ())
+                if self.timing and first[0][1].is_cuda:
+                    torch.cuda.synchronize(first[0][1].device)
+                self.load_seconds += time.perf_counter() - t0
             except Exception as e:
                 self.state.fail(f"{type(e).__name__}: {e}")
                 raise
@@ -186,7 +193,11 @@ class SyncSession:
         self.writer.finish()
         self.converter.end_push()
         self.state.complete()
-        log.info("flashrl: weight sync %d complete (%d tensors)", self.state.completed, len(self.state.seen))
+        timed = ""
+        if self.timing:  # FLASHRL_SYNC_TIMING: where this sync's time went (device synchronised)
+            convert = self.convert_seconds - self._at_begin[0]
+            timed = f"; convert {convert:.3f} s, write {self.load_seconds - self._at_begin[1] - convert:.3f} s"
+        log.info("flashrl: weight sync %d complete (%d tensors%s)", self.state.completed, len(self.state.seen), timed)
         write_after_sync(self.model, self.state.completed, self.engine, self.rank)  # FLASHRL_SYNC_DIGEST
 
     def status(self) -> str | None:
