@@ -562,3 +562,18 @@ def test_a_request_sent_during_a_pause_calibrates_after_the_update(monkeypatch):
     asyncio.run(run())
     rids = [rid for rid, _ in m.sent if rid != "<flush>"]
     assert rids[-1] == "d" and len(rids) > 2  # calibrated first
+
+
+def test_concurrent_sglang_engines_get_torch_distributed_ports_of_their_own():
+    """Two SGLang engines starting at the same moment on one host were handed the same free port (EADDRINUSE at
+    start, 2026-11-26): the GPU jobs' engines take a port in a range of their process's own, skipping a taken one."""
+    import socket
+
+    from flashrl_tools.verify.sglang_job import own_nccl_port
+
+    a, b = own_nccl_port(pid=1234), own_nccl_port(pid=1235)
+    assert a is not None and b is not None and a // 10 != b // 10  # disjoint ranges
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", a))
+        held.listen()
+        assert own_nccl_port(pid=1234) == a + 1  # the next one of its range

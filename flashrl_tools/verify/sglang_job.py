@@ -132,11 +132,29 @@ def dense(entries, vocab: int) -> list[float]:
     return out
 
 
+def own_nccl_port(pid: int | None = None) -> int | None:
+    """A free torch.distributed port in a range of this process's own (SGLang takes any free port at start: two
+    engines starting at the same moment on one host were handed the same one and one failed with EADDRINUSE).
+    None when the range is taken (SGLang then picks its own)."""
+    import os
+    import socket
+
+    base = 20000 + ((os.getpid() if pid is None else pid) % 2000) * 10
+    for port in range(base, base + 10):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return None
+
+
 def run(req: dict) -> dict:
     import sglang
 
     kwargs = dict(dtype="bfloat16", context_length=1024, disable_radix_cache=True, random_seed=0,
-                  mem_fraction_static=0.3, attention_backend="triton", log_level="error")
+                  mem_fraction_static=0.3, attention_backend="triton", log_level="error", nccl_port=own_nccl_port())
     kwargs.update(req.get("engine_kwargs", {}))
     engine = sglang.Engine(model_path=req["model"], **kwargs)
     try:

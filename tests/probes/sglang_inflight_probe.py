@@ -42,8 +42,10 @@ def phase(name: str) -> None:
 def start(model: str, engine_args: dict):
     import sglang
 
+    from flashrl_tools.verify.sglang_job import own_nccl_port
+
     args = dict(dtype="bfloat16", random_seed=0, attention_backend="triton", log_level="error",
-                context_length=512, mem_fraction_static=0.3, max_total_tokens=8192)
+                context_length=512, mem_fraction_static=0.3, max_total_tokens=8192, nccl_port=own_nccl_port())
     return sglang.Engine(model_path=model, **{**args, **engine_args})
 
 
