@@ -158,6 +158,14 @@ async def sglang_push(engine, model_path: str, bucket_mb: int) -> dict:
     return {"push_sync_s": seconds}
 
 
+def dump_stacks() -> list[int]:
+    """--stall-dump: every engine process's Python stacks into the log (FLASHRL_DEBUG_STACKS's directory)."""
+    from flashrl_tools.config.settings import settings
+    from flashrl_tools.runtime.core.logs import signal_stacks
+
+    return signal_stacks(Path(settings().debug_stacks))
+
+
 async def run_stream(spec: dict, generate, pause, push, resume) -> dict:
     """`--concurrency` lanes of requests (a finished one replaced at once), an update every `--every` s:
     `pause()`, `push()`, `resume()`; per update the times, the bubble, the first token after the resume and
@@ -211,6 +219,8 @@ async def run_stream(spec: dict, generate, pause, push, resume) -> dict:
         n = len(stamps)
         while len(stamps) == n:
             await asyncio.sleep(0.0005)
+            if spec.get("stall_dump") and "stall_dump_pids" not in u and time.perf_counter() - resumed > spec["stall_dump"]:
+                u["stall_dump_pids"] = dump_stacks()  # no token yet: where every engine process waits
         u["first_token_after_resume_s"] = stamps[n] - resumed
         u["tokens_in_flight_at_first_token"] = sum(left.values())
         updates.append(u)
@@ -282,11 +292,17 @@ def main() -> None:
                     help="sglang (GPU): its offline Engine, in_place pauses, flattened-bucket pushes")
     ap.add_argument("--attention-backend", default="triton",
                     help="SGLang's attention backend (fa3 reads the FP8 KV scales from tensors: no graph capture per update)")
+    ap.add_argument("--stall-dump", type=float, default=None,
+                    help="seconds without a token after a resume before every engine process's Python stacks are "
+                         "printed (needs FLASHRL_DEBUG_STACKS=DIR; read them with FLASHRL_BENCH_LOG)")
     ap.add_argument("--log-level", default="error",
                     help="SGLang's log level (info: its scheduler's decode-batch lines, to see where a stream waits; "
                          "the runtime's own log: FLASHRL_LOGGING_LEVEL=INFO)")
     output_args(ap)
     a = ap.parse_args()
+    if a.stall_dump is not None and not os.environ.get("FLASHRL_DEBUG_STACKS"):
+        sys.exit("async_stream: --stall-dump needs FLASHRL_DEBUG_STACKS=DIR (the engine processes list their PIDs there; "
+                 "a process without the handler would die of the signal)")
     import torch
 
     opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
@@ -295,7 +311,7 @@ def main() -> None:
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util, "engine": a.engine,
-                    "attention_backend": a.attention_backend, "log_level": a.log_level,
+                    "attention_backend": a.attention_backend, "log_level": a.log_level, "stall_dump": a.stall_dump,
                     **{k: opts[k] for k in ("concurrency", "prompt_len", "max_len", "seconds", "every")}}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             if "error" not in r:

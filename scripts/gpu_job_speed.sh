@@ -3,8 +3,9 @@
 # its own process; rows compared only within this run), after scripts/gpu_install.sh and gpu_install_sglang.sh
 # (FA3 library staged):
 #   setsid nohup bash scripts/gpu_job_speed.sh /root/res > /root/res/job.out 2>&1 < /dev/null &
-#   GPU 0  SGLang: the fa3 + FP8 KV async stream with SGLang's and the runtime's logs (where the 7B stream of
-#          2026-11-26 stood still 127 s), then RL-step rows on SGLang (overlap scheduler on)
+#   GPU 0  SGLang: the fa3 + FP8 KV async stream with SGLang's and the runtime's logs, and every engine process's
+#          Python stacks 10 s into a stall (where the 7B stream of 2026-11-26 stood still 127 s), then RL-step rows
+#          on SGLang (overlap scheduler on)
 #   GPU 1  vLLM RL step at 7B as the issue measured it (16 x 8, seeded), then unseeded (as verl / TRL sample)
 #   GPU 2  vLLM 7B without sampling logprobs, then 14B unseeded
 #   GPU 3  step_profile at 14B, then the DAPO-like workload (Qwen3-8B shape, prompts 1-2k, responses <= 16k)
@@ -21,8 +22,9 @@ RL=(--first-max-len 256 --gpu-memory-utilization 0.85)
 
 (export CUDA_VISIBLE_DEVICES=0
  PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_BENCH_LOG="$O/async_stream_sglang_fa3_diag.engine.log" \
-   python3 benchmarks/async_stream.py --engine sglang --preset gpu \
-   --configs int8+kv --attention-backend fa3 --log-level info --seconds 40 --every 10 --gpu-memory-utilization 0.45 \
+   FLASHRL_DEBUG_STACKS=/root/w/stacks python3 benchmarks/async_stream.py --engine sglang --preset gpu \
+   --configs int8+kv --attention-backend fa3 --log-level info --stall-dump 10 --seconds 40 --every 10 \
+   --gpu-memory-utilization 0.45 \
    --workdir /root/w/s0 --json "$O/async_stream_sglang_fa3_diag.json" > "$O/async_stream_sglang_fa3_diag.log" 2>&1
  PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b.engine.log" \
    python3 benchmarks/rl_step.py --engine sglang --shapes 7b --configs bf16,int8,int8+kv --prompts 16 \

@@ -297,3 +297,78 @@ def test_step_profile_benchmark_smoke(tmp_path):
     for p in r["phases"].values():
         assert p["source"] == "cpu" and p["events"] > 0 and p["linear_ms_per_step"] > 0
         assert p["window_ms_per_step"] >= p["idle_ms_per_step"] >= 0
+
+
+def test_a_stalled_engine_process_prints_where_it_waits_and_lives_on(tmp_path):
+    """FLASHRL_DEBUG_STACKS=DIR: an engine process lists its PID there and prints every thread's stack on SIGUSR1
+    (it stays alive); `signal_stacks` signals only the listed processes and dumps its own."""
+    import time
+
+    from flashrl_tools.runtime.core.logs import signal_stacks
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from flashrl_tools.runtime.core.logs import watch_stacks\n"
+        f"watch_stacks(Path({str(tmp_path / 'pids')!r}))\n"
+        "def waiting_for_the_finish_request():\n"
+        "    while True: time.sleep(0.05)\n"
+        "print('ready', flush=True)\n"
+        "waiting_for_the_finish_request()\n")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert (tmp_path / "pids" / str(child.pid)).is_file()
+        assert signal_stacks(tmp_path / "pids") == [child.pid]
+        time.sleep(0.5)
+        assert child.poll() is None  # printed its stacks, still running
+    finally:
+        child.kill()
+        err = child.communicate(timeout=30)[1]
+    assert "waiting_for_the_finish_request" in err
+    assert signal_stacks(tmp_path / "none") == []
+
+
+def test_async_stream_dumps_stacks_when_no_token_follows_a_resume(monkeypatch):
+    """--stall-dump S: when no token arrives S seconds after a resume, every engine process's stacks are printed
+    once (its PIDs recorded with the update); without FLASHRL_DEBUG_STACKS the option is refused in one line."""
+    import asyncio
+    import json as _json
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import async_stream
+
+    calls = []
+    monkeypatch.setattr(async_stream, "dump_stacks", lambda: calls.append(1) or [4242])
+    state = {"stalled": False}
+
+    async def generate(i, ids, n):
+        for k in range(1, min(n, 50) + 1):
+            await asyncio.sleep(0.001)
+            if state["stalled"]:  # the engine stands still after the resume
+                await asyncio.sleep(0.6)
+                state["stalled"] = False
+            yield k
+
+    async def pause():
+        pass
+
+    async def push():
+        return {}
+
+    async def resume():
+        state["stalled"] = True  # the next token comes 0.6 s after the resume
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(_json.dumps({"vocab_size": 100}))
+        spec = {"model": tmp, "concurrency": 1, "prompt_len": 4, "max_len": 64, "seconds": 1.0, "every": 0.2,
+                "stall_dump": 0.2}
+        out = asyncio.run(async_stream.run_stream(spec, generate, pause, push, resume))
+    stalled = [u for u in out["updates"] if "stall_dump_pids" in u]
+    assert stalled and all(u["stall_dump_pids"] == [4242] for u in stalled) and len(calls) == len(stalled)
+    assert all(u["first_token_after_resume_s"] > 0.2 for u in stalled)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "FLASHRL_DEBUG_STACKS"}
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "async_stream.py"), "--stall-dump", "5"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 1 and "needs FLASHRL_DEBUG_STACKS=DIR" in bad.stderr and "Traceback" not in bad.stderr

@@ -22,6 +22,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_TEST_RELOAD": ("test_reload", "0"),
     "FLASHRL_SYNC_DIGEST": ("sync_digest", ""),
     "FLASHRL_SYNC_TIMING": ("sync_timing", "0"),
+    "FLASHRL_DEBUG_STACKS": ("debug_stacks", ""),
     "FLASHRL_TRITON": ("triton", "1"),
     "FLASHRL_ALLOW_LEGACY_PICKLE": ("allow_legacy_pickle", "0"),
     "FLASHRL_ENGINE_ARGS": ("engine_args", ""),
@@ -46,6 +47,7 @@ class Settings:
     test_reload: bool
     sync_digest: str  # a directory: the engine's weight digest after every sync
     sync_timing: bool
+    debug_stacks: str  # a directory: each engine process prints every thread's Python stack on SIGUSR1, its PID there
     triton: bool  # the fused Triton INT8 quantizer on CUDA
     allow_legacy_pickle: bool
     engine_args: str  # JSON: extra engine arguments (vllm.LLM / sglang.Engine) for the engines `verify` starts
