@@ -312,3 +312,41 @@ def _bench(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_committed_run_logs_are_trimmed_without_changing_the_table(tmp_path):
+    """benchmarks/trim_logs.py: per step only the kept keys (floats to 6 digits, held-out accuracies exact), the
+    held-out sidecar merged, the final check last; rl_curves gives the same table from the trimmed logs; a
+    directory without run logs is one error line."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(REPO / "benchmarks"))
+    trim = _bench("trim_logs")
+    rc = _bench("rl_curves")
+    src = tmp_path / "src"
+    src.mkdir()
+    for seed in (0, 1):
+        rows = [{"step": s, "data": {"critic/score/mean": 0.1 * s + 0.0123456789 * seed, "rollout_corr/kl": 0.001 * s,
+                                     "actor/pg_loss": 1.0, "global_seqlen/max": 99, "timing_s/gen": 2.5,
+                                     "rollout_corr/flashrl_abs_logp_diff_mean": 0.05,
+                                     "rollout_corr/log_ppl_diff_max": 3.0}} for s in (1, 2, 3)]
+        lines = [json.dumps(r) for r in rows] + [json.dumps({"final_check": {"equal": True}})]
+        (src / f"verl-int8-s{seed}.jsonl").write_text("\n".join(lines) + "\n")
+        (src / f"verl-int8-s{seed}.heldout.jsonl").write_text(
+            json.dumps({"step": 3, "data": {"heldout/bf16_accuracy": 117 / 256, "heldout/prompts": 256}}) + "\n")
+    assert trim.main([str(src), str(tmp_path / "dst")]) == 0
+    out = [json.loads(x) for x in (tmp_path / "dst" / "verl-int8-s1.jsonl").read_text().splitlines()]
+    assert out[-1] == {"final_check": {"equal": True}} and len(out) == 5
+    assert set(out[0]["data"]) == {"critic/score/mean", "rollout_corr/kl", "timing_s/gen",
+                                   "rollout_corr/flashrl_abs_logp_diff_mean"}
+    assert out[0]["data"]["critic/score/mean"] == 0.112346  # 6 significant digits
+    assert out[3]["data"]["heldout/bf16_accuracy"] == 117 / 256  # exact
+    def table(d):
+        logs = {f"int8/{s}": rc.read_log(d / f"verl-int8-s{s}.jsonl") for s in (0, 1)}
+        return rc.summarize({k: v[0] for k, v in logs.items()}, {k: v[1] for k, v in logs.items()}, last=2)
+    a, b = table(src), table(tmp_path / "dst")
+    assert b["configs"]["int8"]["final_heldout_acc_mean"] == a["configs"]["int8"]["final_heldout_acc_mean"] == 117 / 256
+    assert b["configs"]["int8"]["final_reward_mean"] == pytest.approx(a["configs"]["int8"]["final_reward_mean"], rel=1e-5)
+    assert b["runs"]["int8/1"]["final_engine_check"] == {"equal": True}
+    (tmp_path / "empty").mkdir()
+    assert trim.main([str(tmp_path / "empty"), str(tmp_path / "x")]) == 2
