@@ -377,7 +377,7 @@ def test_session_settings_are_honoured(engine, policy, home, monkeypatch, caplog
     assert loaded.session.load_seconds >= loaded.session.convert_seconds  # the writer's time includes converting
     timed = re.findall(r"weight sync 1 complete \(\d+ tensors; convert (\d+\.\d+) s, write (\d+\.\d+) s\)",
                        caplog.text)  # the start's push, logged while caplog listened: where its time went
-    assert len(timed) == 1 and float(timed[0][1]) > 0, caplog.text
+    assert len(timed) == 1 and float(timed[0][0]) <= loaded.session.convert_seconds + 5e-4, caplog.text
 
 
 # -- FP8 KV cache: the scales' state with each adapter's layers, and the calibration's front end ---------
