@@ -19,6 +19,9 @@ cat "$RES"/session.log 2>/dev/null | tail -n 5
 for f in "$RES"/trl/*.log "$RES"/verl/*.log "$RES"/j01/verl/async-*.log "$RES"/check.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
 done
+for f in "$RES"/speed/*.log; do  # scripts/gpu_job_speed.sh: each queue's last rows
+  [ -f "$f" ] && { echo "== $f"; grep -v '^\s*$' "$f" | tail -n 2 | cut -c1-240; }
+done
 for f in "$RES"/arms-*/*-s[0-9].jsonl; do  # issue 44's arms: steps logged, held-out results, final check
   [ -f "$f" ] && echo "$(basename "$(dirname "$f")")/$(basename "$f"): $(grep -c '"critic/score/mean"' "$f") steps," \
     "$(cat "${f%.jsonl}.heldout.jsonl" 2>/dev/null | wc -l) held-out, $(grep -o '"equal": [a-z]*' "$f" | tail -n 1)"
