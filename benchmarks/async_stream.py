@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import bench_parser, config_env, output_args, preset_options, run_worker, serve_worker  # noqa: E402
+from harness import bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, sglang_engine  # noqa: E402
 from rl_step import output_lengths  # noqa: E402
 from shapes import model_dir  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
@@ -88,15 +88,8 @@ def stream_sglang(spec: dict) -> dict:
     """SGLang's offline Engine (its TokenizerManager, as its server drives it): `pause_generation("in_place")`
     (requests keep their KV, SGLang's keep mode), a full BF16 push as flattened buckets of random weights through
     `update_weights_from_tensor` (only the calls timed), `continue_generation`."""
-    import sglang
-
     t0 = time.perf_counter()
-    engine = sglang.Engine(model_path=spec["model"], load_format="dummy" if spec["dummy"] else "auto",
-                           skip_tokenizer_init=True, dtype="bfloat16", random_seed=0,
-                           attention_backend=spec.get("attention_backend") or "triton",
-                           context_length=spec["prompt_len"] + spec["max_len"] + 8,
-                           log_level=spec.get("log_level") or "error",
-                           mem_fraction_static=spec["gpu_memory_utilization"])
+    engine = sglang_engine(spec, spec["prompt_len"] + spec["max_len"] + 8)
     start_s = time.perf_counter() - t0
     tm = engine.tokenizer_manager
 

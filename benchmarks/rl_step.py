@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, vllm_settings  # noqa: E402
+from harness import (  # noqa: E402
+    bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, sglang_engine, vllm_settings)
 from shapes import model_dir  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
 
@@ -166,17 +167,12 @@ def worker_sglang(spec: dict) -> dict:
     """The step on SGLang: the same requests, T=1 with each sampled token's logprob, per-request lengths and
     seeds; a full BF16 sync of the policy's shapes in flattened buckets (timed: the calls), then the rollout
     after it (with an FP8 KV cache its first request recalibrates the scales: inside the step)."""
-    import sglang
     import torch
 
     from rollout_throughput import sglang_sync_seconds
 
     t0 = time.perf_counter()
-    engine = sglang.Engine(model_path=spec["model"], load_format="dummy" if spec["dummy"] else "auto",
-                           skip_tokenizer_init=True, dtype="bfloat16", random_seed=0,
-                           attention_backend=spec.get("attention_backend") or "triton",
-                           context_length=max(spec["prompt_lens"]) + spec["max_len"] + 8, log_level="error",
-                           mem_fraction_static=spec["gpu_memory_utilization"])
+    engine = sglang_engine(spec, max(spec["prompt_lens"]) + spec["max_len"] + 8)
     try:
         start_s = time.perf_counter() - t0
         info = engine.get_server_info()

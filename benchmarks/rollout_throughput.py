@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import bench_parser, output_args, preset_options, run_worker, serve_worker, vllm_settings  # noqa: E402
+from harness import bench_parser, output_args, preset_options, run_worker, serve_worker, sglang_engine, vllm_settings  # noqa: E402
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {
@@ -71,13 +71,9 @@ def worker_sglang(spec: dict) -> dict:
     """The same workload on SGLang (issue 32): its offline Engine, CUDA graphs, triton attention."""
     import random
 
-    import sglang
-
     t0 = time.perf_counter()
-    engine = sglang.Engine(model_path=spec["model"], load_format="dummy" if spec["dummy"] else "auto",
-                           skip_tokenizer_init=True, dtype="bfloat16", random_seed=0, disable_radix_cache=True,
-                           context_length=spec["prompt_len"] + spec["output_len"] + 8, log_level="error",
-                           mem_fraction_static=spec["gpu_memory_utilization"], attention_backend="triton")
+    engine = sglang_engine(spec, spec["prompt_len"] + spec["output_len"] + 8, disable_radix_cache=True,
+                           attention_backend="triton")
     try:
         start_s = time.perf_counter() - t0
         info = engine.get_server_info()
