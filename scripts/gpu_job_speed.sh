@@ -21,11 +21,7 @@ SGL="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH"
 RL=(--first-max-len 256 --gpu-memory-utilization 0.85)
 
 (export CUDA_VISIBLE_DEVICES=0
- PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_BENCH_LOG="$O/async_stream_sglang_fa3_diag.engine.log" \
-   FLASHRL_DEBUG_STACKS=/root/w/stacks python3 benchmarks/async_stream.py --engine sglang --preset gpu \
-   --configs int8+kv --attention-backend fa3 --log-level info --stall-dump 10 --seconds 40 --every 10 \
-   --gpu-memory-utilization 0.45 \
-   --workdir /root/w/s0 --json "$O/async_stream_sglang_fa3_diag.json" > "$O/async_stream_sglang_fa3_diag.log" 2>&1
+ bash scripts/gpu_fa3_stall.sh "$O"
  PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b.engine.log" \
    python3 benchmarks/rl_step.py --engine sglang --shapes 7b --configs bf16,int8,int8+kv --prompts 16 \
    --unseeded "${RL[@]}" --workdir /root/w/s0 --json "$O/rl_step_sglang_7b.json" > "$O/rl_step_sglang_7b.log" 2>&1) &
