@@ -89,7 +89,8 @@ def stream_sglang(spec: dict) -> dict:
     (requests keep their KV, SGLang's keep mode), a full BF16 push as flattened buckets of random weights through
     `update_weights_from_tensor` (only the calls timed), `continue_generation`."""
     t0 = time.perf_counter()
-    engine = sglang_engine(spec, spec["prompt_len"] + spec["max_len"] + 8)
+    engine = sglang_engine(spec, spec["prompt_len"] + spec["max_len"] + 8,
+                           **({"disable_overlap_schedule": True} if spec.get("no_overlap") else {}))
     start_s = time.perf_counter() - t0
     tm = engine.tokenizer_manager
 
@@ -121,6 +122,7 @@ def stream_sglang(spec: dict) -> dict:
     finally:
         engine.shutdown()
     return {"start_s": start_s, **out, "pause_mode": "in_place", "async_scheduling": None, "kv_cache_dtype": kv,
+            "overlap_schedule": not spec.get("no_overlap"),
             "attention_backend": spec.get("attention_backend") or "triton"}
 
 
@@ -291,8 +293,13 @@ def main() -> None:
     ap.add_argument("--log-level", default="error",
                     help="SGLang's log level (info: its scheduler's decode-batch lines, to see where a stream waits; "
                          "the runtime's own log: FLASHRL_LOGGING_LEVEL=INFO)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="SGLang without its overlap scheduler (disable_overlap_schedule: each batch's result processed "
+                         "before the next is launched)")
     output_args(ap)
     a = ap.parse_args()
+    if a.no_overlap and a.engine != "sglang":
+        sys.exit("async_stream: --no-overlap turns SGLang's overlap scheduler off; add --engine sglang")
     if a.stall_dump is not None and not os.environ.get("FLASHRL_DEBUG_STACKS"):
         sys.exit("async_stream: --stall-dump needs FLASHRL_DEBUG_STACKS=DIR (the engine processes list their PIDs there; "
                  "a process without the handler would die of the signal)")
@@ -305,6 +312,7 @@ def main() -> None:
         for config in opts["configs"].split(","):
             spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util, "engine": a.engine,
                     "attention_backend": a.attention_backend, "log_level": a.log_level, "stall_dump": a.stall_dump,
+                    "no_overlap": a.no_overlap,
                     **{k: opts[k] for k in ("concurrency", "prompt_len", "max_len", "seconds", "every")}}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             if "error" not in r:

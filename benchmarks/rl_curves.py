@@ -27,7 +27,8 @@ with a band from the lowest to the highest seed) and OUT.json: per run the final
 `--last` steps), the last held-out accuracy, the area under the reward curve (its mean over the steps),
 the first step whose `--last`-step mean reward reaches `--target`, the held-out accuracy at the first evaluation
 (step 0: the start model) and the last, mean mismatch and rollout seconds (over
-steps <= `--until` when given), the final engine check when the log has one; per config the seeds' mean,
+steps <= `--until` when given), the final engine check when the log has one (and its verdict: check_verdict);
+per config the verdicts counted, the seeds' mean,
 spread and 95 % interval (Student's t over the seeds) of the final reward and held-out accuracy, and for
 every config but bf16 whether its final reward lies within the bf16 seeds' spread (or how far outside) and
 whether its 95 % interval is apart from bf16's (`separable_from_bf16`; `heldout_separable_from_bf16` the
@@ -45,6 +46,7 @@ import json
 import math
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 MEASURES = {  # name -> (verl keys summed, TRL keys summed)
@@ -153,6 +155,23 @@ def steps_to(steps: list[dict], target: float | None, window: int) -> int | None
     return None
 
 
+def check_verdict(final: dict | None) -> str | None:
+    """A run's final engine check (examples/verl/final_check.py): "equal" (the synced engine held a fresh engine's
+    bits), "equal but KV scales" (only FP8 KV-cache scales differ -- which an engine recalibrates after each sync and
+    the check leaves out; checks written before it also left out vLLM's CPU copies of them name those), "differs",
+    or None (no check)."""
+    if not final:
+        return None
+    if final.get("equal"):
+        return "equal"
+    from flashrl_tools.runtime.core.digest import KV_SCALE_NAMES
+
+    names = set(final.get("differing_by_name") or {})
+    if names and names <= KV_SCALE_NAMES and not final.get("tensors_only_in_one"):
+        return "equal but KV scales"
+    return "differs"
+
+
 def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last: int,
               target: float | None = None, target_acc: float | None = None) -> dict:
     table = {"runs": {}, "configs": {}}
@@ -168,7 +187,7 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
             "steps_to_target": steps_to(steps, target, last),
             "steps_to_heldout_target": steps_to_accuracy(steps, target_acc),
             **{f"mean_{m}": _mean(r[m] for r in steps) for m in MEASURES if m not in ("reward", "heldout_acc")},
-            "final_engine_check": finals.get(label)}
+            "final_engine_check": finals.get(label), "engine_check": check_verdict(finals.get(label))}
     by_config: dict[str, list[str]] = {}
     for label in runs:
         by_config.setdefault(label.split("/")[0], []).append(label)
@@ -187,7 +206,8 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
                                     "heldout_auc_mean": _mean(r["heldout_auc"] for r in rows),
                                     "steps_to_target": [r["steps_to_target"] for r in rows],
                                     "steps_to_heldout_target": [r["steps_to_heldout_target"] for r in rows],
-                                    "rollout_s_mean": _mean(r["mean_rollout_s"] for r in rows)}
+                                    "rollout_s_mean": _mean(r["mean_rollout_s"] for r in rows),
+                                    "engine_checks": dict(Counter(r["engine_check"] or "none" for r in rows))}
     base = table["configs"].get("bf16")
     for config, row in table["configs"].items():
         if base is None or config == "bf16":
@@ -329,15 +349,15 @@ def main(argv=None) -> int:
     tmp.replace(args.out.with_suffix(".json"))
     def ci(pair):
         return f"{pair[0]:.3f}-{pair[1]:.3f}" if pair else "-"
-    print(f"{'config':8} {'seeds':>5} {'final reward':>12} {'spread':>13} {'95% interval':>13} {'held-out':>8} "
-          f"{'AUC':>6} {'rollout s':>9}  vs bf16")
+    print(f"{'config':11} {'seeds':>5} {'final reward':>12} {'spread':>13} {'95% interval':>13} {'held-out':>8} "
+          f"{'AUC':>6} {'rollout s':>9}  {'engine checks':22} vs bf16")
     for config, row in table["configs"].items():
         heldout = row["final_heldout_acc_mean"]
-        print(f"{config:8} {row['seeds']:5} {row['final_reward_mean']:12.3f} "
+        print(f"{config:11} {row['seeds']:5} {row['final_reward_mean']:12.3f} "
               f"{row['final_reward_min']:6.3f}-{row['final_reward_max']:.3f} {ci(row['final_reward_ci95']):>13} "
               f"{heldout if heldout is not None else float('nan'):8.3f} {row['reward_auc_mean']:6.3f} "
               f"{row['rollout_s_mean'] if row['rollout_s_mean'] is not None else float('nan'):9.2f}  "
-              f"{row.get('vs_bf16', '')}")
+              f"{', '.join(f'{n} {k}' for k, n in row['engine_checks'].items()):22} {row.get('vs_bf16', '')}")
     if table["comparisons"]:
         print(f"\n{'difference (95 % interval, Welch)':44} {'final held-out':>26} {'held-out AUC':>26} {'final reward':>26}")
     for name, row in table["comparisons"].items():

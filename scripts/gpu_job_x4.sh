@@ -20,6 +20,13 @@ LEVEL=${LEVEL:-mul21}
 ARMS=${ARMS-bf16:0 bf16-notis:0 int8:0 int8-notis:0 fp8:0 int8+kv:0 int8-mis:0 \
 bf16:1 bf16-notis:1 int8:1 int8-notis:1 fp8:1 int8+kv:1 int8-mis:1 \
 bf16:2 bf16-notis:2 int8:2 int8-notis:2 fp8:2 int8+kv:2 int8-mis:2}
+# runs whose trimmed logs with their final check are committed (benchmarks/trim_logs.py) are not run again: the
+# same command completes the set across device sessions (LOGGED="" runs them all)
+LOGGED=${LOGGED-benchmarks/results/verl_arms_${LEVEL}_h200}
+if [ -n "$LOGGED" ] && [ -d "$LOGGED" ]; then
+  keep=(); for a in $ARMS; do grep -q '"final_check"' "$LOGGED/verl-${a%%:*}-s${a##*:}.jsonl" 2>/dev/null || keep+=("$a"); done
+  ARMS="${keep[*]}"; echo "arms not yet logged in $LOGGED: ${ARMS:-none}"
+fi
 read -r -a gpus <<< "${ARM_GPUS:-2 3}"
 pids=()
 if [ -n "$JOB01" ]; then

@@ -24,6 +24,10 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_TH
 # every process would start a BLAS / OpenMP pool as wide as the host: a dozen verl runs side by side ran out of
 # threads on a 64-core host (2026-11-26: "pthread_create failed: Resource temporarily unavailable", runs lost)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+# 21 runs at once still did (2026-11-26, 4 x H200: "can't start new thread" in verl's agent-loop workers, the
+# tokenizers' Rust pool among the stacks; 12 of 21 runs lost at their start): the tokenizers' pool cut too, and a
+# run that dies of it before its first checkpoint is started again
+export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
 unset VLLM_ENABLE_V1_MULTIPROCESSING   # verl runs vLLM's engine core as its own process
 mkdir -p "$OUT"
 MODEL=$(python3 -c "from flashrl_tools.models.default import ensure_default_model as e; print(e())"); export MODEL
@@ -61,13 +65,21 @@ for spec in "$@"; do
       transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
       ${VERL_EXTRA:-} > "$OUT/$run.log" 2>&1
     rc=$?; echo "train exit $rc (try $try)" >> "$OUT/$run.log"
-    [ "$rc" != 0 ] && [ ! -s "$OUT/$run.jsonl" ] && grep -q EADDRINUSE "$OUT/$run.log" || break
-    mv "$OUT/$run.log" "$OUT/$run.try$try.log"; sleep $(( RANDOM % 20 + 5 ))
+    [ "$rc" = 0 ] && break
+    grep -qE "EADDRINUSE|can't start new thread|pthread_create failed|Resource temporarily unavailable" \
+      "$OUT/$run.log" || break
+    ls -d "$OUT/ckpt-$run"/global_step_* >/dev/null 2>&1 && break  # past its first checkpoint: not afresh
+    mv "$OUT/$run.log" "$OUT/$run.try$try.log"; [ -f "$OUT/$run.jsonl" ] && mv "$OUT/$run.jsonl" "$OUT/$run.try$try.jsonl"
+    sleep $(( RANDOM % 20 + 5 ))
     done
-    FLASHRL_CONFIG=$cfg FLASHRL_KV_CACHE_DTYPE=$kv VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
-      python3 examples/verl/final_check.py "$OUT" "$run" --data "$DATA" "${CHECK_ARGS[@]}" > "$OUT/$run.check.log" 2>&1
-    echo "check exit $?" >> "$OUT/$run.log"
-    touch "$OUT/$run.done"
+    if [ "$rc" = 0 ]; then  # RUN.done only for a run that finished (a failed one is run again by the same command)
+      FLASHRL_CONFIG=$cfg FLASHRL_KV_CACHE_DTYPE=$kv VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CACHE_ROOT=/root/vc/$run-fresh \
+        python3 examples/verl/final_check.py "$OUT" "$run" --data "$DATA" "${CHECK_ARGS[@]}" > "$OUT/$run.check.log" 2>&1
+      echo "check exit $?" >> "$OUT/$run.log"
+      touch "$OUT/$run.done"
+    else
+      touch "$OUT/$run.failed"
+    fi
   ) &
   sleep "${STAGGER:-20}"   # start-ups one after another (compile, memory checks)
 done

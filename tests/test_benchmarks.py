@@ -328,6 +328,34 @@ def test_a_stalled_engine_process_prints_where_it_waits_and_lives_on(tmp_path):
     assert signal_stacks(tmp_path / "none") == []
 
 
+def test_an_engine_process_without_progress_prints_its_stacks_without_a_signal(tmp_path):
+    """`stall_watch` (armed by the SGLang scheduler after every batch result, with FLASHRL_DEBUG_STACKS): no call
+    for S seconds -> faulthandler's watchdog thread prints every stack (a process that handles no SIGUSR1 too);
+    calls in time push it on. `task_states` reads each thread's kernel state and wait channel from /proc."""
+    import os
+
+    from flashrl_tools.runtime.core.logs import task_states
+
+    code = ("import time\n"
+            "from flashrl_tools.runtime.core import logs\n"
+            "logs.configure_logging()\n"
+            "for _ in range(8): logs.stall_watch(0.5); time.sleep(0.1)  # progress: no dump\n"
+            "print('progress done', flush=True)\n"
+            "def stuck_after_the_release():\n"
+            "    logs.stall_watch(0.5); time.sleep(1.5)\n"
+            "stuck_after_the_release()\n")
+    env = {**os.environ, "FLASHRL_DEBUG_STACKS": str(tmp_path / "pids"), "FLASHRL_LOGGING_LEVEL": "INFO"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "progress done" in res.stdout, res.stderr[-2000:]
+    assert res.stderr.count("stuck_after_the_release") == 1 and res.stderr.count("Timeout (") == 1
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "FLASHRL_DEBUG_STACKS"})
+    assert off.returncode == 0 and "stuck_after_the_release" not in off.stderr
+    states = task_states(os.getpid())
+    assert states and all(" state " in line and " wchan " in line for line in states)
+    assert task_states(2 ** 22 + 7) == []
+
+
 def test_async_stream_dumps_stacks_when_no_token_follows_a_resume(monkeypatch):
     """--stall-dump S: when no token arrives S seconds after a resume, every engine process's stacks are printed
     once (its PIDs recorded with the update); without FLASHRL_DEBUG_STACKS the option is refused in one line."""
@@ -372,3 +400,6 @@ def test_async_stream_dumps_stacks_when_no_token_follows_a_resume(monkeypatch):
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "async_stream.py"), "--stall-dump", "5"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 1 and "needs FLASHRL_DEBUG_STACKS=DIR" in bad.stderr and "Traceback" not in bad.stderr
+    vllm = subprocess.run([sys.executable, str(REPO / "benchmarks" / "async_stream.py"), "--no-overlap"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert vllm.returncode == 1 and "add --engine sglang" in vllm.stderr and "Traceback" not in vllm.stderr

@@ -510,11 +510,13 @@ def test_requests_kept_in_place_are_set_aside_and_their_fp8_entries_rescaled(mon
         assert torch.allclose(got, x[kept], rtol=0.13), (i, got.flatten(), x[kept].flatten())
         if new != old[layer_name(kv, layer)][kind]:
             assert not torch.equal(buf[kept], was[kept])  # re-encoded once (a shared slot twice would be off)
+    # kept in place: decode on at once (their entries match the new scales); waiting: once the finish request ran
+    assert s.running_batch.reqs == [a, b] and getattr(s, pause.FROZEN) is None and s.waiting_queue == []
     pause.release_held(None, s)
-    assert s.running_batch.is_empty()  # until the finish request ran
+    assert s.waiting_queue == [] and getattr(s, pause.HELD) == [waiting]
     finish.finished = lambda: True
     pause.release_held(None, s)
-    assert s.running_batch.reqs == [a, b] and s.waiting_queue == [waiting] and getattr(s, pause.FROZEN) is None
+    assert s.running_batch.reqs == [a, b] and s.waiting_queue == [waiting] and not getattr(s, pause.HELD)
     assert pause.busy(lambda sch: True, s) is True
     # the next update's calibration gives up: released on the scales their entries were written with
     pause.scheduler_pause(lambda *a: None, s, SimpleNamespace(mode="in_place"))

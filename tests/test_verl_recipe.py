@@ -227,6 +227,26 @@ def test_arms_are_separable_only_when_their_95_intervals_are_apart():
     assert rc.interval([0.5]) is None
 
 
+def test_final_engine_checks_are_judged_leaving_out_only_the_fp8_kv_scales():
+    """The final check's verdict per run: KV-cache scales (vLLM's `_k_scale` ... and their CPU copies, which the
+    engine recalibrates after each sync) are the only names a difference may have and still count as equal --
+    final_check.py leaves the same names out (one list: runtime/core/digest.py)."""
+    from flashrl_tools.runtime.core.digest import is_kv_scale
+
+    rc = _bench("rl_curves")
+    assert rc.check_verdict(None) is None and rc.check_verdict({"equal": True}) == "equal"
+    scales = {"equal": False, "tensors_only_in_one": 0, "differing_by_name": {"_k_scale_cpu": 30, "_v_scale_cpu": 30}}
+    assert rc.check_verdict(scales) == "equal but KV scales"
+    weight = {**scales, "differing_by_name": {"_k_scale_cpu": 30, "weight": 1}}
+    assert rc.check_verdict(weight) == "differs"
+    assert rc.check_verdict({**scales, "tensors_only_in_one": 2}) == "differs"
+    assert is_kv_scale("kernel:model.layers.0.self_attn.attn._v_scale_cpu") and is_kv_scale("model.layers.3.attn.k_scale")
+    assert not is_kv_scale("model.layers.0.mlp.down_proj.weight_scale")
+    runs = {"int8+kv/0": [{"step": 1, **dict.fromkeys(rc.MEASURES), "reward": 0.5}]}
+    table = rc.summarize(runs, {"int8+kv/0": scales}, last=1)
+    assert table["configs"]["int8+kv"]["engine_checks"] == {"equal but KV scales": 1}
+
+
 def test_tis_effect_and_differences_from_bf16_carry_welch_intervals():
     """The analysis issue 44 asks for: each arm minus bf16 and each precision's TIS effect as a difference of seed
     means with a Welch 95 % interval (separable only when it excludes 0), on the final held-out accuracy, its area

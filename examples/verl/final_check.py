@@ -35,9 +35,6 @@ from collections import Counter
 from pathlib import Path
 
 
-KV_SCALES = {"_k_scale", "_v_scale", "_q_scale", "_prob_scale", "k_scale", "v_scale", "q_scale", "prob_scale"}
-
-
 def partial_rollouts(log: Path) -> int | None:
     """Sum of verl's `fully_async/partial/total_partial_num` over the run's log (None: not a fully-async run)."""
     if not log.is_file():
@@ -94,13 +91,13 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    from flashrl_tools.runtime.core.digest import compare
+    from flashrl_tools.runtime.core.digest import compare, is_kv_scale
 
     llm = LLM(model=str(ckpt), dtype="bfloat16", gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 30,
               max_model_len=256, seed=0)
     fresh = llm.collective_rpc("flashrl_digest")[0]
     kv_scales = sorted(n for n in set(run_digest["digest"]) | set(fresh) if os.environ.get("FLASHRL_KV_CACHE_DTYPE")
-                       and n.rsplit(".", 1)[-1] in KV_SCALES)
+                       and is_kv_scale(n))
     diff = compare({n: d for n, d in run_digest["digest"].items() if n not in kv_scales},
                    {n: d for n, d in fresh.items() if n not in kv_scales})
     fresh_small, run_small = llm.collective_rpc("flashrl_small_values")[0], run_digest.get("small", {})

@@ -33,6 +33,16 @@ _MAX_DEPTH = 6
 # nn.Module internals that hold no kernel state of their own (parameters, buffers and submodules
 # are restored or visited separately; hooks are functions)
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+# The attention layers' FP8 KV-cache scales (vLLM: `_k_scale` ... and the CPU copies `_k_scale_cpu` / `_v_scale_cpu`;
+# SGLang: `k_scale` / `v_scale`): an engine recalibrates them at its first rollout after a sync, so a digest written
+# right after the sync and a fresh engine's are compared without them (tests/gpu/ compare the scales themselves).
+KV_SCALE_NAMES = frozenset({"_k_scale", "_v_scale", "_q_scale", "_prob_scale", "k_scale", "v_scale", "q_scale",
+                            "prob_scale", "_k_scale_cpu", "_v_scale_cpu"})
+
+
+def is_kv_scale(name: str) -> bool:
+    """Whether a digest entry (`kernel:model.layers.0.self_attn.attn._k_scale_cpu`, ...) is an FP8 KV-cache scale."""
+    return name.rsplit(".", 1)[-1] in KV_SCALE_NAMES
 
 
 def kernel_held_tensors(model: torch.nn.Module, engine: str, extra_roots=(),

@@ -10,6 +10,7 @@ from pathlib import Path
 from flashrl_tools.config.settings import settings
 
 _configured = False
+_watching = False  # FLASHRL_DEBUG_STACKS was set when logging was configured (stall_watch runs per batch: no env read)
 
 
 def configure_logging() -> logging.Logger:
@@ -26,6 +27,8 @@ def configure_logging() -> logging.Logger:
     logger.addHandler(handler)
     logger.propagate = False
     if s.debug_stacks:
+        global _watching
+        _watching = True
         watch_stacks(Path(s.debug_stacks))
     return logger
 
@@ -42,8 +45,39 @@ def watch_stacks(directory: Path) -> None:
     (directory / str(os.getpid())).write_text(" ".join(sys.argv)[:500])
 
 
+STALL_S = 30.0  # FLASHRL_DEBUG_STACKS: an engine process that made no progress this long prints its stacks
+
+
+def stall_watch(seconds: float = STALL_S) -> None:
+    """FLASHRL_DEBUG_STACKS: (re-)arm a dump of every thread's stack `seconds` from now; called again before then
+    (the engine made progress), the dump moves on. faulthandler's own watchdog thread writes it, without the GIL and
+    without a signal: the SGLang scheduler that stood still after an fa3 + FP8 KV update (issue 42) printed
+    nothing on SIGUSR1. An idle engine prints one dump too (debugging only)."""
+    if _watching:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(seconds, repeat=False)
+
+
+def task_states(pid: int) -> list[str]:
+    """Each thread of `pid`: its state (R running, S sleeping, D uninterruptible: waiting in the kernel, e.g. a
+    driver call) and kernel wait channel, from /proc -- where a process that handles no signal waits."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            stat = (task / "stat").read_text()
+            state = stat[stat.rindex(")") + 2:].split()[0]
+            wchan = (task / "wchan").read_text().strip() or "-"
+            name = (task / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        lines.append(f"pid {pid} tid {task.name} {name}: state {state} wchan {wchan}")
+    return lines
+
+
 def signal_stacks(directory: Path) -> list[int]:
-    """Every live process listed in `directory` prints its stacks (SIGUSR1), and this one too: the PIDs signalled."""
+    """Every live process listed in `directory` prints its stacks (SIGUSR1), and this one too, and each one's
+    threads' kernel states go to stderr: the PIDs signalled."""
     import faulthandler
     import signal
     import sys
@@ -56,5 +90,7 @@ def signal_stacks(directory: Path) -> list[int]:
                 os.kill(int(entry.name), signal.SIGUSR1)
                 done.append(int(entry.name))
             except (ProcessLookupError, PermissionError):
-                pass
+                continue
+            for line in task_states(int(entry.name)):
+                print(f"[flashrl stacks] {line}", file=sys.stderr, flush=True)
     return done

@@ -37,7 +37,7 @@ HOOKS: tuple[Hook, ...] = (
          "refuse `load_format=\"direct\"` and custom loaders (they bypass `load_weights`)"),
     Hook("request_guard", "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", scheduler.add_request,
          HookKind.BEFORE, "scheduler", "abort requests while the weights are incomplete or the FP8 KV scales "
-         "stale; route the calibration's requests"),
+         "stale; route the calibration's requests (its last: the requests kept in place decode on)"),
     Hook("release_weights", f"{_UPDATER}.release_memory_occupation", scheduler.release_weights, HookKind.AFTER, "scheduler",
          "SGLang's sleep freed the weights (no CPU backup): refuse until a full sync"),
     Hook("rpc_kv_scales", "sglang.srt.managers.scheduler.Scheduler.flashrl_kv_scales", scheduler.dump_kv_scales,
@@ -55,8 +55,11 @@ HOOKS: tuple[Hook, ...] = (
          HookKind.AROUND, "scheduler", "weights incomplete: abort what the pause held; stale FP8 KV scales: set "
          "aside the retracted requests, or the running batch kept in place, until the scales are written"),
     Hook("release_held", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", pause.release_held,
-         HookKind.AFTER, "scheduler", "FP8 KV: what was set aside goes on once the calibration's last request "
-         "ran (kept entries rescaled)"),
+         HookKind.AFTER, "scheduler", "FP8 KV: retracted and waiting requests set aside go on once the "
+         "calibration's last request ran"),
+    Hook("stall_watch", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", scheduler.progress,
+         HookKind.AFTER, "scheduler", "FLASHRL_DEBUG_STACKS: a scheduler without a batch result for 30 s prints its "
+         "stacks"),
     Hook("not_idle", "sglang.srt.managers.scheduler.Scheduler.is_fully_idle", pause.busy, HookKind.AROUND,
          "scheduler", "not idle while requests are set aside (SGLang's idle check would count their slots as "
          "leaked)"),

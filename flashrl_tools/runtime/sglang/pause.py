@@ -14,9 +14,9 @@ the weights pushed while paused, `continue_generation`.
   cut into chunks mid-way is aborted through SGLang's own chunked abort) and requests not yet prefilled --
   so the front end calibrates at once on an otherwise idle engine (its batches a fresh engine's). The
   calibration's finish request writes the scales; the kept requests' FP8 entries are re-encoded from the
-  old scales to the new ones first (`kept_slots`, kv_scales.rescale), and everything set aside goes on
-  once that request has run: retracted requests are recomputed on the new weights and scales, kept ones
-  decode on. A calibration that fails releases them on the old scales (their entries' own)."""
+  old scales to the new ones first (`kept_slots`, kv_scales.rescale) and they decode on at once; retracted
+  and waiting requests go on once that request has run (recomputed on the new weights and scales). A
+  calibration that fails releases them on the old scales (their entries' own)."""
 
 from __future__ import annotations
 
@@ -157,29 +157,33 @@ def abort_held(scheduler, why: str) -> None:
 
 
 def finish_queued(scheduler, req) -> None:
-    """The calibration's finish request wrote the scales (or its abandon request gave up): what was set aside
-    goes on once it has run (so a recompute is batched as on a fresh engine, without it)."""
-    if getattr(scheduler, HELD, None) or getattr(scheduler, FROZEN, None) is not None:
+    """The calibration's finish request wrote the scales and re-encoded the kept entries (or its abandon request
+    gave up: the old scales stay, their entries' own). The requests kept in place go on at once: held until the
+    finish request had run, SGLang's overlap loop launched that request's own decode step before its result freed
+    them, and their first token after the continue came one decode step late (2.1x int8's at 7B, issue 42).
+    Retracted and waiting requests go on once it has run (a recompute batched as on a fresh engine, without it)."""
+    frozen = getattr(scheduler, FROZEN, None)
+    if frozen is not None:
+        setattr(scheduler, FROZEN, None)
+        if scheduler.running_batch.is_empty():
+            scheduler.running_batch = frozen
+        else:
+            scheduler.running_batch.merge_batch(frozen)
+        log.info("flashrl: %d requests kept in place released after the FP8 KV calibration", len(frozen.reqs))
+    if getattr(scheduler, HELD, None):
         setattr(scheduler, FINISH_REQ, req)
 
 
 def release_held(result, scheduler, *args, **kwargs):
-    """AFTER `Scheduler.process_batch_result`: once the finish request ran, the requests set aside go on."""
+    """AFTER `Scheduler.process_batch_result`: once the finish request ran, the retracted and waiting requests
+    set aside go on."""
     req = getattr(scheduler, FINISH_REQ, None)
     if req is not None and req.finished():
-        held, frozen = getattr(scheduler, HELD, []), getattr(scheduler, FROZEN, None)
+        held = getattr(scheduler, HELD, [])
         setattr(scheduler, HELD, [])
-        setattr(scheduler, FROZEN, None)
         setattr(scheduler, FINISH_REQ, None)
         scheduler.waiting_queue.extend(held)
-        if frozen is not None:
-            if scheduler.running_batch.is_empty():
-                scheduler.running_batch = frozen
-            else:
-                scheduler.running_batch.merge_batch(frozen)
-        log.info("flashrl: %d requests released after the FP8 KV calibration (%d kept in place, %d waiting)",
-                 len(held) + (len(frozen.reqs) if frozen is not None else 0),
-                 len(frozen.reqs) if frozen is not None else 0, len(held))
+        log.info("flashrl: %d requests released after the FP8 KV calibration (waiting for a prefill)", len(held))
     return None
 
 

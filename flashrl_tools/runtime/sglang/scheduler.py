@@ -10,6 +10,7 @@ import logging
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import model_refusal
 from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index
+from flashrl_tools.runtime.core.logs import stall_watch
 
 log = logging.getLogger("flashrl_tools.runtime")
 _warned: set[str] = set()
@@ -64,6 +65,13 @@ def direct_updates(updater, named_tensors=None, load_format=None, *args, **kwarg
     if load_format not in (None, "flattened_bucket"):
         raise RuntimeError(f"flashrl: update_weights_from_tensor(load_format={load_format!r}) writes parameters "
                            "without re-quantizing them; push with load_format=None or 'flattened_bucket'")
+
+
+def progress(result, scheduler, *args, **kwargs):
+    """AFTER `Scheduler.process_batch_result`: FLASHRL_DEBUG_STACKS -- a batch finished, the stall dump moves on
+    (core/logs.py stall_watch)."""
+    stall_watch()
+    return None
 
 
 def dump_kv_scales(scheduler, path: str) -> None:
