@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One four-GPU host, after scripts/gpu_install.sh (and gpu_install_sglang.sh when JOB01 needs SGLang):
-#   JOB01 on GPUs 0-1 (default scripts/gpu_job_async.sh: issues 42 / 43's GPU leftovers); JOB01="" skips it
+#   JOB01 on GPUs JOB01_GPUS (default 0,1; default job scripts/gpu_job_async.sh: issues 42 / 43's GPU leftovers);
+#             JOB01="" skips it
 #   issue 44's verl GRPO arms on ARM_GPUS (default 2 3; "0 1 2 3" with JOB01=""), task LEVEL (default mul21),
 #             ARMS (CONFIG[+kv][-notis|-mis]:SEED) dealt round-robin to those GPUs (scripts/gpu_verl_runs.sh,
 #             HELDOUT=1: held-out accuracy from a BF16 engine every CHECK_EVERY steps, STEPS steps)
@@ -31,7 +32,7 @@ read -r -a gpus <<< "${ARM_GPUS:-2 3}"
 pids=()
 if [ -n "$JOB01" ]; then
   mkdir -p "$RES/j01"
-  (CUDA_VISIBLE_DEVICES=0,1 bash "$JOB01" "$RES/j01" > "$RES/j01/job.out" 2>&1) &
+  (CUDA_VISIBLE_DEVICES=${JOB01_GPUS:-0,1} bash "$JOB01" "$RES/j01" > "$RES/j01/job.out" 2>&1) &
   pids+=($!)
 fi
 read -r -a arms <<< "$ARMS"
