@@ -93,6 +93,14 @@ def scheduler_continue(original, scheduler, recv_req, *args, **kwargs):
     return original(scheduler, recv_req, *args, **kwargs)
 
 
+def join_running(scheduler, batch) -> None:
+    """`batch`'s requests join the running batch (SGLang's own merge of a prefill batch into it)."""
+    if scheduler.running_batch.is_empty():
+        scheduler.running_batch = batch
+    else:
+        scheduler.running_batch.merge_batch(batch)
+
+
 def freeze(scheduler) -> None:
     """In place with stale FP8 KV scales: settle what the pause left (SGLang leaves it to its next step: the
     overlap loop's pending result, a prefill batch not merged yet), then set the running batch aside."""
@@ -109,10 +117,7 @@ def freeze(scheduler) -> None:
     if last is not None and last.forward_mode.is_extend():
         last.filter_batch(chunked_req_to_exclude=[chunked] if chunked is not None else [])
         if not last.is_empty():
-            if scheduler.running_batch.is_empty():
-                scheduler.running_batch = last
-            else:
-                scheduler.running_batch.merge_batch(last)
+            join_running(scheduler, last)
     scheduler.last_batch = None
     if not scheduler.running_batch.is_empty():
         setattr(scheduler, FROZEN, scheduler.running_batch)
@@ -165,10 +170,7 @@ def finish_queued(scheduler, req) -> None:
     frozen = getattr(scheduler, FROZEN, None)
     if frozen is not None:
         setattr(scheduler, FROZEN, None)
-        if scheduler.running_batch.is_empty():
-            scheduler.running_batch = frozen
-        else:
-            scheduler.running_batch.merge_batch(frozen)
+        join_running(scheduler, frozen)
         log.info("flashrl: %d requests kept in place released after the FP8 KV calibration", len(frozen.reqs))
     if getattr(scheduler, HELD, None):
         setattr(scheduler, FINISH_REQ, req)
