@@ -8,13 +8,14 @@
 # (faulthandler's watchdog thread: the scheduler of 2026-11-26 printed nothing on SIGUSR1). Then the same stream
 # with SGLang's overlap scheduler off (does the stall need it?).
 #   bash scripts/gpu_fa3_stall.sh OUT   -> OUT/async_stream_sglang_fa3_diag{,_nooverlap}.{json,log,engine.log}
-# Bounded (timeout): a stall that never ends still leaves its logs.
+# Bounded (timeout): a stall that never ends still leaves its logs. VARIANTS picks: asis, nooverlap.
 set -uo pipefail
 O=${1:?usage: gpu_fa3_stall.sh OUT}
 cd "$(dirname "$0")/.." || exit 1
 source scripts/gpu_env.sh
 mkdir -p "$O" /root/w/stacks
-for variant in "" _nooverlap; do
+for v in ${VARIANTS-asis nooverlap}; do
+  variant=; [ "$v" = nooverlap ] && variant=_nooverlap
   extra=(); [ -n "$variant" ] && extra=(--no-overlap)
   PYTHONPATH="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH" FLASHRL_LOGGING_LEVEL=INFO \
     FLASHRL_BENCH_LOG="$O/async_stream_sglang_fa3_diag$variant.engine.log" FLASHRL_DEBUG_STACKS=/root/w/stacks \
