@@ -1,4 +1,4 @@
-"""Trainer logs -> learning curves (PNG) and a table (JSON): does an 8-bit rollout still learn, and
+"""Trainer logs -> learning curves (PNG) and a table (JSON, markdown): does an 8-bit rollout still learn, and
 how much faster is its step?
 
     python benchmarks/rl_curves.py --out docs/rl/verl-smollm2 bf16/0=logs/bf16-s0.jsonl int8/0=... ...
@@ -22,8 +22,9 @@ step it reads:
 | rollout seconds | timing_s/gen | rollout_seconds |
 | held-out accuracy (a BF16 engine on the trainer's weights) | heldout/bf16_accuracy | heldout_accuracy |
 
-Writes OUT.png (reward, held-out accuracy, mismatch, rollout seconds vs step; per config the seeds' mean
-with a band from the lowest to the highest seed) and OUT.json: per run the final reward (mean of the last
+Writes OUT.md (the table of the README / RESULTS: `markdown`), OUT.png (reward, held-out accuracy, mismatch,
+rollout seconds vs step; per config the seeds' mean with a band from the lowest to the highest seed) and
+OUT.json: per run the final reward (mean of the last
 `--last` steps), the last held-out accuracy, the area under the reward curve (its mean over the steps),
 the first step whose `--last`-step mean reward reaches `--target`, the held-out accuracy at the first evaluation
 (step 0: the start model) and the last, mean mismatch and rollout seconds (over
@@ -240,13 +241,57 @@ def comparisons(table: dict) -> dict:
                 for key in ("final_heldout_acc", "heldout_auc", "final_reward")}
     out = {}
     for config in configs:
-        if config != "bf16" and "bf16" in configs:
+        if config not in ("bf16", "bf16-notis") and "bf16" in configs:  # bf16-notis: its TIS effect below
             out[f"{config} - bf16"] = compare(config, "bf16")
         if f"{config}-notis" in configs:
             out[f"{config} - {config}-notis (TIS effect)"] = compare(config, f"{config}-notis")
         if f"{config}-mis" in configs:
             out[f"{config}-mis - {config} (masking vs truncation)"] = compare(f"{config}-mis", config)
     return out
+
+
+def markdown(table: dict) -> str:
+    """The table of the README / RESULTS (OUT.md): per arm its seeds' held-out accuracy at the first and the last
+    evaluation with the 95 % interval, the held-out AUC, the final reward, the mismatch, the IS ratios outside
+    verl's bounds (fraction_high + _low), the steps to --target-acc, rollout seconds and the final checks; then
+    every comparison (Welch 95 %)."""
+    runs = table["runs"]
+
+    def f(x, fmt=".3f"):
+        return "-" if x is None else format(x, fmt)
+
+    def seeds_mean(config, key):
+        return _mean(r[key] for lb, r in runs.items() if lb.split("/")[0] == config and r[key] is not None)
+
+    target = table.get("target_acc")
+    lines = ["| arm | seeds | held-out first -> last (BF16 engine), per seed | 95 % interval | held-out AUC | "
+             "reward, last steps | token mean / p99 \\|Δ log p\\| | IS ratios out of bounds | "
+             f"steps to {f(target, '.2f') if target is not None else 'target'} | rollout s | final check |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for config, row in table["configs"].items():
+        per_seed = [r["final_heldout_acc"] for lb, r in runs.items() if lb.split("/")[0] == config]
+        clipped = seeds_mean(config, "mean_is_clipped_frac")
+        name = config.replace("-notis", ", no TIS").replace("-mis", ", MIS").replace("+kv", " + FP8 KV")
+        ci = row["final_heldout_acc_ci95"]
+        lines.append(
+            f"| {name} | {row['seeds']} | {f(row['first_heldout_acc_mean'])} -> {' / '.join(f(h) for h in per_seed)} | "
+            f"{f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else '-'} | {f(row['heldout_auc_mean'])} | "
+            f"{f(row['final_reward_mean'])} | {f(seeds_mean(config, 'mean_abs_dlogp_token'))} / "
+            f"{f(seeds_mean(config, 'mean_abs_dlogp_p99'), '.2f')} | "
+            f"{'-' if not clipped else f'{100 * clipped:.2g} %'} | "
+            f"{' / '.join('-' if s is None else str(s) for s in row['steps_to_heldout_target'])} | "
+            f"{f(row['rollout_s_mean'], '.2f')} | {', '.join(f'{k} ({n})' for k, n in row['engine_checks'].items())} |")
+    if table["comparisons"]:
+        lines += ["", "| difference (seed means, Welch 95 %) | final held-out | held-out AUC | final reward |",
+                  "| --- | --- | --- | --- |"]
+        for name, row in table["comparisons"].items():
+            cells = ["-" if d is None else f"{d['diff']:+.3f} ({d['ci95'][0]:+.3f}..{d['ci95'][1]:+.3f})"
+                     f"{' *' if d['separable'] else ''}" for d in
+                     (row[k] for k in ("final_heldout_acc", "heldout_auc", "final_reward"))]
+            lines.append(f"| {name} | {' | '.join(cells)} |")
+        lines.append("")
+        lines.append("\\* the interval excludes 0")
+    return "\n".join(lines) + "\n"
 
 
 def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
@@ -315,7 +360,7 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="*", help="CONFIG/SEED=PATH")
     ap.add_argument("--dir", type=Path, default=None, help="also every PREFIX-CONFIG-sSEED.jsonl in this directory "
                     "(scripts/gpu_verl_runs.sh's logs, e.g. verl-int8-notis-s2.jsonl -> int8-notis/2)")
-    ap.add_argument("--out", type=Path, required=True, help="writes OUT.png and OUT.json")
+    ap.add_argument("--out", type=Path, required=True, help="writes OUT.png, OUT.json and OUT.md (the table)")
     ap.add_argument("--title", default="")
     ap.add_argument("--last", type=int, default=10, help="steps averaged for the final reward")
     ap.add_argument("--target", type=float, default=None, help="reward whose first reaching (mean of --last steps) "
@@ -347,6 +392,9 @@ def main(argv=None) -> int:
     tmp = args.out.with_suffix(".tmp.json")
     tmp.write_text(json.dumps(table, indent=2))
     tmp.replace(args.out.with_suffix(".json"))
+    tmp = args.out.with_suffix(".tmp.md")
+    tmp.write_text(markdown(table))
+    tmp.replace(args.out.with_suffix(".md"))
     def ci(pair):
         return f"{pair[0]:.3f}-{pair[1]:.3f}" if pair else "-"
     print(f"{'config':11} {'seeds':>5} {'final reward':>12} {'spread':>13} {'95% interval':>13} {'held-out':>8} "

@@ -275,6 +275,14 @@ def test_tis_effect_and_differences_from_bf16_carry_welch_intervals():
     assert table["configs"]["bf16"]["steps_to_heldout_target"] == [10, 10, 10]
     assert table["configs"]["int8"]["steps_to_heldout_target"] == [20, 20, None]
     assert rc.difference([0.5], [0.4, 0.3]) is None
+    runs["bf16-notis/0"] = run((0.2, 0.3, 0.4))
+    table = rc.summarize(runs, {}, last=1, target_acc=0.3)
+    assert "bf16 - bf16-notis (TIS effect)" in table["comparisons"] and "bf16-notis - bf16" not in table["comparisons"]
+    # the README / RESULTS table (OUT.md) is written from the same numbers
+    md = rc.markdown({**table, "target_acc": 0.3})
+    row = next(line for line in md.splitlines() if line.startswith("| int8, no TIS |"))
+    assert "| 3 | 0.200 -> 0.330 / 0.290 / 0.310 |" in row and "| 20 / - / 20 |" in row
+    assert "| int8 - bf16 | -0.150 (" in md and md.rstrip().endswith("the interval excludes 0")
 
 
 def _example(name):
