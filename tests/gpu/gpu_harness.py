@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -47,8 +48,18 @@ SGLANG_ENGINE = {"mem_fraction_static": 0.3, "max_total_tokens": 8192, "cuda_gra
                  "context_length": 512}
 
 
+# the cases of a module run side by side in threads (run_cases): the checkpoints they share are built under one
+# lock (two cases writing the same directory: FileExistsError, GPU run of 2026-11-26)
+_BUILD = threading.Lock()
+
+
 def model_pair(work: Path, arch: str) -> tuple[Path, Path]:
     """(original, perturbed) BF16 checkpoints of `arch`, built once per work dir."""
+    with _BUILD:
+        return _model_pair(work, arch)
+
+
+def _model_pair(work: Path, arch: str) -> tuple[Path, Path]:
     from flashrl_tools.models.tiny import byte_tokenizer
     from flashrl_tools.verify.perturb import perturb
 
@@ -81,8 +92,9 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
     if fmt is None:
         return src
     dst = work / f"{src.name}-{fmt}"
-    if not (dst / "config.json").is_file():
-        quantize(src, dst, fmt, force=True)
+    with _BUILD:
+        if not (dst / "config.json").is_file():
+            quantize(src, dst, fmt, force=True)
     return dst
 
 
