@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 45's measurements and issue 42's SGLang fa3 stall, on a four-GPU host (each GPU its own queue, each row
+# Issue 45's measurements and issue 42's SGLang leftovers, on a four-GPU host (each GPU its own queue, each row
 # its own process; rows compared only within this run), after scripts/gpu_install.sh and gpu_install_sglang.sh
 # (FA3 library staged):
 #   setsid nohup bash scripts/gpu_job_speed.sh /root/res > /root/res/job.out 2>&1 < /dev/null &
-#   GPU 0  SGLang: the fa3 + FP8 KV async stream with SGLang's and the runtime's logs, and every engine process's
-#          Python stacks 10 s into a stall (where the 7B stream of 2026-11-26 stood still 127 s), then RL-step rows
-#          on SGLang (overlap scheduler on)
+#   GPU 0  SGLang: issue 42's leftovers (scripts/gpu_job_sglang42.sh: the fa3 and triton async streams with the
+#          stall logs, the in-place FP8 KV tests) -> RES/j01, then RL-step rows on SGLang (fa3, its default on
+#          Hopper; overlap scheduler on)
 #   GPU 1  vLLM RL step at 7B as the issue measured it (16 x 8, seeded), then unseeded (as verl / TRL sample)
 #   GPU 2  vLLM 7B without sampling logprobs, then 14B unseeded
 #   GPU 3  step_profile at 14B, then the DAPO-like workload (Qwen3-8B shape, prompts 1-2k, responses <= 16k)
@@ -21,9 +21,9 @@ SGL="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH"
 RL=(--first-max-len 256 --gpu-memory-utilization 0.85)
 
 (export CUDA_VISIBLE_DEVICES=0
- bash scripts/gpu_fa3_stall.sh "$O"
+ bash scripts/gpu_job_sglang42.sh "$RES/j01"
  PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b.engine.log" \
-   python3 benchmarks/rl_step.py --engine sglang --shapes 7b --configs bf16,int8,int8+kv --prompts 16 \
+   python3 benchmarks/rl_step.py --engine sglang --attention-backend fa3 --shapes 7b --configs bf16,int8+kv --prompts 16 \
    --unseeded "${RL[@]}" --workdir /root/w/s0 --json "$O/rl_step_sglang_7b.json" > "$O/rl_step_sglang_7b.log" 2>&1) &
 g0=$!
 (export CUDA_VISIBLE_DEVICES=1
