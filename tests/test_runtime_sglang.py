@@ -295,7 +295,7 @@ def test_a_stale_rollout_is_aborted_by_the_request_guard():
     assert len(aborted) == 1 and "FP8 KV scales are not calibrated" in aborted[0]
 
 
-def test_an_aborted_calibration_is_tried_again(monkeypatch):
+def test_an_aborted_calibration_is_tried_again(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct",
                         SimpleNamespace(GenerateReqInput=lambda **kw: SimpleNamespace(**kw)))
     m = Manager(abort=True)  # the schedulers abort it: a sync is in progress
@@ -303,8 +303,11 @@ def test_an_aborted_calibration_is_tried_again(monkeypatch):
     rids = [rid for rid, _ in m.sent if rid != "<flush>"]
     assert rids[-1] == "a" and len(rids) == 2  # stopped at the first abort
     m.abort = False
-    generate(m, "b")
+    with caplog.at_level("INFO", logger="flashrl_tools.runtime"):
+        generate(m, "b")
     assert len([rid for rid, _ in m.sent if rid != "<flush>"]) > 4 and m.sent[-1][0] == "b"
+    done = next(r.getMessage() for r in caplog.records if "calibration done" in r.getMessage())
+    assert all(f"{step} 0." in done for step in ("drain", "flush", "prefills", "finish"))  # where its time goes
     plain = Manager(kv="auto")
     generate(plain, "a")
     assert [rid for rid, _ in plain.sent] == ["a"]  # no FP8 KV cache: nothing to calibrate

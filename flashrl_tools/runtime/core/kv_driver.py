@@ -77,33 +77,43 @@ async def calibrate(front: KVFront) -> bool:
         if not await front.stale():
             return True  # calibrated by the request that held the lock before this one
         t0 = time.perf_counter()
+        took = {}  # where the calibration's time goes (the log line): the bubble it adds to an update
         async with front.aside() as kept:
             if kept is None:
                 while await front.in_flight():
                     await asyncio.sleep(0.005)
+            took["drain"] = time.perf_counter() - t0
             sequences = front.sequences()
             token = uuid.uuid4().hex[:12]
             marker = _calibrating.set(True)
             sent = written = False  # stay False if a step raises: the model side goes back to its scales
             try:
+                t = time.perf_counter()
                 if await front.flush():
+                    took["flush"] = time.perf_counter() - t
                     await front.arm()
                     sent = True
+                    t = time.perf_counter()
                     for i, ids in enumerate(sequences):
                         if not await front.prefill(ids, calibration_rid(token, i)):
                             sent = False
                             break
+                    took["prefills"] = time.perf_counter() - t
             finally:
                 try:
+                    t = time.perf_counter()
                     written = await front.finish(token, sent, bool(kept))
+                    took["finish"] = time.perf_counter() - t
                 finally:
+                    t = time.perf_counter()
                     ok = await front.flush() and sent and written
+                    took["flush"] = took.get("flush", 0.0) + time.perf_counter() - t
                     _calibrating.reset(marker)
         if ok:
             front.calibrated()
-            log.info("flashrl: FP8 KV calibration done (%d sequences, %s, %.2f s)", len(sequences),
+            log.info("flashrl: FP8 KV calibration done (%d sequences, %s, %.2f s: %s)", len(sequences),
                      "no request in flight" if not kept else f"{kept} requests kept in flight",
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, ", ".join(f"{k} {v:.3f}" for k, v in took.items()))
         else:
             log.warning("flashrl: FP8 KV calibration did not complete (a weight sync in progress?); the next "
                         "request tries again, rollouts are refused until it completes")
