@@ -4,11 +4,11 @@
 # (FA3 library staged):
 #   setsid nohup bash scripts/gpu_job_speed.sh /root/res > /root/res/job.out 2>&1 < /dev/null &
 #   GPU 0  SGLang: issue 42's leftovers (scripts/gpu_job_sglang42.sh: the fa3 and triton async streams with the
-#          stall logs, the in-place FP8 KV tests) -> RES/j01, then RL-step rows on SGLang (fa3, its default on
-#          Hopper; overlap scheduler on; FLASHRL_SYNC_TIMING: each sync's conversion vs SGLang's load_weights in
-#          the engine log -- where an INT8 sync's 3.2x BF16 goes)
+#          stall logs, the in-place FP8 KV tests) -> RES/j01
 #   GPU 1  vLLM RL step at 7B as the issue measured it (16 x 8, seeded), then unseeded (as verl / TRL sample)
-#   GPU 2  vLLM 7B without sampling logprobs, then 14B unseeded
+#   GPU 2  vLLM 7B without sampling logprobs, then 14B unseeded, then the RL-step rows on SGLang (fa3, its
+#          default on Hopper; overlap scheduler on; FLASHRL_SYNC_TIMING: each sync's conversion vs SGLang's
+#          load_weights in the engine log -- where an INT8 sync's 3.2x BF16 goes)
 #   GPU 3  step_profile at 14B, then the DAPO-like workload (Qwen3-8B shape, prompts 1-2k, responses <= 16k)
 # -> RES/speed/*.json + logs; RES/SESSIONDONE when all finished.
 set -uo pipefail
@@ -22,10 +22,7 @@ SGL="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH"
 RL=(--first-max-len 256 --gpu-memory-utilization 0.85)
 
 (export CUDA_VISIBLE_DEVICES=0
- bash scripts/gpu_job_sglang42.sh "$RES/j01"
- PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_SYNC_TIMING=1 FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b.engine.log" \
-   python3 benchmarks/rl_step.py --engine sglang --attention-backend fa3 --shapes 7b --configs bf16,int8+kv --prompts 16 \
-   --unseeded "${RL[@]}" --workdir /root/w/s0 --json "$O/rl_step_sglang_7b.json" > "$O/rl_step_sglang_7b.log" 2>&1) &
+ bash scripts/gpu_job_sglang42.sh "$RES/j01") &
 g0=$!
 (export CUDA_VISIBLE_DEVICES=1
  python3 benchmarks/rl_step.py --shapes 7b --configs bf16,int8+kv,fp8+kv --prompts 16 "${RL[@]}" --workdir /root/w/s1 \
@@ -37,7 +34,10 @@ g1=$!
  python3 benchmarks/rl_step.py --shapes 7b --configs bf16,int8+kv --prompts 16 --unseeded --no-logprobs "${RL[@]}" \
    --workdir /root/w/s2 --json "$O/rl_step_7b_nologprobs.json" > "$O/rl_step_7b_nologprobs.log" 2>&1
  python3 benchmarks/rl_step.py --shapes 14b --configs bf16,int8+kv --prompts 16 --unseeded "${RL[@]}" --workdir /root/w/s2 \
-   --json "$O/rl_step_14b_unseeded.json" > "$O/rl_step_14b_unseeded.log" 2>&1) &
+   --json "$O/rl_step_14b_unseeded.json" > "$O/rl_step_14b_unseeded.log" 2>&1
+ PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_SYNC_TIMING=1 FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b.engine.log" \
+   python3 benchmarks/rl_step.py --engine sglang --attention-backend fa3 --shapes 7b --configs bf16,int8+kv --prompts 16 \
+   --unseeded "${RL[@]}" --workdir /root/w/s2 --json "$O/rl_step_sglang_7b.json" > "$O/rl_step_sglang_7b.log" 2>&1) &
 g2=$!
 (export CUDA_VISIBLE_DEVICES=3
  python3 benchmarks/step_profile.py --preset gpu --shapes 14b --workdir /root/w/s3 --json "$O/step_profile_14b.json" \
