@@ -154,7 +154,7 @@ async def sglang_push(engine, model_path: str, bucket_mb: int) -> dict:
 
 
 def dump_stacks() -> list[int]:
-    """--stall-dump: every engine process's Python stacks into the log (FLASHRL_DEBUG_STACKS's directory)."""
+    """--stall-dump: every engine process's Python stacks into FLASHRL_DEBUG_STACKS's directory (DIR/PID.stacks)."""
     from flashrl_tools.config.settings import settings
     from flashrl_tools.runtime.core.logs import signal_stacks
 
@@ -289,7 +289,7 @@ def main() -> None:
                     help="SGLang's attention backend (fa3 reads the FP8 KV scales from tensors: no graph capture per update)")
     ap.add_argument("--stall-dump", type=float, default=None,
                     help="seconds without a token after a resume before every engine process's Python stacks are "
-                         "printed (needs FLASHRL_DEBUG_STACKS=DIR; read them with FLASHRL_BENCH_LOG)")
+                         "written (needs FLASHRL_DEBUG_STACKS=DIR: DIR/PID.stacks, kernel states in DIR/PID.states)")
     ap.add_argument("--log-level", default="error",
                     help="SGLang's log level (info: its scheduler's decode-batch lines, to see where a stream waits; "
                          "the runtime's own log: FLASHRL_LOGGING_LEVEL=INFO)")

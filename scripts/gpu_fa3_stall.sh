@@ -18,7 +18,7 @@ for v in ${VARIANTS-asis nooverlap}; do
   variant=; [ "$v" = nooverlap ] && variant=_nooverlap
   extra=(); [ -n "$variant" ] && extra=(--no-overlap)
   PYTHONPATH="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH" FLASHRL_LOGGING_LEVEL=INFO \
-    FLASHRL_BENCH_LOG="$O/async_stream_sglang_fa3_diag$variant.engine.log" FLASHRL_DEBUG_STACKS=/root/w/stacks \
+    FLASHRL_BENCH_LOG="$O/async_stream_sglang_fa3_diag$variant.engine.log" FLASHRL_DEBUG_STACKS="$O/stacks" \
     timeout "${DIAG_TIMEOUT:-420}" python3 benchmarks/async_stream.py --engine sglang --preset gpu --configs int8+kv \
     --attention-backend fa3 --log-level info --stall-dump 10 --seconds 40 --every 10 --gpu-memory-utilization 0.45 \
     "${extra[@]}" --workdir /root/w/diag --json "$O/async_stream_sglang_fa3_diag$variant.json" \

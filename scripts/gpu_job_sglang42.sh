@@ -16,12 +16,12 @@ set -uo pipefail
 O=${1:?usage: gpu_job_sglang42.sh OUT}
 cd "$(dirname "$0")/.." || exit 1
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES%%,*}
-mkdir -p "$O" /root/w/stacks
+mkdir -p "$O"
 source scripts/gpu_env.sh
 SGL="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH"
 stream() {  # the 7B async stream on attention backend $1, int8 and int8 + FP8 KV in one run, with the stall logs
   PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_BENCH_LOG="$O/async_stream_sglang_$1_7b.engine.log" \
-    FLASHRL_DEBUG_STACKS=/root/w/stacks timeout "${STREAM_TIMEOUT:-420}" python3 benchmarks/async_stream.py \
+    FLASHRL_DEBUG_STACKS="$O/stacks" timeout "${STREAM_TIMEOUT:-420}" python3 benchmarks/async_stream.py \
     --engine sglang --preset gpu --configs int8,int8+kv --attention-backend "$1" --log-level info \
     --stall-dump 10 --seconds 40 --every 10 --gpu-memory-utilization 0.45 --workdir /root/w/s42 \
     --json "$O/async_stream_sglang_$1_7b.json" > "$O/async_stream_sglang_$1_7b.log" 2>&1

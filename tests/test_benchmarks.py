@@ -302,6 +302,7 @@ def test_step_profile_benchmark_smoke(tmp_path):
 def test_a_stalled_engine_process_prints_where_it_waits_and_lives_on(tmp_path):
     """FLASHRL_DEBUG_STACKS=DIR: an engine process lists its PID there and prints every thread's stack on SIGUSR1
     (it stays alive); `signal_stacks` signals only the listed processes and dumps its own."""
+    import os
     import time
 
     from flashrl_tools.runtime.core.logs import signal_stacks
@@ -320,11 +321,15 @@ def test_a_stalled_engine_process_prints_where_it_waits_and_lives_on(tmp_path):
         assert (tmp_path / "pids" / str(child.pid)).is_file()
         assert signal_stacks(tmp_path / "pids") == [child.pid]
         time.sleep(0.5)
-        assert child.poll() is None  # printed its stacks, still running
+        assert child.poll() is None  # wrote its stacks, still running
     finally:
         child.kill()
-        err = child.communicate(timeout=30)[1]
-    assert "waiting_for_the_finish_request" in err
+        child.communicate(timeout=30)
+    # to a file of its own, not stderr (a process blocked on a full stderr pipe would block its dump too)
+    assert "waiting_for_the_finish_request" in (tmp_path / "pids" / f"{child.pid}.stacks").read_text()
+    states = (tmp_path / "pids" / f"{child.pid}.states").read_text()
+    assert f"pid {child.pid} tid " in states and " wchan " in states
+    assert (tmp_path / "pids" / f"{os.getpid()}.stacks").is_file()  # the signalling process's own stacks
     assert signal_stacks(tmp_path / "none") == []
 
 
@@ -347,7 +352,9 @@ def test_an_engine_process_without_progress_prints_its_stacks_without_a_signal(t
     env = {**os.environ, "FLASHRL_DEBUG_STACKS": str(tmp_path / "pids"), "FLASHRL_LOGGING_LEVEL": "INFO"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "progress done" in res.stdout, res.stderr[-2000:]
-    assert res.stderr.count("stuck_after_the_release") == 1 and res.stderr.count("Timeout (") == 1
+    (dump,) = (tmp_path / "pids").glob("*.stacks")
+    text = dump.read_text()
+    assert text.count("stuck_after_the_release") == 1 and text.count("Timeout (") == 1
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if k != "FLASHRL_DEBUG_STACKS"})
     assert off.returncode == 0 and "stuck_after_the_release" not in off.stderr

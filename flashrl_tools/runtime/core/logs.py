@@ -33,15 +33,26 @@ def configure_logging() -> logging.Logger:
     return logger
 
 
+_stack_file = None  # FLASHRL_DEBUG_STACKS: this process's DIR/PID.stacks (kept open: faulthandler writes to its fd)
+
+
+def stacks_file(directory: Path, pid: int | None = None) -> Path:
+    """Where process `pid` (default: this one) writes its stack dumps under FLASHRL_DEBUG_STACKS=DIR."""
+    return directory / f"{pid or os.getpid()}.stacks"
+
+
 def watch_stacks(directory: Path) -> None:
-    """FLASHRL_DEBUG_STACKS=DIR: SIGUSR1 makes this process print every thread's Python stack (to stderr: where a
-    stalled engine waits), and DIR/PID says so -- a process without the handler would die of the signal."""
+    """FLASHRL_DEBUG_STACKS=DIR: SIGUSR1 makes this process write every thread's Python stack to DIR/PID.stacks
+    (where a stalled engine waits), and DIR/PID says so -- a process without the handler would die of the signal.
+    A file, not stderr: an engine blocked writing to a full stderr pipe would block its dump there too."""
     import faulthandler
     import signal
     import sys
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    global _stack_file
     directory.mkdir(parents=True, exist_ok=True)
+    _stack_file = open(stacks_file(directory), "a")  # noqa: SIM115 (open for the process's life)
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
     (directory / str(os.getpid())).write_text(" ".join(sys.argv)[:500])
 
 
@@ -49,14 +60,14 @@ STALL_S = 30.0  # FLASHRL_DEBUG_STACKS: an engine process that made no progress 
 
 
 def stall_watch(seconds: float = STALL_S) -> None:
-    """FLASHRL_DEBUG_STACKS: (re-)arm a dump of every thread's stack `seconds` from now; called again before then
-    (the engine made progress), the dump moves on. faulthandler's own watchdog thread writes it, without the GIL and
-    without a signal: the SGLang scheduler that stood still after an fa3 + FP8 KV update (issue 42) printed
-    nothing on SIGUSR1. An idle engine prints one dump too (debugging only)."""
-    if _watching:
+    """FLASHRL_DEBUG_STACKS: (re-)arm a dump of every thread's stack `seconds` from now (to DIR/PID.stacks);
+    called again before then (the engine made progress), the dump moves on. faulthandler's own watchdog thread
+    writes it, without the GIL and without a signal: the SGLang scheduler that stood still after an fa3 + FP8 KV
+    update (issue 42) printed nothing on SIGUSR1. An idle engine writes one dump too (debugging only)."""
+    if _watching and _stack_file is not None:
         import faulthandler
 
-        faulthandler.dump_traceback_later(seconds, repeat=False)
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=_stack_file)
 
 
 def task_states(pid: int) -> list[str]:
@@ -76,21 +87,26 @@ def task_states(pid: int) -> list[str]:
 
 
 def signal_stacks(directory: Path) -> list[int]:
-    """Every live process listed in `directory` prints its stacks (SIGUSR1), and this one too, and each one's
-    threads' kernel states go to stderr: the PIDs signalled."""
+    """Every live process listed in `directory` writes its stacks (SIGUSR1) to DIR/PID.stacks, this one too, and
+    each one's threads' kernel states go to DIR/PID.states (and stderr): the PIDs signalled."""
     import faulthandler
     import signal
     import sys
 
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(stacks_file(directory), "a") as own:
+        faulthandler.dump_traceback(file=own, all_threads=True)
     done = []
-    for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
+    for entry in sorted(directory.iterdir()):
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
                 os.kill(int(entry.name), signal.SIGUSR1)
                 done.append(int(entry.name))
             except (ProcessLookupError, PermissionError):
                 continue
-            for line in task_states(int(entry.name)):
+            states = task_states(int(entry.name))
+            with open(directory / f"{entry.name}.states", "a") as out:
+                out.writelines(line + "\n" for line in states)
+            for line in states:
                 print(f"[flashrl stacks] {line}", file=sys.stderr, flush=True)
     return done

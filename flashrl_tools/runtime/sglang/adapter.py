@@ -58,8 +58,8 @@ HOOKS: tuple[Hook, ...] = (
          HookKind.AFTER, "scheduler", "FP8 KV: retracted and waiting requests set aside go on once the "
          "calibration's last request ran"),
     Hook("stall_watch", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", scheduler.progress,
-         HookKind.AFTER, "scheduler", "FLASHRL_DEBUG_STACKS: a scheduler without a batch result for 30 s prints its "
-         "stacks"),
+         HookKind.AFTER, "scheduler", "FLASHRL_DEBUG_STACKS: a scheduler without a batch result for 30 s writes its "
+         "stacks (DIR/PID.stacks)"),
     Hook("not_idle", "sglang.srt.managers.scheduler.Scheduler.is_fully_idle", pause.busy, HookKind.AROUND,
          "scheduler", "not idle while requests are set aside (SGLang's idle check would count their slots as "
          "leaked)"),
