@@ -38,7 +38,8 @@ g0=$!
 g1=$!
 (export CUDA_VISIBLE_DEVICES=2
  rl rl_step_14b_unseeded /root/w/s2 --shapes 14b --configs bf16,int8+kv --prompts 16 --unseeded
- PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_SYNC_TIMING=1 FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b.engine.log" \
+ PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_SYNC_TIMING=1 FLASHRL_DEBUG_STACKS="$O/stacks" \
+   FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b.engine.log" \
    rl rl_step_sglang_7b /root/w/s2 --engine sglang --attention-backend fa3 --shapes 7b --configs bf16,int8+kv \
    --prompts 16 --unseeded
  rl rl_step_7b_seeded /root/w/s2 --shapes 7b --configs bf16,int8+kv --prompts 16) &
