@@ -207,11 +207,16 @@ class Manager:
 
 
 async def original_generate(manager, obj, request=None):
-    manager.sent.append((obj.rid, list(obj.input_ids)))
-    if manager.on_prefill is not None:
-        manager.on_prefill(obj.rid, list(obj.input_ids))
-    aborted = manager.abort and obj.rid.startswith("flashrl-kv-calibration-")
-    yield {"meta_info": {"finish_reason": {"type": "abort" if aborted else "length"}}}
+    """One request, or a batch (rid and input_ids lists: SGLang yields the list of their outputs)."""
+    batch = isinstance(obj.rid, list)
+    outs = []
+    for rid, ids in zip(obj.rid, obj.input_ids) if batch else [(obj.rid, obj.input_ids)]:
+        manager.sent.append((rid, list(ids)))
+        if manager.on_prefill is not None:
+            manager.on_prefill(rid, list(ids))
+        aborted = manager.abort and rid.startswith("flashrl-kv-calibration-")
+        outs.append({"meta_info": {"finish_reason": {"type": "abort" if aborted else "length"}}})
+    yield outs if batch else outs[0]
 
 
 def generate(manager, rid):

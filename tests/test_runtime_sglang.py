@@ -298,10 +298,12 @@ def test_a_stale_rollout_is_aborted_by_the_request_guard():
 def test_an_aborted_calibration_is_tried_again(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct",
                         SimpleNamespace(GenerateReqInput=lambda **kw: SimpleNamespace(**kw)))
-    m = Manager(abort=True)  # the schedulers abort it: a sync is in progress
+    m = Manager(abort=True)  # the schedulers abort them: a sync is in progress
     generate(m, "a")
     rids = [rid for rid, _ in m.sent if rid != "<flush>"]
-    assert rids[-1] == "a" and len(rids) == 2  # stopped at the first abort
+    # the sequences went as one batched request, every one aborted: no finish request, the rollout goes on to be
+    # refused by the schedulers
+    assert rids[-1] == "a" and len(rids) == 9 and not any(r.endswith("-finish") for r in rids)
     m.abort = False
     with caplog.at_level("INFO", logger="flashrl_tools.runtime"):
         generate(m, "b")
@@ -311,6 +313,54 @@ def test_an_aborted_calibration_is_tried_again(monkeypatch, caplog):
     plain = Manager(kv="auto")
     generate(plain, "a")
     assert [rid for rid, _ in plain.sent] == ["a"]  # no FP8 KV cache: nothing to calibrate
+
+
+def test_the_calibration_sent_at_once_is_prefilled_one_sequence_per_batch():
+    """kv_front.prefill_all sends every calibration sequence in one request; the schedulers let them into the
+    waiting queue one at a time, each once the one before has been prefilled (a fresh engine's batches), in order.
+    A new calibration aborts what is left of the old one and waits for the request in progress; its finish request
+    clears the queue; other requests, and a retracted calibration request, pass straight through."""
+    from flashrl_tools.runtime.core.kv_state import calibration_rid
+
+    sched = SimpleNamespace(waiting=[])
+
+    def original(s, req, *args, **kwargs):
+        s.waiting.append(req.rid)
+
+    def add(req, *args, **kwargs):
+        return scheduler.one_calibration_per_batch(original, sched, req, *args, **kwargs)
+    sched._add_request_to_queue = add
+
+    def req(rid):
+        r = SimpleNamespace(rid=rid, done=False, aborted=None)
+        r.finished = lambda: r.done or r.aborted is not None
+        r.set_finish_with_abort = lambda why: setattr(r, "aborted", why)
+        return r
+
+    def ran(r):  # its prefill's result processed
+        r.done = True
+        scheduler.next_calibration(None, sched)
+    t = [req(calibration_rid("t", i)) for i in range(3)]
+    for r in t:
+        add(r)
+    assert sched.waiting == [t[0].rid]  # one at a time
+    add(req("rollout"))  # not a calibration request: straight in
+    ran(t[0])
+    assert sched.waiting == [t[0].rid, "rollout", t[1].rid]
+    add(t[1], True)  # retracted (SGLang re-adds it): straight in, not queued behind itself
+    assert sched.waiting[-1] == t[1].rid
+    u = req(calibration_rid("u", 0))  # another calibration while t's second sequence runs
+    add(u)
+    assert t[2].aborted and sched.waiting[-1] == t[2].rid  # aborted through SGLang's path: the front end hears it
+    assert u.rid not in sched.waiting  # behind the request in progress (it runs before u arms)
+    ran(t[1])
+    assert sched.waiting[-1] == u.rid
+    v = req(calibration_rid("u", 1))
+    add(v)
+    finish = req(calibration_rid("u", "finish"))
+    add(finish)  # (the front end sends it after every sequence: nothing should be queued; if so, aborted)
+    assert v.aborted and sched.waiting[-2:] == [v.rid, finish.rid]
+    assert getattr(sched, scheduler.CALIBRATING) is None and getattr(sched, scheduler.QUEUED) == []
 
 
 # -- in-flight updates (pause.py) ------------------------------------------------------------------

@@ -7,7 +7,8 @@ their KV blocks, and their FP8 entries are re-encoded for the new scales when th
 finishes -- no drain), else waits for them to finish (they would add their q / k / v to the maxima,
 and run with the reference scales), flushes the prefix cache (blocks computed by the old weights),
 arms the model side, sends the fixed calibration sequences one prefill each (so the batches -- and
-the kernels' results -- are those of a fresh engine), finishes (the model side writes the scales),
+the kernels' results -- are those of a fresh engine; an engine that keeps them one per batch takes them at
+once: `prefill_all`), finishes (the model side writes the scales),
 and flushes again (the calibration's blocks were written with the reference scales). The adapter's
 `KVFront` says how each step is done on its engine; `calibrate` is written once, as a coroutine, and `run_sync` drives it for a
 synchronous front end (vLLM's `LLM`), whose steps never wait.
@@ -59,6 +60,11 @@ class KVFront(Protocol):
     async def prefill(self, ids: list[int], rid: str) -> bool:
         """One calibration sequence, one token generated; False if the engine aborted it."""
 
+    # optional -- `prefill_all(items: list[tuple[ids, rid]]) -> bool`: every calibration sequence sent at once, the
+    # engine still prefilling each in a batch of its own (a fresh engine's batches: the same kernels' results) and
+    # in order; False if it aborted any. Saves a front-end round trip per sequence (SGLang: scheduler.py
+    # `one_calibration_per_batch`).
+
     async def finish(self, token: str, ok: bool, rescale: bool) -> bool:
         """The model side writes the scales (ok) or goes back to the ones in use (not ok); False if
         the scales were not written. `rescale`: requests set aside hold entries of the old scales."""
@@ -92,12 +98,16 @@ async def calibrate(front: KVFront) -> bool:
                 if await front.flush():
                     took["flush"] = time.perf_counter() - t
                     await front.arm()
-                    sent = True
                     t = time.perf_counter()
-                    for i, ids in enumerate(sequences):
-                        if not await front.prefill(ids, calibration_rid(token, i)):
-                            sent = False
-                            break
+                    items = [(ids, calibration_rid(token, i)) for i, ids in enumerate(sequences)]
+                    if hasattr(front, "prefill_all"):
+                        sent = await front.prefill_all(items)
+                    else:
+                        sent = True
+                        for ids, rid in items:
+                            if not await front.prefill(ids, rid):
+                                sent = False
+                                break
                     took["prefills"] = time.perf_counter() - t
             finally:
                 try:

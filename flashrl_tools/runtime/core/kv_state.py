@@ -29,6 +29,13 @@ def calibration_rid(token: str, index: int | str) -> str:
     return f"{CALIBRATION_RID}{token}-{index}"
 
 
+def calibration_token(rid) -> str | None:
+    """The calibration a request's rid belongs to (its token), None for any other request."""
+    if calibration_index(rid) is None:
+        return None
+    return rid[len(CALIBRATION_RID):].rsplit("-", 1)[0]
+
+
 def calibration_index(rid) -> str | None:
     """'0', '1', ... or FINISH for a calibration request's rid, None for any other request."""
     if not isinstance(rid, str) or not rid.startswith(CALIBRATION_RID):

@@ -1,7 +1,8 @@
 """FP8 KV cache, SGLang front end: SGLang's `TokenizerManager` (in the offline Engine's process, or the
 HTTP server's, which verl and slime use) sees every request and every weight update, so the core's
-calibration driver (core/kv_driver.py) runs there. The schedulers (scheduler.py) route the calibration's
-requests by rid: they arm on its first sequence and write the scales on its `finish` request, and they
+calibration driver (core/kv_driver.py) runs there; it sends the calibration sequences as one batched request.
+The schedulers (scheduler.py) route the calibration's requests by rid: they prefill them one per batch, arm on
+its first sequence and write the scales on its `finish` request, and they
 decide whether their scales are stale -- a calibration after an update that did not complete a sync
 changes nothing, and a rollout reaching a scheduler with stale scales is aborted there, never served."""
 
@@ -75,6 +76,28 @@ class TokenizerFront:
             return False
         reason = ((out or {}).get("meta_info") or {}).get("finish_reason") or {}
         return reason.get("type") != "abort"
+
+    async def prefill_all(self, items: list[tuple[list[int], str]]) -> bool:
+        """Every calibration sequence in one batched request (one message to the schedulers, no round trip per
+        sequence); the schedulers still prefill them one per batch, in order (scheduler.one_calibration_per_batch):
+        a fresh engine's batches."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        params = {"max_new_tokens": 1, "temperature": 0.0}
+        obj = GenerateReqInput(input_ids=[ids for ids, _ in items], rid=[rid for _, rid in items],
+                               sampling_params=[dict(params) for _ in items])
+        outs = None
+        try:
+            async for item in self.original(self.manager, obj, None):
+                outs = item
+        except Exception as e:  # SGLang raises for an aborted request (RequestAbortedError)
+            log.warning("flashrl: FP8 KV calibration requests failed: %s", e)
+            return False
+        if not isinstance(outs, list) or len(outs) != len(items):
+            log.warning("flashrl: FP8 KV calibration: %s outputs for %d sequences",
+                        len(outs) if isinstance(outs, list) else "no", len(items))
+            return False
+        return all(((o or {}).get("meta_info") or {}).get("finish_reason", {}).get("type") != "abort" for o in outs)
 
     async def finish(self, token: str, ok: bool, rescale: bool = False) -> bool:
         """A last request makes the schedulers write the scales (and rescale the entries of requests set

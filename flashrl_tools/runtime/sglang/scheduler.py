@@ -9,7 +9,7 @@ import logging
 
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import model_refusal
-from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index
+from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index, calibration_token
 from flashrl_tools.runtime.core.logs import stall_watch
 
 log = logging.getLogger("flashrl_tools.runtime")
@@ -37,6 +37,49 @@ def add_request(scheduler, req, is_retracted=False, *args, **kwargs):
                     "processed_logprobs are); importance weights computed from them are off. Sample with top_p=1, "
                     "top_k=-1, or ask return_sampling_mask=True (with a finite top_k) and read "
                     "meta_info['output_token_sampling_logprobs'] (renormalised over the sampled support)")
+
+
+CALIBRATING = "_flashrl_calibrating"  # Scheduler attribute: the calibration request being prefilled
+QUEUED = "_flashrl_calibration_queue"  # Scheduler attribute: the calibration's next sequences, in order
+
+
+def one_calibration_per_batch(original, scheduler, req, *args, **kwargs):
+    """AROUND `Scheduler._add_request_to_queue`: the front end sends the FP8 KV calibration's sequences at once
+    (kv_front.prefill_all); they reach the waiting queue one at a time, each once the one before has run, so each
+    is prefilled in a batch of its own -- the batches, and the kernels' results, of a fresh engine (SGLang would
+    batch them together). Sequences still queued when another calibration, the finish or the abandon request
+    arrives are aborted (they would add to the new maxima); a new calibration's first sequence waits for the
+    request in progress (it runs before the new one arms)."""
+    index = calibration_index(getattr(req, "rid", None))
+    retracted = bool(kwargs.get("is_retracted", args[0] if args else False))
+    if index is None or retracted or req is getattr(scheduler, CALIBRATING, None):
+        return original(scheduler, req, *args, **kwargs)
+    token, sequence = calibration_token(req.rid), index.isdigit()
+    queued = scheduler.__dict__.setdefault(QUEUED, [])
+    stale = [r for r in queued if not sequence or calibration_token(r.rid) != token]
+    if stale:
+        queued[:] = [r for r in queued if r not in stale]
+        for r in stale:  # through SGLang's own path for a refused request: the front end gets the abort
+            r.set_finish_with_abort("flashrl: FP8 KV calibration superseded")
+            original(scheduler, r)
+    current = getattr(scheduler, CALIBRATING, None)
+    if sequence and current is not None and not current.finished():
+        queued.append(req)
+        return None
+    setattr(scheduler, CALIBRATING, req if sequence else None)
+    return original(scheduler, req, *args, **kwargs)
+
+
+def next_calibration(result, scheduler, *args, **kwargs):
+    """AFTER `Scheduler.process_batch_result`: the calibration request prefilled, the next one goes to the queue."""
+    current = getattr(scheduler, CALIBRATING, None)
+    if current is None or not current.finished():
+        return None
+    setattr(scheduler, CALIBRATING, None)
+    queued = getattr(scheduler, QUEUED, None)
+    if queued:
+        scheduler._add_request_to_queue(queued.pop(0))  # through the hooks: admission, then this one's turn
+    return None
 
 
 def _truncates(req) -> bool:
