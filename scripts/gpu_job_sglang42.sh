@@ -6,7 +6,8 @@
 #      continue's cost (the calibration's log line: drain, flushes, prefills, finish); triton last (3.)
 #   2. the in-place FP8 KV GPU tests after the release change (triton and fa3; retract passed on 2026-11-26), with
 #      the kept tokens' bound: in_place-int8's stale-KV effect + the FP8 cache's own effect
-#   3. the same stream with triton
+#   3. test_sglang.py's FP8 KV cases (sync = fresh engine, scales bit-equal: the batched calibration)
+#   4. the same stream with triton
 # Every stream runs with the stall logs (the engine's log, every engine process's stacks 10 s into a stall and
 # /proc task states, the scheduler's own stacks after 30 s without a batch result): the fa3 and triton streams of
 # 2026-11-26 stood still 127 s and 100 s once each, beside verl runs starting on the same GPU.
@@ -35,4 +36,9 @@ PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/
   "$T[in_place-int8+kv@fa3]" "$B[in_place-int8+kv]" "$B[in_place-int8+kv@fa3]" \
   > "$O/sglang_inflight_kv.log" 2>&1
 echo "tests exit $?" >> "$O/sglang_inflight_kv.log"
+S=tests/gpu/test_sglang.py::test_sglang_sync_equals_a_fresh_engine  # the batched calibration: scales = a fresh engine's
+PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/root/w/s42gpu FLASHRL_GPU_JOBS=2 \
+  timeout 600 python3 -m pytest -rA -p no:cacheprovider "$S[dense-int8+kv]" "$S[dense-int8+kv@fa3]" \
+  > "$O/sglang_kv.log" 2>&1
+echo "tests exit $?" >> "$O/sglang_kv.log"
 stream triton  # last: the least needed (it recaptures the decode graphs whenever the scales change)
