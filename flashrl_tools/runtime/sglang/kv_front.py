@@ -22,6 +22,14 @@ STALE = "_flashrl_kv_stale"  # TokenizerManager attribute: scales may be stale (
 FLUSH_TRIES = 200  # x 10 ms: the schedulers flush only when idle
 
 
+_ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0.0}  # a calibration request: its prefill, one greedy token
+
+
+def _served(out) -> bool:
+    """A calibration request's output: not aborted by the schedulers."""
+    return (((out or {}).get("meta_info") or {}).get("finish_reason") or {}).get("type") != "abort"
+
+
 class TokenizerFront:
     """`KVFront` of SGLang's TokenizerManager. `original`: the unhooked `generate_request`."""
 
@@ -66,16 +74,9 @@ class TokenizerFront:
     async def prefill(self, ids: list[int], rid: str) -> bool:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        obj = GenerateReqInput(input_ids=ids, rid=rid, sampling_params={"max_new_tokens": 1, "temperature": 0.0})
-        out = None
-        try:
-            async for item in self.original(self.manager, obj, None):
-                out = item
-        except Exception as e:  # SGLang raises for an aborted request (RequestAbortedError)
-            log.warning("flashrl: FP8 KV calibration request %s failed: %s", rid, e)
-            return False
-        reason = ((out or {}).get("meta_info") or {}).get("finish_reason") or {}
-        return reason.get("type") != "abort"
+        obj = GenerateReqInput(input_ids=ids, rid=rid, sampling_params=dict(_ONE_TOKEN))
+        failed, out = await self._last_output(obj, rid)
+        return not failed and _served(out)
 
     async def prefill_all(self, items: list[tuple[list[int], str]]) -> bool:
         """Every calibration sequence in one batched request (one message to the schedulers, no round trip per
@@ -83,21 +84,21 @@ class TokenizerFront:
         a fresh engine's batches."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        params = {"max_new_tokens": 1, "temperature": 0.0}
         obj = GenerateReqInput(input_ids=[ids for ids, _ in items], rid=[rid for _, rid in items],
-                               sampling_params=[dict(params) for _ in items])
-        outs = None
+                               sampling_params=[dict(_ONE_TOKEN) for _ in items])
+        failed, outs = await self._last_output(obj, f"{len(items)} requests")  # a batch: the list of their outputs
+        return not failed and isinstance(outs, list) and len(outs) == len(items) and all(_served(o) for o in outs)
+
+    async def _last_output(self, obj, what: str):
+        """(whether SGLang raised, the request's -- or batch's -- last output) through the unhooked `generate_request`."""
+        out = None
         try:
             async for item in self.original(self.manager, obj, None):
-                outs = item
+                out = item
         except Exception as e:  # SGLang raises for an aborted request (RequestAbortedError)
-            log.warning("flashrl: FP8 KV calibration requests failed: %s", e)
-            return False
-        if not isinstance(outs, list) or len(outs) != len(items):
-            log.warning("flashrl: FP8 KV calibration: %s outputs for %d sequences",
-                        len(outs) if isinstance(outs, list) else "no", len(items))
-            return False
-        return all(((o or {}).get("meta_info") or {}).get("finish_reason", {}).get("type") != "abort" for o in outs)
+            log.warning("flashrl: FP8 KV calibration %s failed: %s", what, e)
+            return True, None
+        return False, out
 
     async def finish(self, token: str, ok: bool, rescale: bool = False) -> bool:
         """A last request makes the schedulers write the scales (and rescale the entries of requests set
