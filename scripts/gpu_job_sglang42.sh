@@ -9,8 +9,10 @@
 #   3. test_sglang.py's FP8 KV cases (sync = fresh engine, scales bit-equal: the batched calibration)
 #   4. the same stream with triton
 # Every stream runs with the stall logs (the engine's log, every engine process's stacks 10 s into a stall and
-# /proc task states, the scheduler's own stacks after 30 s without a batch result): the fa3 and triton streams of
-# 2026-11-26 stood still 127 s and 100 s once each, beside verl runs starting on the same GPU.
+# /proc task states, the scheduler's own stacks after 30 s without a batch result) and an empty FlashInfer JIT
+# cache: the stalls of 2026-11-26 (94-127 s, the first FP8 KV update on each fresh host) were FlashInfer building
+# its top-k / top-p sampler for the decode batch that held the greedy calibration request beside the T=1 stream
+# (the scheduler's stacks); calibration requests now sample like the running ones (scheduler.sample_like_running).
 #   bash scripts/gpu_job_sglang42.sh OUT   -> OUT/async_stream_sglang_{fa3,triton}_7b.{json,log,engine.log},
 #                                             OUT/gpu/sglang_inflight.json, OUT/sglang_inflight_kv.log
 set -uo pipefail
@@ -21,6 +23,8 @@ mkdir -p "$O"
 source scripts/gpu_env.sh
 SGL="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH"
 stream() {  # the 7B async stream on attention backend $1, int8 and int8 + FP8 KV in one run, with the stall logs
+  rm -rf "/root/w/flashinfer-$1"  # an empty FlashInfer JIT cache: a kernel first built mid-stream shows as a stall
+  FLASHINFER_WORKSPACE_BASE="/root/w/flashinfer-$1" \
   PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_BENCH_LOG="$O/async_stream_sglang_$1_7b.engine.log" \
     FLASHRL_DEBUG_STACKS="$O/stacks" timeout "${STREAM_TIMEOUT:-420}" python3 benchmarks/async_stream.py \
     --engine sglang --preset gpu --configs int8,int8+kv --attention-backend "$1" --log-level info \
@@ -41,4 +45,4 @@ PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/
   timeout 600 python3 -m pytest -rA -p no:cacheprovider "$S[dense-int8+kv]" "$S[dense-int8+kv@fa3]" \
   > "$O/sglang_kv.log" 2>&1
 echo "tests exit $?" >> "$O/sglang_kv.log"
-stream triton  # last: the least needed (it recaptures the decode graphs whenever the scales change)
+[ -n "${NO_TRITON:-}" ] || stream triton  # last: the least needed (it recaptures the decode graphs whenever the scales change)

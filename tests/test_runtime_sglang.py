@@ -317,7 +317,8 @@ def test_an_aborted_calibration_is_tried_again(monkeypatch, caplog):
 
 def test_the_calibration_sent_at_once_is_prefilled_one_sequence_per_batch():
     """kv_front.prefill_all sends every calibration sequence in one request; the schedulers let them into the
-    waiting queue one at a time, each once the one before has been prefilled (a fresh engine's batches), in order.
+    waiting queue one at a time, each once the one before has been prefilled or is in the batch about to run (a
+    fresh engine's batches), in order.
     A new calibration aborts what is left of the old one and waits for the request in progress; its finish request
     clears the queue; other requests, and a retracted calibration request, pass straight through."""
     from flashrl_tools.runtime.core.kv_state import calibration_rid
@@ -361,6 +362,51 @@ def test_the_calibration_sent_at_once_is_prefilled_one_sequence_per_batch():
     add(finish)  # (the front end sends it after every sequence: nothing should be queued; if so, aborted)
     assert v.aborted and sched.waiting[-2:] == [v.rid, finish.rid]
     assert getattr(sched, scheduler.CALIBRATING) is None and getattr(sched, scheduler.QUEUED) == []
+    # the next sequence is queued once the one before is in the batch about to run (consecutive prefills), not
+    # after its result; not while that batch holds only a chunk of it; an idle iteration releases nothing
+    w = [req(calibration_rid("w", i)) for i in range(3)]
+    for r in w:
+        add(r)
+
+    def plan(*reqs):
+        return SimpleNamespace(batch_to_run=SimpleNamespace(reqs=list(reqs)) if reqs else None)
+    scheduler.next_calibration(plan(), sched)
+    assert sched.waiting[-1] == w[0].rid
+    scheduler.next_calibration(plan(w[0]), sched)
+    assert sched.waiting[-1] == w[1].rid and not w[0].finished()
+    sched.chunked_req = w[1]
+    scheduler.next_calibration(plan(w[1]), sched)
+    assert sched.waiting[-1] == w[1].rid
+    sched.chunked_req = None
+    scheduler.next_calibration(plan(w[1]), sched)
+    assert sched.waiting[-1] == w[2].rid
+
+
+def test_a_calibration_request_samples_as_the_requests_running_beside_it():
+    """The calibration's finish request joins the released requests' decode batch for one step (SGLang's overlap
+    loop merges it before its token is processed): greedy beside T=1 would move that batch onto FlashInfer's
+    top-k / top-p sampler, JIT-built on first use (issue 42's stall). It takes a running request's sampling
+    settings; with nothing running it stays greedy; rollout requests keep their own."""
+    from flashrl_tools.runtime.core.kv_state import FINISH, calibration_rid
+
+    def greedy():  # SGLang's normalised temperature 0
+        return SimpleNamespace(temperature=1.0, top_p=1.0, top_k=1, min_p=0.0, max_new_tokens=1)
+
+    def req(rid, params):
+        return SimpleNamespace(rid=rid, finished_reason=None, sampling_params=params,
+                               set_finish_with_abort=lambda why: None)
+    sampled = req("rollout", SimpleNamespace(temperature=0.7, top_p=1.0, top_k=1 << 30, min_p=0.0, max_new_tokens=500))
+    sched = SimpleNamespace(running_batch=SimpleNamespace(reqs=[req(calibration_rid("t", 0), greedy()), sampled]))
+    finish = req(calibration_rid("t", FINISH), greedy())
+    scheduler.add_request(sched, finish)
+    p = finish.sampling_params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_new_tokens) == (0.7, 1.0, 1 << 30, 0.0, 1)
+    alone = req(calibration_rid("u", 0), greedy())
+    scheduler.add_request(SimpleNamespace(running_batch=SimpleNamespace(reqs=[])), alone)
+    assert alone.sampling_params.top_k == 1 and alone.sampling_params.temperature == 1.0
+    rollout = req("r2", greedy())
+    scheduler.add_request(sched, rollout)
+    assert rollout.sampling_params.top_k == 1
 
 
 # -- in-flight updates (pause.py) ------------------------------------------------------------------

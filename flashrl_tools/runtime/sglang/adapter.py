@@ -60,9 +60,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("calibration_one_per_batch", "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
          scheduler.one_calibration_per_batch, HookKind.AROUND, "scheduler", "FP8 KV: the calibration's sequences, "
          "sent at once, reach the queue one at a time (each prefilled alone, as on a fresh engine)"),
-    Hook("calibration_next", "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+    Hook("calibration_next", "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
          scheduler.next_calibration, HookKind.AFTER, "scheduler", "FP8 KV: the next calibration sequence goes "
-         "to the queue once the one before was prefilled"),
+         "to the queue once the one before is in the batch about to run (or finished)"),
     Hook("stall_watch", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", scheduler.progress,
          HookKind.AFTER, "scheduler", "FLASHRL_DEBUG_STACKS: a scheduler without a batch result for 30 s writes its "
          "stacks (DIR/PID.stacks)"),

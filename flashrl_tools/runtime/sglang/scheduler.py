@@ -23,11 +23,14 @@ def add_request(scheduler, req, is_retracted=False, *args, **kwargs):
         return
     from flashrl_tools.runtime.sglang import pause
 
-    last = calibration_index(req.rid) in (FINISH, ABANDON)
+    index = calibration_index(req.rid)
+    last = index in (FINISH, ABANDON)
     problem = model_refusal(process.sessions(), process.kv_states(), req.rid,
                             pause.kept_slots(scheduler) if last else None)
     if last:  # the scales are written (or the calibration gave up): what was set aside for it goes on
         pause.finish_queued(scheduler, req)
+    if index is not None:
+        sample_like_running(scheduler, req)
     if problem is not None:
         req.set_finish_with_abort(problem)
     elif getattr(req, "return_logprob", False) and "truncation" not in _warned and _truncates(req):
@@ -39,17 +42,39 @@ def add_request(scheduler, req, is_retracted=False, *args, **kwargs):
                     "meta_info['output_token_sampling_logprobs'] (renormalised over the sampled support)")
 
 
+SAMPLING_PATH = ("temperature", "top_p", "top_k", "min_p")  # what SGLang picks a batch's sampler by
+
+
+def sample_like_running(scheduler, req) -> None:
+    """A calibration request samples as the requests running beside it. Its one token is thrown away, but the
+    overlap scheduler merges a prefilled request into the running decode batch before that token's result is
+    processed, and SGLang picks a batch's sampler from the union of its requests' settings: a greedy request
+    (top_k=1) beside requests sampled at T=1 moves the batch onto FlashInfer's top-k / top-p kernel, which
+    FlashInfer JIT-builds on its first use on a host -- the finish request, merged with the requests released
+    from the continue, stalled them 94-127 s while it compiled (issue 42's stall, 2026-11-26). With a running
+    request's settings the batch keeps its own sampler. With nothing running it stays greedy, as sent."""
+    running = getattr(getattr(scheduler, "running_batch", None), "reqs", None) or []
+    like = next((r for r in running if calibration_index(getattr(r, "rid", None)) is None
+                 and getattr(r, "sampling_params", None) is not None), None)
+    params = getattr(req, "sampling_params", None)
+    if like is None or params is None:
+        return
+    for name in SAMPLING_PATH:
+        if hasattr(like.sampling_params, name):
+            setattr(params, name, getattr(like.sampling_params, name))
+
+
 CALIBRATING = "_flashrl_calibrating"  # Scheduler attribute: the calibration request being prefilled
 QUEUED = "_flashrl_calibration_queue"  # Scheduler attribute: the calibration's next sequences, in order
 
 
 def one_calibration_per_batch(original, scheduler, req, *args, **kwargs):
     """AROUND `Scheduler._add_request_to_queue`: the front end sends the FP8 KV calibration's sequences at once
-    (kv_front.prefill_all); they reach the waiting queue one at a time, each once the one before has run, so each
-    is prefilled in a batch of its own -- the batches, and the kernels' results, of a fresh engine (SGLang would
-    batch them together). Sequences still queued when another calibration, the finish or the abandon request
-    arrives are aborted (they would add to the new maxima); a new calibration's first sequence waits for the
-    request in progress (it runs before the new one arms)."""
+    (kv_front.prefill_all); they reach the waiting queue one at a time, each once the one before is in the batch
+    about to run (`next_calibration`), so each is prefilled in a batch of its own -- the batches, and the
+    kernels' results, of a fresh engine (SGLang would batch them together). Sequences still queued when another
+    calibration, the finish or the abandon request arrives are aborted (they would add to the new maxima); a new
+    calibration's first sequence waits for the request in progress (it runs before the new one arms)."""
     index = calibration_index(getattr(req, "rid", None))
     retracted = bool(kwargs.get("is_retracted", args[0] if args else False))
     if index is None or retracted or req is getattr(scheduler, CALIBRATING, None):
@@ -71,9 +96,18 @@ def one_calibration_per_batch(original, scheduler, req, *args, **kwargs):
 
 
 def next_calibration(result, scheduler, *args, **kwargs):
-    """AFTER `Scheduler.process_batch_result`: the calibration request prefilled, the next one goes to the queue."""
+    """AFTER `Scheduler.get_next_batch_to_run` (every loop iteration): once the calibration request is in the batch
+    about to run -- a prefill of its own: the next sequence can only join a later batch -- or has finished (an abort),
+    the next one goes to the queue. Released at launch, the sequences run in consecutive iterations; released at
+    their result (2026-11-26), each cost two (the overlap loop merges a prefilled request into a decode step
+    before its result is processed): 8 sequences took 0.43 s at 7B."""
     current = getattr(scheduler, CALIBRATING, None)
-    if current is None or not current.finished():
+    if current is None:
+        return None
+    batch = getattr(result, "batch_to_run", None)
+    launched = batch is not None and any(r is current for r in batch.reqs) and getattr(scheduler, "chunked_req",
+                                                                                          None) is not current
+    if not launched and not current.finished():
         return None
     setattr(scheduler, CALIBRATING, None)
     queued = getattr(scheduler, QUEUED, None)
