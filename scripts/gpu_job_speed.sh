@@ -13,9 +13,9 @@
 #          INT8 sync's 3.2x BF16 goes); then 7B seeded (as the issue measured it)
 #   GPU 3  the DAPO-like workload (Qwen3-8B shape, prompts 1-2k, responses <= 16k): bf16, int8 + FP8 KV, fp8 +
 #          FP8 KV; then step_profile at 14B
-# On two GPUs (GPUS=2 or what nvidia-smi lists): GPU 0 issue 42's leftovers without the triton stream, SGLang's
-# rows, 7B without logprobs; GPU 1 vLLM 7B and 14B unseeded (bf16, int8 + FP8 KV), 7B fp8 + FP8 KV, the DAPO-like
-# Qwen3-8B rows, the 14B step profile.
+# On two GPUs (GPUS=2 or what nvidia-smi lists; the 7B / 14B goal rows ran on 2 x H200 on 2026-11-26, RESULTS):
+# GPU 0 issue 42's leftovers without the triton stream, SGLang's rows (the calibration's time); GPU 1 the
+# DAPO-like Qwen3-8B rows, the 14B step profile.
 # -> RES/speed/*.json + logs; RES/SESSIONDONE when all finished.
 set -uo pipefail
 RES=${1:?usage: gpu_job_speed.sh RES}
@@ -58,17 +58,13 @@ g2=$!
    > "$O/step_profile_14b.log" 2>&1) &
 g3=$!
 wait $g0 $g1 $g2 $g3
-else  # two GPUs: issue 42's leftovers (no triton stream) then SGLang's rows on GPU 0; vLLM's goal rows on GPU 1
+else  # two GPUs: issue 42's leftovers (no triton stream) then SGLang's rows on GPU 0; the DAPO rows on GPU 1
 (export CUDA_VISIBLE_DEVICES=0
  NO_TRITON=1 bash scripts/gpu_job_sglang42.sh "$RES/j01"
- sglang_rows /root/w/s0
- rl rl_step_7b_nologprobs /root/w/s0 --shapes 7b --configs bf16,int8+kv --prompts 16 --unseeded --no-logprobs) &
+ sglang_rows /root/w/s0) &
 g0=$!
 (export CUDA_VISIBLE_DEVICES=1
- rl rl_step_7b_unseeded /root/w/s1 --shapes 7b --configs bf16,int8+kv --prompts 16 --unseeded
- rl rl_step_14b_unseeded /root/w/s1 --shapes 14b --configs bf16,int8+kv --prompts 16 --unseeded
- rl rl_step_7b_unseeded_fp8kv /root/w/s1 --shapes 7b --configs fp8+kv --prompts 16 --unseeded
- rl rl_step_dapo_qwen3_8b /root/w/s1 --preset dapo --shapes qwen3-8b --configs bf16,int8+kv --prompts 16 --unseeded
+ rl rl_step_dapo_qwen3_8b /root/w/s1 --preset dapo --shapes qwen3-8b --configs bf16,int8+kv,fp8+kv --prompts 16 --unseeded
  python3 benchmarks/step_profile.py --preset gpu --shapes 14b --workdir /root/w/s1 --json "$O/step_profile_14b.json" \
    > "$O/step_profile_14b.log" 2>&1) &
 g1=$!
