@@ -18,7 +18,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 model, req_path, out_path = sys.argv[1:4]
 req = json.loads(open(req_path).read())
-llm = LLM(model=model, dtype="bfloat16", max_model_len=512, enforce_eager=True,
+llm = LLM(model=model, dtype=req.get("dtype", "bfloat16"), max_model_len=512, enforce_eager=True,
           enable_prefix_caching=False, gpu_memory_utilization=0.3, seed=0)
 tok = llm.get_tokenizer()
 prompt_ids = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
