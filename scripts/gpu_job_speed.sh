@@ -38,6 +38,11 @@ sglang_rows() {  # SGLang's RL-step rows (fa3; each sync's convert vs write seco
     rl rl_step_sglang_7b "$1" --engine sglang --attention-backend fa3 --shapes 7b --configs bf16,int8+kv \
     --prompts 16 --unseeded
 }
+dapo_and_profile() {  # the DAPO-like Qwen3-8B rows, then the 14B step profile
+  rl rl_step_dapo_qwen3_8b "$1" --preset dapo --shapes qwen3-8b --configs bf16,int8+kv,fp8+kv --prompts 16 --unseeded
+  python3 benchmarks/step_profile.py --preset gpu --shapes 14b --workdir "$1" --json "$O/step_profile_14b.json" \
+    > "$O/step_profile_14b.log" 2>&1
+}
 GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
 if [ "$GPUS" -ge 4 ]; then
 (export CUDA_VISIBLE_DEVICES=0
@@ -53,9 +58,7 @@ g1=$!
  rl rl_step_7b_seeded /root/w/s2 --shapes 7b --configs bf16,int8+kv --prompts 16) &
 g2=$!
 (export CUDA_VISIBLE_DEVICES=3
- rl rl_step_dapo_qwen3_8b /root/w/s3 --preset dapo --shapes qwen3-8b --configs bf16,int8+kv,fp8+kv --prompts 16 --unseeded
- python3 benchmarks/step_profile.py --preset gpu --shapes 14b --workdir /root/w/s3 --json "$O/step_profile_14b.json" \
-   > "$O/step_profile_14b.log" 2>&1) &
+ dapo_and_profile /root/w/s3) &
 g3=$!
 wait $g0 $g1 $g2 $g3
 else  # two GPUs: issue 42's leftovers (no triton stream) then SGLang's rows on GPU 0; the DAPO rows on GPU 1
@@ -64,9 +67,7 @@ else  # two GPUs: issue 42's leftovers (no triton stream) then SGLang's rows on 
  sglang_rows /root/w/s0) &
 g0=$!
 (export CUDA_VISIBLE_DEVICES=1
- rl rl_step_dapo_qwen3_8b /root/w/s1 --preset dapo --shapes qwen3-8b --configs bf16,int8+kv,fp8+kv --prompts 16 --unseeded
- python3 benchmarks/step_profile.py --preset gpu --shapes 14b --workdir /root/w/s1 --json "$O/step_profile_14b.json" \
-   > "$O/step_profile_14b.log" 2>&1) &
+ dapo_and_profile /root/w/s1) &
 g1=$!
 wait $g0 $g1
 fi
