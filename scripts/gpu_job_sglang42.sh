@@ -40,9 +40,11 @@ PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/
   "$T[in_place-int8+kv@fa3]" "$B[in_place-int8+kv]" "$B[in_place-int8+kv@fa3]" \
   > "$O/sglang_inflight_kv.log" 2>&1
 echo "tests exit $?" >> "$O/sglang_inflight_kv.log"
-S=tests/gpu/test_sglang.py::test_sglang_sync_equals_a_fresh_engine  # the batched calibration: scales = a fresh engine's
-PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/root/w/s42gpu FLASHRL_GPU_JOBS=2 \
-  timeout 600 python3 -m pytest -rA -p no:cacheprovider "$S[dense-int8+kv]" "$S[dense-int8+kv@fa3]" \
-  > "$O/sglang_kv.log" 2>&1
+# the batched calibration (scales = a fresh engine's), and the in-place sync (issue 45: syncs 2 and 3 of each case
+# copy through the slots the first one checked; int8, fp8 per channel, FP8 MoE's attention)
+S=tests/gpu/test_sglang.py::test_sglang_sync_equals_a_fresh_engine
+PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/root/w/s42gpu FLASHRL_GPU_JOBS=3 \
+  FLASHRL_LOGGING_LEVEL=INFO timeout 900 python3 -m pytest -rA -p no:cacheprovider "$S[dense-int8+kv]" \
+  "$S[dense-int8+kv@fa3]" "$S[dense-int8]" "$S[dense-fp8]" "$S[moe-fp8]" > "$O/sglang_kv.log" 2>&1
 echo "tests exit $?" >> "$O/sglang_kv.log"
 [ -n "${NO_TRITON:-}" ] || stream triton  # last: the least needed (it recaptures the decode graphs whenever the scales change)

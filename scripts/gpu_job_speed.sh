@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
-# Issue 45's measurements and issue 42's SGLang leftovers, on a four-GPU host (each GPU its own queue, each row
-# its own process; rows compared only within this run), after scripts/gpu_install.sh and gpu_install_sglang.sh
-# (FA3 library staged). Each queue runs what issue 45's goal rows need first (a device session may end before
-# the last rows; finished rows are packed as they come):
+# Issue 45's measurements and issue 42's SGLang leftovers, after scripts/gpu_install.sh and gpu_install_sglang.sh
+# (FA3 library staged); each GPU its own queue, each row its own process, rows compared only within this run:
 #   setsid nohup bash scripts/gpu_job_speed.sh /root/res > /root/res/job.out 2>&1 < /dev/null &
-#   GPU 0  SGLang: issue 42's leftovers (scripts/gpu_job_sglang42.sh: the fa3 stream with the stall logs, the
-#          in-place FP8 KV tests, the triton stream) -> RES/j01
-#   GPU 1  vLLM RL step at 7B, unseeded (as verl / TRL sample): bf16, int8 + FP8 KV, fp8 + FP8 KV; then the same
-#          without sampling logprobs (what returning them costs)
-#   GPU 2  vLLM 14B unseeded; then the RL-step rows on SGLang (fa3, its default on Hopper; overlap scheduler on;
-#          FLASHRL_SYNC_TIMING: each sync's conversion vs SGLang's load_weights in the engine log -- where an
-#          INT8 sync's 3.2x BF16 goes); then 7B seeded (as the issue measured it)
-#   GPU 3  the DAPO-like workload (Qwen3-8B shape, prompts 1-2k, responses <= 16k): bf16, int8 + FP8 KV, fp8 +
-#          FP8 KV; then step_profile at 14B
-# On two GPUs (GPUS=2 or what nvidia-smi lists; the 7B / 14B goal rows ran on 2 x H200 on 2026-11-26, RESULTS):
-# GPU 0 issue 42's leftovers without the triton stream, SGLang's rows (the calibration's time); GPU 1 the
-# DAPO-like Qwen3-8B rows, the 14B step profile.
+# Four GPUs:
+#   GPU 0  issue 42's leftovers (scripts/gpu_job_sglang42.sh without the triton stream: the fa3 stream with an
+#          empty FlashInfer cache, the in-place FP8 KV tests, test_sglang.py's FP8 KV and in-place sync cases)
+#          -> RES/j01
+#   GPU 1  SGLang's RL-step rows (fa3, overlap scheduler on; FLASHRL_SYNC_TIMING: each sync's conversion vs
+#          write in the engine log; the calibration's time): bf16, int8 + FP8 KV; then int8 + FP8 KV with
+#          FLASHRL_INPLACE_SYNC=0 (SGLang's loaders for every tensor: what the in-place slots save)
+#   GPU 2  the DAPO-like workload (Qwen3-8B shape, prompts 1-2k, responses <= 16k): bf16, int8 + FP8 KV, fp8 + FP8 KV
+#   GPU 3  step_profile at 14B
+# Two GPUs (GPUS=2 or what nvidia-smi lists): GPU 0 issue 42's leftovers, then SGLang's rows; GPU 1 the DAPO rows,
+# then the 14B step profile. (The vLLM 7B / 14B goal rows ran on 2 x H200 on 2026-11-26: RESULTS.)
 # -> RES/speed/*.json + logs; RES/SESSIONDONE when all finished.
 set -uo pipefail
 RES=${1:?usage: gpu_job_speed.sh RES}
@@ -37,6 +34,11 @@ sglang_rows() {  # SGLang's RL-step rows (fa3; each sync's convert vs write seco
     FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b.engine.log" \
     rl rl_step_sglang_7b "$1" --engine sglang --attention-backend fa3 --shapes 7b --configs bf16,int8+kv \
     --prompts 16 --unseeded
+  # the same INT8 row with the in-place sync off (SGLang's loaders for every tensor): what the slots save
+  PYTHONPATH=$SGL FLASHRL_LOGGING_LEVEL=INFO FLASHRL_SYNC_TIMING=1 FLASHRL_INPLACE_SYNC=0 \
+    FLASHRL_BENCH_LOG="$O/rl_step_sglang_7b_loaders.engine.log" \
+    rl rl_step_sglang_7b_loaders "$1" --engine sglang --attention-backend fa3 --shapes 7b --configs int8+kv \
+    --prompts 16 --unseeded
 }
 dapo_and_profile() {  # the DAPO-like Qwen3-8B rows, then the 14B step profile
   rl rl_step_dapo_qwen3_8b "$1" --preset dapo --shapes qwen3-8b --configs bf16,int8+kv,fp8+kv --prompts 16 --unseeded
@@ -46,19 +48,18 @@ dapo_and_profile() {  # the DAPO-like Qwen3-8B rows, then the 14B step profile
 GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
 if [ "$GPUS" -ge 4 ]; then
 (export CUDA_VISIBLE_DEVICES=0
- bash scripts/gpu_job_sglang42.sh "$RES/j01") &
+ NO_TRITON=1 bash scripts/gpu_job_sglang42.sh "$RES/j01") &
 g0=$!
 (export CUDA_VISIBLE_DEVICES=1
- rl rl_step_7b_unseeded /root/w/s1 --shapes 7b --configs bf16,int8+kv,fp8+kv --prompts 16 --unseeded
- rl rl_step_7b_nologprobs /root/w/s1 --shapes 7b --configs bf16,int8+kv --prompts 16 --unseeded --no-logprobs) &
+ sglang_rows /root/w/s1) &
 g1=$!
 (export CUDA_VISIBLE_DEVICES=2
- rl rl_step_14b_unseeded /root/w/s2 --shapes 14b --configs bf16,int8+kv --prompts 16 --unseeded
- sglang_rows /root/w/s2
- rl rl_step_7b_seeded /root/w/s2 --shapes 7b --configs bf16,int8+kv --prompts 16) &
+ rl rl_step_dapo_qwen3_8b /root/w/s2 --preset dapo --shapes qwen3-8b --configs bf16,int8+kv,fp8+kv --prompts 16 \
+   --unseeded) &
 g2=$!
 (export CUDA_VISIBLE_DEVICES=3
- dapo_and_profile /root/w/s3) &
+ python3 benchmarks/step_profile.py --preset gpu --shapes 14b --workdir /root/w/s3 --json "$O/step_profile_14b.json" \
+   > "$O/step_profile_14b.log" 2>&1) &
 g3=$!
 wait $g0 $g1 $g2 $g3
 else  # two GPUs: issue 42's leftovers (no triton stream) then SGLang's rows on GPU 0; the DAPO rows on GPU 1

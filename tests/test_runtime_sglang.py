@@ -23,8 +23,9 @@ from flashrl_tools.runtime.sglang import adapter, plugin, scheduler
 from flashrl_tools.runtime.sglang import process as sglang_process
 from flashrl_tools.runtime.sglang.kv_scales import RadixAttentionScales
 from flashrl_tools.runtime.sglang.server_args import apply_plan, server_args
-from flashrl_tools.runtime.sglang.weight_sync import LoadedParams, LoaderWriter
-from sglang_standins import (CopyingMethod, KVRunner, Kinds, Manager, Model, RadixAttention, Registry,
+from flashrl_tools.runtime.sglang import inplace
+from flashrl_tools.runtime.sglang.weight_sync import LoadedParams, LoaderWriter, loaders_back
+from sglang_standins import (QUANTIZED, CopyingMethod, KVRunner, Kinds, Manager, Model, RadixAttention, Registry,
                              ResolvedArgs, converter, generate, original_generate, prefill, served,
                              weights)
 from sglang_standins import server_args as _args
@@ -174,6 +175,105 @@ def test_sync_writes_into_the_storage_the_kernel_reads_and_equals_a_fresh_engine
         assert torch.equal(dict(model.named_parameters())[name], dict(fresh.named_parameters())[name]), name
     q = quantize_weight(QuantFn.int8, new[0][1])  # the q shard: rows 0-5 of the fused weight, transposed
     assert torch.equal(model.qkv_proj.weight[:, :6], q.weight.t())
+
+
+def _shapes():
+    return {n: tuple(t.shape) for name, w in weights(0) if name in QUANTIZED
+            for n, t in converter().convert(name, w)}
+
+
+def _probed(model, loaded):
+    with loaders_back(loaded.of(model)):
+        return inplace.probe(model, model.load_weights, _shapes())
+
+
+def test_in_place_slots_are_learned_from_the_loaders_without_touching_the_served_weights():
+    model, loaded = served(weights(0))
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+    slots, slow = _probed(model, loaded)
+    assert not slow and set(slots) == set(_shapes())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage  # the kernels' views intact
+    assert all(torch.equal(p, before[n]) and p.dtype == before[n].dtype for n, p in model.named_parameters())
+    k = slots["k_proj.weight"]  # rows 6-7 of the fused qkv weight (the loaded, checkpoint-layout Parameter)
+    assert (k.rows, k.cols, k.src_rows, k.src_cols) == (slice(6, 8), slice(0, 4), slice(0, 2), slice(0, 4))
+    assert k.param is loaded.of(model)[0][1]["weight"]
+
+
+def _calls(model):
+    calls = []
+    load = model.load_weights
+
+    def spy(batch, *a, **kw):
+        batch = list(batch)
+        calls.append([n for n, _ in batch])
+        return load(batch, *a, **kw)
+    model.load_weights = spy
+    return calls
+
+
+def test_in_place_sync_starts_after_a_sync_through_the_loaders_showed_the_same_bits():
+    model, loaded = served(weights(0))
+    slots, _ = _probed(model, loaded)
+    calls = _calls(model)
+    writer = LoaderWriter(model, loaded.of(model), slots)
+    session = SyncSession(model, converter(), writer, "sglang")
+    model.load_weights = session.load_weights
+    model.load_weights(weights(1))  # the first sync: the loaders, every slot checked against them
+    assert writer.trusted and "q_proj.weight" in calls[0]
+    calls.clear()
+    for seed in (2, 3):  # then the slots: only the norm goes through SGLang's load_weights
+        model.load_weights(weights(seed))
+        fresh, _ = served(weights(seed))
+        for name, param in fresh.named_parameters():
+            assert torch.equal(dict(model.named_parameters())[name], param), (seed, name)
+    assert calls == [["norm"], ["norm"]] and session.completed == 3
+
+
+def test_a_slot_the_loaders_contradict_is_dropped_and_the_loaders_keep_every_sync(caplog):
+    model, loaded = served(weights(0))
+    slots, _ = _probed(model, loaded)
+    q = slots["q_proj.weight"]  # a wrong guess: rows shifted by one
+    slots["q_proj.weight"] = inplace.Slot(q.param, slice(1, 7), q.cols, q.src_rows, q.src_cols)
+    writer = LoaderWriter(model, loaded.of(model), slots)
+    session = SyncSession(model, converter(), writer, "sglang")
+    model.load_weights = session.load_weights
+    with caplog.at_level("WARNING", logger="flashrl_tools.runtime"):
+        model.load_weights(weights(1))
+    assert not writer.trusted and not writer.slots and "elsewhere than its in-place slot" in caplog.text
+    model.load_weights(weights(2))
+    fresh, _ = served(weights(2))
+    assert all(torch.equal(dict(model.named_parameters())[n], p) for n, p in fresh.named_parameters())
+
+
+class _Rank1Of2(torch.nn.Module):
+    """A column-parallel layer on TP rank 1 of 2 (its loader narrows the source's rows), and a loader that
+    writes its source transposed (no rectangle of rows in order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Module()
+        self.up.weight = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.int8), requires_grad=False)
+        self.sq = torch.nn.Module()
+        self.sq.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.int8), requires_grad=False)
+
+    def load_weights(self, batch):
+        for name, t in batch:
+            if name == "up.weight":
+                self.up.weight.data.copy_(t[3:6])
+            elif name == "sq.weight":
+                self.sq.weight.data.copy_(t.t())
+
+
+def test_probes_follow_tensor_parallel_narrowing_and_refuse_what_is_no_rectangle():
+    model = _Rank1Of2()
+    slots, slow = inplace.probe(model, model.load_weights, {"up.weight": (6, 4), "sq.weight": (4, 4)})
+    up = slots["up.weight"]
+    assert (up.rows, up.cols, up.src_rows, up.src_cols) == (slice(0, 3), slice(0, 4), slice(3, 6), slice(0, 4))
+    assert "sq.weight" in slow and "in order" in slow["sq.weight"]
+    src = torch.arange(24, dtype=torch.int8).reshape(6, 4)
+    up.write(src)
+    assert torch.equal(model.up.weight, src[3:6]) and up.holds(src)
 
 
 def test_a_layout_in_new_memory_is_refused_at_start():

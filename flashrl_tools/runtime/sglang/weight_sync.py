@@ -77,19 +77,27 @@ def loaders_back(layers: list[tuple[torch.nn.Module, dict[str, torch.nn.Paramete
 
 class LoaderWriter:
     """Writes converted tensors through SGLang's own `load_weights`, in batches of `_FLUSH_BYTES` (SGLang
-    copies them at once: nothing of the caller's is kept past the call)."""
+    copies them at once: nothing of the caller's is kept past the call); with `slots` (inplace.py), the
+    tensors they cover are copied straight into the kernels' storage once a sync through the loaders has
+    shown every slot holding what the loaders wrote."""
 
-    def __init__(self, model: torch.nn.Module, layers):
+    def __init__(self, model: torch.nn.Module, layers, slots: dict | None = None):
         self.load_weights, self.layers = model.load_weights, layers
+        self.slots = slots or {}
+        self.trusted = False  # the slots matched the loaders over one whole sync
+        self._matched: set[str] = set()
 
     def begin(self, reopen: bool) -> None:
-        pass
+        self._matched = set()
 
     def load(self, converted: Iterator[Converted], *args, **kwargs) -> set[str]:
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
         for item in converted:
             for name, tensor in item.tensors:
+                if self.trusted and (slot := self.slots.get(name)) is not None:
+                    slot.write(tensor)
+                    continue
                 batch.append((name, tensor))
                 size += tensor.numel() * tensor.element_size()
             if size >= _FLUSH_BYTES:
@@ -102,9 +110,63 @@ class LoaderWriter:
         if batch:
             with loaders_back(self.layers):
                 self.load_weights(batch, *args, **kwargs)
+            if self.slots and not self.trusted:
+                self._check(batch)
+
+    def _check(self, batch) -> None:
+        for name, tensor in batch:
+            slot = self.slots.get(name)
+            if slot is None:
+                continue
+            if not slot.holds(tensor):
+                log.warning("flashrl: SGLang's loaders put %s elsewhere than its in-place slot; this engine's "
+                            "syncs keep the loaders", name)
+                self.slots = {}
+                return
+            self._matched.add(name)
 
     def finish(self) -> None:
-        pass
+        if self.slots and not self.trusted:
+            missing = set(self.slots) - self._matched
+            for name in missing:  # never sent in a full sync (not a trainer tensor): the loaders keep it
+                del self.slots[name]
+            self.trusted = bool(self.slots)
+            if self.trusted:
+                log.info("flashrl: SGLang in-place sync for %d tensors (checked against the loaders)", len(self.slots))
+
+
+def _slots(model: torch.nn.Module, loaded_dir: str, converter, layers) -> dict:
+    """In-place slots for the quantized linears' weights and scales (inplace.py); none when off."""
+    from flashrl_tools.config.settings import settings
+
+    if converter.served is None or settings().inplace_sync == "0" or not converter.quantized:
+        return {}
+    try:
+        return _probed(model, loaded_dir, converter, layers)
+    except Exception as e:  # noqa: BLE001 -- the loaders serve every sync as before
+        log.warning("flashrl: SGLang in-place sync off (%s: %s)", type(e).__name__, e)
+        return {}
+
+
+def _probed(model: torch.nn.Module, loaded_dir: str, converter, layers) -> dict:
+    from pathlib import Path
+
+    from flashrl_tools.model_structure import meta_model
+    from flashrl_tools.quant.quantizer import output_specs
+    from flashrl_tools.runtime.sglang import inplace
+
+    bf16 = {n: tuple(t.shape) for n, t in meta_model(Path(loaded_dir)).state_dict().items()}
+    shapes = {}
+    for name in converter.quantized:
+        if name in bf16 and len(bf16[name]) == 2:
+            for suffix, spec in output_specs(converter.served, bf16[name], torch.bfloat16).items():
+                shapes[name.removesuffix(".weight") + "." + suffix] = tuple(spec.shape)
+    with loaders_back(layers):
+        slots, slow = inplace.probe(model, model.load_weights, shapes)
+    if slow:
+        reasons = sorted(set(slow.values()))
+        log.info("flashrl: SGLang loaders for %d tensors (%s)", len(slow), "; ".join(reasons[:3]))
+    return slots
 
 
 def attach(model: torch.nn.Module, loaded_dir: str, rc, loaded: LoadedParams, rank: int = 0) -> SyncSession:
@@ -116,7 +178,7 @@ def attach(model: torch.nn.Module, loaded_dir: str, rc, loaded: LoadedParams, ra
                                "check that SGLang reads the checkpoint's quantization_config")
         log.info("flashrl: SGLang weight sync for %d quantized layers (%s)", len(layers),
                  converter.served.value if converter.served else "bf16")
-        return LoaderWriter(model, layers)
+        return LoaderWriter(model, layers, _slots(model, loaded_dir, converter, layers))
 
     session = open_session(model, loaded_dir, rc, writer_for, "sglang", rank)
     model.load_weights = session.load_weights
