@@ -234,7 +234,7 @@ def test_a_slot_the_loaders_contradict_is_dropped_and_the_loaders_keep_every_syn
     model, loaded = served(weights(0))
     slots, _ = _probed(model, loaded)
     q = slots["q_proj.weight"]  # a wrong guess: rows shifted by one
-    slots["q_proj.weight"] = inplace.Slot(q.param, slice(1, 7), q.cols, q.src_rows, q.src_cols)
+    slots["q_proj.weight"] = inplace.ProbedSlot(q.param, slice(1, 7), q.cols, q.src_rows, q.src_cols)
     writer = LoaderWriter(model, loaded.of(model), slots)
     session = SyncSession(model, converter(), writer, "sglang")
     model.load_weights = session.load_weights

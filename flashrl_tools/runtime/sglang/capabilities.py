@@ -11,9 +11,10 @@ _SETTINGS = {
     "FLASHRL_KV_CACHE_DTYPE": Setting("SGLang's kv_cache_dtype (fp8 -> fp8_e4m3, fp8_e5m2); k / v scales "
                                       "recalibrated before the first rollout after every sync"),
     "FLASHRL_LMHEAD_FP32": Setting("SGLang's enable_fp32_lm_head=True (the LM head's logits in fp32)"),
-    "FLASHRL_INPLACE_SYNC": Setting("SGLang has no separate in-place fast path: every layer is written through "
-                                    "SGLang's own loader into the storage its kernels read, so 1 and 0 are the "
-                                    "same and tp has nothing to enable", ("1", "0")),
+    "FLASHRL_INPLACE_SYNC": Setting("1: 8-bit weights and scales copied into the storage SGLang's loaders fill "
+                                    "(learned by probing the loaders at start, checked against them over the "
+                                    "first sync; TP ranks included); 0: SGLang's own loaders for every tensor",
+                                    ("1", "0")),
     "FLASHRL_SYNC_DIGEST": Setting("each scheduler (TP rank) writes its weight digest after every complete sync"),
     "FLASHRL_ENGINE_ARGS": Setting("extra sglang.Engine arguments for the engines `flashrl verify --engine sglang` "
                                    "starts"),

@@ -25,12 +25,12 @@ log = logging.getLogger("flashrl_tools.runtime")
 _PROBE_ELEMENTS = 1 << 30  # a parent module's parameters probed at once (4 GiB of float32)
 
 
-class NotFast(Exception):
+class NoSlot(Exception):
     pass
 
 
 @dataclass(frozen=True)
-class Slot:
+class ProbedSlot:
     """dst[rows, cols] of one Parameter's storage <- src[src_rows, src_cols] (both seen as 2-D)."""
 
     param: torch.nn.Parameter
@@ -65,7 +65,7 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def probe(model: torch.nn.Module, load_weights, shapes: dict[str, tuple[int, ...]]
-          ) -> tuple[dict[str, Slot], dict[str, str]]:
+          ) -> tuple[dict[str, ProbedSlot], dict[str, str]]:
     """Slots for the checkpoint tensors `shapes` (name -> shape as the trainer's sync converts it), learned by
     running `load_weights` (the model's own, with the loaded Parameters in place) on index probes; and, per
     tensor that keeps the loaders, why."""
@@ -78,7 +78,7 @@ def probe(model: torch.nn.Module, load_weights, shapes: dict[str, tuple[int, ...
             groups.setdefault(parent, []).append(name)
         else:
             slow[name] = "no parent module in the engine's model"
-    slots: dict[str, Slot] = {}
+    slots: dict[str, ProbedSlot] = {}
     for parent, names in groups.items():
         params = [p for _, p in modules[parent].named_parameters()]
         if sum(p.numel() for p in params) > _PROBE_ELEMENTS:
@@ -92,7 +92,7 @@ def probe(model: torch.nn.Module, load_weights, shapes: dict[str, tuple[int, ...
             for name in names:
                 try:
                     slots[name] = _probe_one(name, shapes[name], load_weights, params)
-                except NotFast as e:
+                except NoSlot as e:
                     slow[name] = str(e)
                 except Exception as e:  # noqa: BLE001 -- a loader that cannot take the probe: keep the loaders
                     slow[name] = f"the loader refused an index probe ({type(e).__name__}: {e})"
@@ -105,10 +105,10 @@ def probe(model: torch.nn.Module, load_weights, shapes: dict[str, tuple[int, ...
     return slots, slow
 
 
-def _probe_one(name: str, shape: tuple[int, ...], load_weights, params: list[torch.nn.Parameter]) -> Slot:
+def _probe_one(name: str, shape: tuple[int, ...], load_weights, params: list[torch.nn.Parameter]) -> ProbedSlot:
     rows, cols = _as_2d(torch.empty(shape, device="meta")).shape
     if max(rows, cols) >= 1 << 24:
-        raise NotFast("a dimension past float32's exact integers")
+        raise NoSlot("a dimension past float32's exact integers")
     seen = []
     for axis in (0, 1):
         for p in params:
@@ -119,28 +119,28 @@ def _probe_one(name: str, shape: tuple[int, ...], load_weights, params: list[tor
         load_weights([(name, src.reshape(shape))])
         written = [p for p in params if bool((p.data != -1.0).any())]
         if len(written) != 1:
-            raise NotFast(f"its loader wrote {len(written)} parameters")
+            raise NoSlot(f"its loader wrote {len(written)} parameters")
         seen.append((written[0], _as_2d(written[0].data).clone()))
     (param, at_rows), (param_b, at_cols) = seen
     if param_b is not param:
-        raise NotFast("its loader wrote different parameters per probe")
+        raise NoSlot("its loader wrote different parameters per probe")
     return _rectangle(at_rows, at_cols, param)
 
 
-def _rectangle(at_rows: torch.Tensor, at_cols: torch.Tensor, param) -> Slot:
-    """The one rectangle dst[r0:r1, c0:c1] <- src[s0:s0+n, t0:t0+m] the probes show, else NotFast."""
+def _rectangle(at_rows: torch.Tensor, at_cols: torch.Tensor, param) -> ProbedSlot:
+    """The one rectangle dst[r0:r1, c0:c1] <- src[s0:s0+n, t0:t0+m] the probes show, else NoSlot."""
     mask = at_rows != -1.0
     if not torch.equal(mask, at_cols != -1.0):
-        raise NotFast("its probes landed in different places")
+        raise NoSlot("its probes landed in different places")
     row_any, col_any = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
     r0, r1 = int(row_any[0]), int(row_any[-1]) + 1
     c0, c1 = int(col_any[0]), int(col_any[-1]) + 1
     if int(mask.sum()) != (r1 - r0) * (c1 - c0):
-        raise NotFast("its writes are not one rectangle")
+        raise NoSlot("its writes are not one rectangle")
     s0, t0 = int(at_rows[r0, c0]), int(at_cols[r0, c0])
     want_rows = torch.arange(s0, s0 + r1 - r0, dtype=torch.float32, device=at_rows.device)[:, None]
     want_cols = torch.arange(t0, t0 + c1 - c0, dtype=torch.float32, device=at_rows.device)[None, :]
     if not (torch.equal(at_rows[r0:r1, c0:c1], want_rows.expand(r1 - r0, c1 - c0))
             and torch.equal(at_cols[r0:r1, c0:c1], want_cols.expand(r1 - r0, c1 - c0))):
-        raise NotFast("its rows or columns are not copied in order")
-    return Slot(param, slice(r0, r1), slice(c0, c1), slice(s0, s0 + r1 - r0), slice(t0, t0 + c1 - c0))
+        raise NoSlot("its rows or columns are not copied in order")
+    return ProbedSlot(param, slice(r0, r1), slice(c0, c1), slice(s0, s0 + r1 - r0), slice(t0, t0 + c1 - c0))
