@@ -86,9 +86,8 @@ def probe(model: torch.nn.Module, load_weights, shapes: dict[str, tuple[int, ...
             continue
         saved = [p.data for p in params]
         try:
-            probes = [torch.empty(d.shape, dtype=torch.float32, device=d.device) for d in saved]
-            for p, probe_t in zip(params, probes):
-                p.data = probe_t
+            for p, d in zip(params, saved):
+                p.data = torch.empty(d.shape, dtype=torch.float32, device=d.device)
             for name in names:
                 try:
                     slots[name] = _probe_one(name, shapes[name], load_weights, params)
@@ -99,9 +98,8 @@ def probe(model: torch.nn.Module, load_weights, shapes: dict[str, tuple[int, ...
         finally:
             for p, d in zip(params, saved):
                 p.data = d
-            del probes
-    if slots and next(iter(slots.values())).param.data.is_cuda:
-        torch.cuda.empty_cache()  # SGLang sizes its KV pool from the free memory after this
+    if any(p.is_cuda for p in model.parameters()):
+        torch.cuda.empty_cache()  # the probes' memory: SGLang sizes its KV pool from the free memory after this
     return slots, slow
 
 
