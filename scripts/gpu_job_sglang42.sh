@@ -4,15 +4,15 @@
 #   1. the 7B async stream, int8 and int8 + FP8 KV in one run, with fa3, an empty FlashInfer JIT cache and the stall
 #      logs (passed on 2026-11-26's fifth job: no stall, first token after the continue 1.29x int8's; NO_STREAM=1
 #      skips it)
-#   2. the in-place FP8 KV GPU tests (triton and fa3) and the kept tokens' bound (in_place-int8's stale-KV effect +
-#      the FP8 cache's own floor), one pytest call per case with the stall logs (in one call they timed out on the
-#      fifth job)
+#   2. the in-place FP8 KV GPU tests and the kept tokens' bound (in_place-int8's stale-KV effect + the FP8 cache's
+#      own floor), one pytest call per attention backend (triton, fa3) with the stall logs (in one call they timed
+#      out on the fifth job)
 #   3. test_sglang.py's sync cases: FP8 KV (the calibration released at launch: scales bit-equal) and the in-place
 #      sync (int8, fp8 per channel, FP8 MoE)
 #   4. the same stream with triton (NO_TRITON=1 skips it)
+#   PART=inflight-triton|inflight-fa3|sync runs that part alone (one per GPU: the three side by side, NO_STREAM=1)
 #   bash scripts/gpu_job_sglang42.sh OUT   -> OUT/async_stream_sglang_{fa3,triton}_7b.{json,log,engine.log},
-#                                             OUT/gpu/sglang_inflight.json, OUT/sglang_inflight_kv_CASE.log,
-#                                             OUT/gpu/sglang.json, OUT/sglang_kv.log
+#                                             OUT/gpu-PART/{sglang_inflight,sglang}.json, OUT/sglang_PART.log
 set -uo pipefail
 O=${1:?usage: gpu_job_sglang42.sh OUT}
 cd "$(dirname "$0")/.." || exit 1
@@ -33,21 +33,25 @@ stream() {  # the 7B async stream on attention backend $1, int8 and int8 + FP8 K
 [ -n "${NO_STREAM:-}" ] || stream fa3
 T=tests/gpu/test_sglang_inflight.py::test_sglang_inflight_update
 B=tests/gpu/test_sglang_inflight.py::test_kept_fp8_entries_are_no_further_from_a_recompute_than_stale_kv_plus_the_fp8_floor
-# one pytest call per case, each with its own limit, its output streamed (-s) and the stall logs: on 2026-11-26
-# (fifth job) the five cases in one call hit its 900 s limit after in_place-int8 passed, with nothing written on
-# where the FP8 KV cases stood
-for case in "$T[in_place-int8+kv]" "$T[in_place-int8+kv@fa3]" "$B[in_place-int8+kv@fa3]" "$B[in_place-int8+kv]"; do
-  tag=$(echo "$case" | sed 's/.*\[//; s/\]//; s/[^A-Za-z0-9_+@-]/_/g')
-  PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/root/w/s42gpu FLASHRL_GPU_JOBS=2 \
-    FLASHRL_LOGGING_LEVEL=INFO FLASHRL_DEBUG_STACKS="$O/stacks-$tag" \
-    timeout 420 python3 -m pytest -s -rA -p no:cacheprovider "$case" > "$O/sglang_inflight_kv_$tag.log" 2>&1
-  echo "tests exit $?" >> "$O/sglang_inflight_kv_$tag.log"
-done
-# the batched calibration (scales = a fresh engine's), and the in-place sync (issue 45: syncs 2 and 3 of each case
-# copy through the slots the first one checked; int8, fp8 per channel, FP8 MoE's attention)
 S=tests/gpu/test_sglang.py::test_sglang_sync_equals_a_fresh_engine
-PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/root/w/s42gpu FLASHRL_GPU_JOBS=3 \
-  FLASHRL_LOGGING_LEVEL=INFO timeout 900 python3 -m pytest -rA -p no:cacheprovider "$S[dense-int8+kv]" \
-  "$S[dense-int8+kv@fa3]" "$S[dense-int8]" "$S[dense-fp8]" "$S[moe-fp8]" > "$O/sglang_kv.log" 2>&1
-echo "tests exit $?" >> "$O/sglang_kv.log"
+tests() {  # one pytest call: $1 tag, $2 jobs, the node ids; its own results and work directories, the stall logs
+  local tag=$1 jobs=$2; shift 2
+  PYTHONPATH=$SGL PYTHONUNBUFFERED=1 FLASHRL_GPU_RESULTS=$O/gpu-$tag FLASHRL_GPU_WORK=/root/w/s42-$tag \
+    FLASHRL_GPU_JOBS=$jobs FLASHRL_LOGGING_LEVEL=INFO FLASHRL_DEBUG_STACKS="$O/stacks-$tag" \
+    timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -s -rA -p no:cacheprovider "$@" > "$O/sglang_$tag.log" 2>&1
+  echo "tests exit $?" >> "$O/sglang_$tag.log"
+}
+# the in-place FP8 KV cases and the kept tokens' bound: the bound takes in_place-int8's stale-KV effect from the
+# same pytest call (the module's rows are the selected cases), so in_place-int8 runs beside each (on 2026-11-26's
+# fifth job the five cases in one call hit its 900 s limit after in_place-int8 passed, nothing written on where
+# the FP8 KV cases stood: one call per attention backend now, -s and the stall logs)
+# test_sglang.py's sync cases: FP8 KV (the calibration released at launch: scales bit-equal) and the in-place sync
+# (issue 45: pushes 2 and 3 copy through the slots the first one checked; int8, fp8 per channel, FP8 MoE)
+PART=${PART:-all}
+case $PART in inflight-triton|all)
+  tests inflight-triton 2 "$T[in_place-int8]" "$T[in_place-int8+kv]" "$B[in_place-int8+kv]";; esac
+case $PART in inflight-fa3|all)
+  tests inflight-fa3 2 "$T[in_place-int8]" "$T[in_place-int8+kv@fa3]" "$B[in_place-int8+kv@fa3]";; esac
+case $PART in sync|all)
+  tests sync 3 "$S[dense-int8+kv]" "$S[dense-int8+kv@fa3]" "$S[dense-int8]" "$S[dense-fp8]" "$S[moe-fp8]";; esac
 [ -n "${NO_TRITON:-}" ] || stream triton  # last: the least needed (it recaptures the decode graphs whenever the scales change)

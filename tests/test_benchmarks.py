@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -411,3 +412,16 @@ def test_async_stream_dumps_stacks_when_no_token_follows_a_resume(monkeypatch):
     vllm = subprocess.run([sys.executable, str(REPO / "benchmarks" / "async_stream.py"), "--no-overlap"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert vllm.returncode == 1 and "add --engine sglang" in vllm.stderr and "Traceback" not in vllm.stderr
+
+
+def test_small_m_gemm_layers_and_its_refusal_without_a_gpu():
+    """benchmarks/small_m_gemm.py: one decoder layer's linears (qkv with Qwen2.5's bias), a clear exit on CPU."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import small_m_gemm
+
+    assert small_m_gemm.layers("7b") == [("qkv", 4608, 3584, True), ("o", 3584, 3584, False),
+                                         ("gate_up", 37888, 3584, False), ("down", 3584, 18944, False)]
+    assert small_m_gemm.layers("qwen3-8b")[0] == ("qkv", 6144, 4096, False)
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "small_m_gemm.py"), "--shapes", "7b"],
+                         capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr

@@ -43,3 +43,80 @@ def test_off_switch_and_cpu_fallback(monkeypatch):
     monkeypatch.setenv("FLASHRL_TRITON", "0")
     if torch.cuda.is_available():
         assert not int8_triton.available(torch.zeros(2, 2, dtype=torch.bfloat16, device="cuda"))
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+@pytest.mark.parametrize("n,k,bias", [(4608, 3584, True), (3584, 18944, False), (37888, 3584, False), (100, 272, True)])
+def test_w8a8_few_rows_bit_identical_to_cutlass(rows, n, k, bias):
+    """Issue 45's decode-shaped W8A8 GEMM equals vLLM's CUTLASS kernel bit for bit (per-token and per-tensor
+    activation scales, per-channel and per-tensor weight scales, with and without a bias)."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from flashrl_tools.quant.kernels import w8a8_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = (torch.randn((n, k), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    w_s = w.float().abs().amax(dim=1, keepdim=True) / 127.0
+    b = (w.float() / w_s).round().clamp(-128, 127).to(torch.int8).t()
+    x = torch.randn((rows, k), generator=g, device="cuda").to(torch.bfloat16)
+    x_q, x_s, _ = ops.scaled_int8_quant(x)
+    bias_t = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16) if bias else None
+    assert w8a8_gemm.served(x_q, b, torch.bfloat16)
+    for sa, sb in ((x_s, w_s), (x_s[:1, :1].contiguous(), w_s[:1].reshape(1))):
+        ref = ops.cutlass_scaled_mm(x_q, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, bias=bias_t)
+        assert torch.equal(w8a8_gemm.w8a8_mm(x_q, b, sa, sb, torch.bfloat16, bias_t), ref)
+
+
+def test_w8a8_few_rows_takes_only_its_shapes():
+    from flashrl_tools.quant.kernels import w8a8_gemm
+
+    a, b = torch.zeros(4, 32, dtype=torch.int8), torch.zeros(16, 32, dtype=torch.int8).t()
+    assert not w8a8_gemm.served(a, b, torch.bfloat16)  # CPU tensors: the caller's kernel
+    assert w8a8_gemm.default_config(3, 4608, 3584)["BLOCK_M"] == 16
+    assert w8a8_gemm.default_config(33, 37888, 3584) == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256,
+                                                         "num_warps": 4, "num_stages": 4}
+
+
+def test_decode_gemm_hook_keeps_vllms_path_unless_switched_on_for_cuda_dynamic_int8(monkeypatch):
+    from flashrl_tools.runtime.vllm import decode_gemm
+
+    class Kernel:
+        def __init__(self, i_s=None, azp_adj=None):
+            self.params = (torch.zeros(8, 4, dtype=torch.int8), torch.ones(4, 1), i_s, None, azp_adj)
+
+        def _get_layer_params(self, layer):
+            return self.params
+
+    calls = []
+
+    def original(kernel, layer, x, bias=None):
+        calls.append(x.shape)
+        return "vllm"
+
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(decode_gemm, "max_rows", 0)
+    assert decode_gemm.apply_weights(original, Kernel(), None, x) == "vllm"
+    monkeypatch.setattr(decode_gemm, "max_rows", 64)
+    assert decode_gemm.apply_weights(original, Kernel(), None, x) == "vllm"  # CPU activations
+    for kernel in (Kernel(i_s=torch.ones(1)), Kernel(azp_adj=torch.ones(1, 4))):  # static / asymmetric scales
+        assert decode_gemm.apply_weights(original, kernel, None, x) == "vllm"
+    assert len(calls) == 4
+    # torch.compile sees the op through its fake: the output's shape and dtype, nothing run
+    w = torch.empty(8, 4, dtype=torch.int8, device="meta")
+    out = torch.ops.flashrl.int8_linear(torch.empty(3, 2, 8, dtype=torch.bfloat16, device="meta"), w,
+                                        torch.empty(4, 1, device="meta"), None)
+    assert out.shape == (3, 2, 4) and out.dtype == torch.bfloat16
+
+
+def test_decode_gemm_rows_are_read_and_checked_at_start():
+    from flashrl_tools.config.settings import Settings
+
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.core.adapter import check_settings
+    from flashrl_tools.runtime.vllm.capabilities import GPU
+
+    assert [Settings.read({"FLASHRL_DECODE_GEMM": v}).decode_gemm for v in ("", "off", "on", "16")] == ["0", "0", "64", "16"]
+    check_settings(GPU, Settings.read({"FLASHRL_DECODE_GEMM": "16"}), "env")
+    for bad in ("65", "-1", "fast"):
+        with pytest.raises(FlashRLError, match="FLASHRL_DECODE_GEMM"):
+            check_settings(GPU, Settings.read({"FLASHRL_DECODE_GEMM": bad}), "env")

@@ -24,6 +24,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_SYNC_TIMING": ("sync_timing", "0"),
     "FLASHRL_DEBUG_STACKS": ("debug_stacks", ""),
     "FLASHRL_TRITON": ("triton", "1"),
+    "FLASHRL_DECODE_GEMM": ("decode_gemm", "0"),
     "FLASHRL_ALLOW_LEGACY_PICKLE": ("allow_legacy_pickle", "0"),
     "FLASHRL_ENGINE_ARGS": ("engine_args", ""),
 }
@@ -49,6 +50,7 @@ class Settings:
     sync_timing: bool
     debug_stacks: str  # a directory: each engine process prints every thread's Python stack on SIGUSR1, its PID there
     triton: bool  # the fused Triton INT8 quantizer on CUDA
+    decode_gemm: str  # "N": vLLM's INT8 linears at <= N rows (1..64) through flashrl's Triton GEMM; "0" off (issue 45)
     allow_legacy_pickle: bool
     engine_args: str  # JSON: extra engine arguments (vllm.LLM / sglang.Engine) for the engines `verify` starts
 
@@ -60,6 +62,9 @@ class Settings:
         inplace = raw["inplace_sync"].lower()
         values["inplace_sync"] = {"": "1", "true": "1", "yes": "1", "on": "1", "false": "0", "no": "0",
                                   "off": "0"}.get(inplace, inplace)
+        gemm = raw["decode_gemm"].lower()
+        values["decode_gemm"] = {"": "0", "false": "0", "no": "0", "off": "0", "true": "64", "yes": "64",
+                                 "on": "64"}.get(gemm, gemm)
         values["logging_level"] = raw["logging_level"].upper()
         values["home"] = Path(raw["home"] or Path.home() / ".cache" / "flashrl").expanduser()
         return cls(**values)

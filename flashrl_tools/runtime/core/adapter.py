@@ -87,6 +87,7 @@ class Capabilities:
 
 
 INPLACE_VALUES = ("1", "0", "tp")
+DECODE_GEMM_MAX = 64  # quant/kernels/w8a8_gemm.MAX_ROWS (the core imports no kernel)
 
 # FLASHRL_* variables whose effect is the same on every engine (read by the config, the quantizer, the
 # core's session); an adapter adds how it honours the engine-specific ones.
@@ -111,6 +112,9 @@ def check_settings(caps: Capabilities, s: Settings, source: str) -> None:
     if s.inplace_sync not in INPLACE_VALUES:
         raise FlashRLError(f"invalid FLASHRL_INPLACE_SYNC={s.inplace_sync!r}", source,
                            f"allowed: {' | '.join(INPLACE_VALUES)} (or 0 / false / off), or unset")
+    if not (s.decode_gemm.isdigit() and int(s.decode_gemm) <= DECODE_GEMM_MAX):
+        raise FlashRLError(f"invalid FLASHRL_DECODE_GEMM={s.decode_gemm!r}", source,
+                           f"allowed: a row count 1..{DECODE_GEMM_MAX} (on: {DECODE_GEMM_MAX}), 0 / off, or unset")
     for var, (attr, _default) in VARIABLES.items():
         setting = caps.settings.get(var)
         value = str(getattr(s, attr))

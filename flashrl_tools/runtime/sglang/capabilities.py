@@ -15,6 +15,8 @@ _SETTINGS = {
                                     "(learned by probing the loaders at start, checked against them over the "
                                     "first sync; TP ranks included); 0: SGLang's own loaders for every tensor",
                                     ("1", "0")),
+    "FLASHRL_DECODE_GEMM": Setting("no effect: SGLang's INT8 linears run sgl-kernel's GEMM at every batch size "
+                                   "(the switch is vLLM's)"),
     "FLASHRL_SYNC_DIGEST": Setting("each scheduler (TP rank) writes its weight digest after every complete sync"),
     "FLASHRL_ENGINE_ARGS": Setting("extra sglang.Engine arguments for the engines `flashrl verify --engine sglang` "
                                    "starts"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
-from flashrl_tools.runtime.vllm import async_front, engine_args, fixes, pause, requests, sleep, weight_sync
+from flashrl_tools.runtime.vllm import async_front, decode_gemm, engine_args, fixes, pause, requests, sleep, weight_sync
 
 _V1 = "vllm.v1.worker.worker_base.WorkerBase"
 _ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
@@ -51,6 +51,9 @@ HOOKS: tuple[Hook, ...] = (
            f"{kind.capitalize()}MoEMethod.process_weights_after_loading", fixes.keep_captured_moe_kernel,
            HookKind.BEFORE, "worker", "quantized MoE layers keep their start-up kernel (CUDA graphs read its "
            "buffers)", optional=True) for kind in ("fp8", "int8")),
+    Hook("decode_gemm", "vllm.model_executor.kernels.linear.scaled_mm.cutlass.CutlassInt8ScaledMMLinearKernel."
+         "apply_weights", decode_gemm.apply_weights, HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_GEMM=N: INT8 "
+         "W8A8 linears at <= N rows through flashrl's Triton GEMM (bit-equal to CUTLASS)", optional=True),
     Hook("sleep", "vllm.v1.worker.gpu_worker.Worker.sleep", sleep.sleep, HookKind.AROUND, "worker (GPU)",
          "before level 2 keep what the wake does not restore; after it refuse until a full sync", optional=True),
     Hook("wake_up", "vllm.v1.worker.gpu_worker.Worker.wake_up", sleep.wake_up, HookKind.AFTER, "worker (GPU)",
@@ -60,8 +63,10 @@ HOOKS: tuple[Hook, ...] = (
 
 def install(rc: RuntimeConfig) -> None:
     """Install every hook of `HOOKS` in this process (once), serving `rc`."""
+    from flashrl_tools.config.settings import settings
     from flashrl_tools.runtime.core import process
     from flashrl_tools.runtime.core.hooks import install as install_hooks
 
     process.serve(rc)
+    decode_gemm.max_rows = int(settings().decode_gemm)  # validated by the plan (core/adapter.check_settings)
     install_hooks(HOOKS)
