@@ -1,7 +1,7 @@
 """Issue 45's few-rows INT8 GEMM inside vLLM (FLASHRL_DECODE_GEMM=64, runtime/vllm/decode_gemm.py), HF-initialised
 random Qwen2, one process per engine (tests/probes/sync_probe.py), eager and compiled (CUDA graphs; vLLM's
 asynchronous scheduling at its default, on): with the switch on, an engine synced to the perturbed weights
-equals a fresh engine on them with the switch off (CUTLASS for every batch), greedy tokens and logprobs 0.0;
+equals a fresh vLLM engine on their INT8 checkpoint (CUTLASS for every batch), greedy tokens and logprobs 0.0;
 the engine's log says the Triton path ran."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def run_case(case: str, work) -> dict:
     orig, pert = h.model_pair(work, "qwen2")
     ekw = {**h.VLLM_ENGINE, "enforce_eager": case == "eager"}
     env = {"FLASHRL_CONFIG": "int8"}
-    fresh = h.run_probe("sync_probe", work, f"dg-{case}-fresh", {**env, "FLASHRL_DECODE_GEMM": "0"},
+    fresh = h.run_probe("sync_probe", work, f"dg-{case}-fresh", {},  # vLLM alone on the INT8 checkpoint: CUTLASS
                         {"model": str(h.quantized(pert, "int8", work)), "engine_kwargs": ekw})
     synced = h.run_probe("sync_probe", work, f"dg-{case}-synced", {**env, "FLASHRL_DECODE_GEMM": "64"},
                          {"model": str(orig), "push": [str(pert)], "push_device": "cuda", "engine_kwargs": ekw})
