@@ -76,6 +76,7 @@ def test_w8a8_few_rows_takes_only_its_shapes():
     assert w8a8_gemm.default_config(33, 37888, 3584) == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128,
                                                          "num_warps": 4, "num_stages": 3}
     assert w8a8_gemm.default_config(4, 3584, 18944)["num_stages"] == 5
+    assert w8a8_gemm.default_config(64, 3584, 18944)["num_stages"] == 4  # 5 stages of 64 + 32 rows: 240 KiB
 
 
 def test_decode_gemm_hook_keeps_vllms_path_unless_switched_on_for_cuda_dynamic_int8(monkeypatch):
