@@ -778,3 +778,43 @@ def test_concurrent_sglang_engines_get_torch_distributed_ports_of_their_own():
         held.bind(("127.0.0.1", a))
         held.listen()
         assert own_nccl_port(pid=1234) == a + 1  # the next one of its range
+
+
+def test_a_calibration_request_sglang_drops_from_its_queue_does_not_hold_the_next_ones():
+    """SGLang's abort of a queued request pops it from the waiting queue without finishing it (the front end aborts a
+    failed calibration batch's other sequences). As the request in progress it would hold every later calibration
+    sequence queued for good: the rollout after a continue mid-sync waited with the scheduler idle (issue 42,
+    2026-11-27, H200). A dropped request counts as done; one still queued, or being prefilled in chunks, does not."""
+    from flashrl_tools.runtime.core.kv_state import calibration_rid
+
+    sched = SimpleNamespace(waiting_queue=[], chunked_req=None)
+
+    def original(s, req, *args, **kwargs):
+        s.waiting_queue.append(req)
+
+    def add(req, *args, **kwargs):
+        return scheduler.one_calibration_per_batch(original, sched, req, *args, **kwargs)
+    sched._add_request_to_queue = add
+
+    def req(rid):
+        r = SimpleNamespace(rid=rid, aborted=None)
+        r.finished = lambda: r.aborted is not None
+        r.set_finish_with_abort = lambda why: setattr(r, "aborted", why)
+        return r
+    t = [req(calibration_rid("t", i)) for i in range(3)]
+    for r in t:
+        add(r)
+    assert sched.waiting_queue == [t[0]]
+    scheduler.next_calibration(SimpleNamespace(batch_to_run=None), sched)  # t0 still queued: nothing moves
+    assert sched.waiting_queue == [t[0]]
+    sched.chunked_req = t[0]  # prefilled in chunks (out of the queue, not finished): still in progress
+    sched.waiting_queue.clear()
+    scheduler.next_calibration(SimpleNamespace(batch_to_run=None), sched)
+    assert sched.waiting_queue == []
+    sched.chunked_req = None  # SGLang's abort popped it, unfinished: the next sequence goes on
+    scheduler.next_calibration(SimpleNamespace(batch_to_run=None), sched)
+    assert sched.waiting_queue == [t[1]] and not t[0].finished()
+    sched.waiting_queue.clear()  # t1 dropped too; a new calibration's first sequence is not held behind it
+    u = req(calibration_rid("u", 0))
+    add(u)
+    assert t[2].aborted and sched.waiting_queue[-1] is u and getattr(sched, scheduler.CALIBRATING) is u

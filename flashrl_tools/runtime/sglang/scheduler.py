@@ -88,7 +88,7 @@ def one_calibration_per_batch(original, scheduler, req, *args, **kwargs):
             r.set_finish_with_abort("flashrl: FP8 KV calibration superseded")
             original(scheduler, r)
     current = getattr(scheduler, CALIBRATING, None)
-    if sequence and current is not None and not current.finished():
+    if sequence and current is not None and not current.finished() and not _dropped(scheduler, current):
         queued.append(req)
         return None
     setattr(scheduler, CALIBRATING, req if sequence else None)
@@ -107,13 +107,27 @@ def next_calibration(result, scheduler, *args, **kwargs):
     batch = getattr(result, "batch_to_run", None)
     launched = batch is not None and any(r is current for r in batch.reqs) and getattr(scheduler, "chunked_req",
                                                                                           None) is not current
-    if not launched and not current.finished():
+    if not launched and not current.finished() and not _dropped(scheduler, current):
         return None
     setattr(scheduler, CALIBRATING, None)
     queued = getattr(scheduler, QUEUED, None)
     if queued:
         scheduler._add_request_to_queue(queued.pop(0))  # through the hooks: admission, then this one's turn
     return None
+
+
+def _dropped(scheduler, req) -> bool:
+    """A calibration request SGLang let go of without finishing it: its abort of a queued request pops it from the
+    waiting queue and marks nothing (`Scheduler.abort_request`, "abort method 1") -- what the front end's abort of a
+    failed calibration batch's other sequences does. Held as the request in progress it would keep every later
+    calibration's sequences queued for good (issue 42, 2026-11-27: after a continue while the weights were
+    incomplete, the next rollout's calibration waited with the scheduler idle)."""
+    queue = getattr(scheduler, "waiting_queue", None)
+    if queue is None or req.finished() or any(r is req for r in queue) or getattr(scheduler, "chunked_req", None) is req:
+        return False
+    log.info("flashrl: FP8 KV calibration request %s left SGLang's queue unfinished (aborted); the next one goes on",
+             req.rid)
+    return True
 
 
 def _truncates(req) -> bool:
