@@ -22,7 +22,7 @@ from flashrl_tools.quant.kernels import w8a8_gemm
 log = logging.getLogger("flashrl_tools.runtime")
 max_rows = 0  # FLASHRL_DECODE_GEMM, set by the adapter's install (0: off; read while torch.compile traces)
 _used: set[int] = set()  # non-empty once the Triton path ran (logged once)
-_warmed: set[tuple] = set()  # the operand kinds whose tile variants are compiled
+_warmed: set[tuple] = set()  # the operand kinds and layer shapes whose tile variants are compiled
 
 
 @torch.library.custom_op("flashrl::int8_linear", mutates_args=())
@@ -31,7 +31,7 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: tor
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     x_q, x_s, _ = ops.scaled_int8_quant(x2, None, None, symmetric=True)
-    kind = (bias is None, w_s.numel() > 1, x.dtype)
+    kind = (bias is None, w_s.numel() > 1, x.dtype, tuple(w_q.shape))  # the tiles depend on the layer's shape
     if max_rows and kind not in _warmed and x_q.is_cuda and not torch.cuda.is_current_stream_capturing():
         w8a8_gemm.warm(x_q, w_q, x_s, w_s, x.dtype, bias, max_rows)  # before a graph captures it (vLLM's profile run)
         _warmed.add(kind)
