@@ -35,6 +35,13 @@ def _flag(value: str) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _switch(value: str, on: str, unset: str) -> str:
+    """A variable that takes a value or a switch word: true / yes / on -> `on`, false / no / off -> "0",
+    empty -> `unset`; anything else as written (checked where it is used)."""
+    v = value.lower()
+    return unset if v == "" else on if v in ("true", "yes", "on") else "0" if v in ("false", "no", "off") else v
+
+
 @dataclass(frozen=True)
 class Settings:
     config: str  # bf16 | fp8 | int8 | a YAML path | a Hub reference; "" leaves vLLM untouched
@@ -59,12 +66,8 @@ class Settings:
         raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
         flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle"}
         values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
-        inplace = raw["inplace_sync"].lower()
-        values["inplace_sync"] = {"": "1", "true": "1", "yes": "1", "on": "1", "false": "0", "no": "0",
-                                  "off": "0"}.get(inplace, inplace)
-        gemm = raw["decode_gemm"].lower()
-        values["decode_gemm"] = {"": "0", "false": "0", "no": "0", "off": "0", "true": "64", "yes": "64",
-                                 "on": "64"}.get(gemm, gemm)
+        values["inplace_sync"] = _switch(raw["inplace_sync"], on="1", unset="1")
+        values["decode_gemm"] = _switch(raw["decode_gemm"], on="64", unset="0")  # w8a8_gemm.MAX_ROWS rows
         values["logging_level"] = raw["logging_level"].upper()
         values["home"] = Path(raw["home"] or Path.home() / ".cache" / "flashrl").expanduser()
         return cls(**values)

@@ -22,6 +22,7 @@ from enum import Enum
 from flashrl_tools.config.settings import VARIABLES, Settings
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.quant.formats import QuantFn
+from flashrl_tools.quant.kernels.w8a8_gemm import MAX_ROWS as DECODE_GEMM_MAX
 
 
 class HookKind(str, Enum):
@@ -87,7 +88,6 @@ class Capabilities:
 
 
 INPLACE_VALUES = ("1", "0", "tp")
-DECODE_GEMM_MAX = 64  # quant/kernels/w8a8_gemm.MAX_ROWS (the core imports no kernel)
 
 # FLASHRL_* variables whose effect is the same on every engine (read by the config, the quantizer, the
 # core's session); an adapter adds how it honours the engine-specific ones.
