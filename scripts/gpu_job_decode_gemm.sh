@@ -8,6 +8,8 @@
 #   4. ROWS = the largest row count up to which the Triton GEMM is no slower than CUTLASS over a SHAPE layer (step 2),
 #      then the RL-step rows at SHAPE, each its own process, on this GPU: int8 + FP8 KV with FLASHRL_DECODE_GEMM=ROWS,
 #      the same with CUTLASS, then BF16 (the A/B first: a session that ends early keeps it)
+#   ROWS=N skips steps 2 and the row pick (N from an earlier sweep); NO_KERNEL_TESTS=1 skips step 1; REPEAT=1 runs
+#   the int8 + FP8 KV pair a second time after BF16 (in the other order: the run-to-run spread beside the A/B)
 #   SHAPE=14b bash scripts/gpu_job_decode_gemm.sh OUT -> OUT/{kernels,small_m_gemm_SHAPE,decode_gemm_tests}.log,
 #        OUT/small_m_gemm_SHAPE.json, OUT/gpu/vllm_decode_gemm.json, OUT/rl_step_SHAPE_{decode_gemm,cutlass,bf16}.json
 set -uo pipefail
@@ -17,17 +19,21 @@ cd "$(dirname "$0")/.." || exit 1
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES%%,*} PYTHONUNBUFFERED=1
 mkdir -p "$O"
 source scripts/gpu_env.sh
-timeout 600 python3 -m pytest -rA -p no:cacheprovider tests/test_kernels.py > "$O/kernels_$SHAPE.log" 2>&1
-echo "tests exit $?" >> "$O/kernels_$SHAPE.log"
-timeout 900 python3 benchmarks/small_m_gemm.py --shapes "$SHAPE" --rows 1,2,4,8,16,24,32 \
-  --json "$O/small_m_gemm_$SHAPE.json" > "$O/small_m_gemm_$SHAPE.log" 2>&1
-echo "exit $?" >> "$O/small_m_gemm_$SHAPE.log"
+if [ -z "${NO_KERNEL_TESTS:-}" ]; then
+  timeout 600 python3 -m pytest -rA -p no:cacheprovider tests/test_kernels.py > "$O/kernels_$SHAPE.log" 2>&1
+  echo "tests exit $?" >> "$O/kernels_$SHAPE.log"
+fi
+if [ -z "${ROWS:-}" ]; then
+  timeout 900 python3 benchmarks/small_m_gemm.py --shapes "$SHAPE" --rows 1,2,4,8,16,24,32 \
+    --json "$O/small_m_gemm_$SHAPE.json" > "$O/small_m_gemm_$SHAPE.log" 2>&1
+  echo "exit $?" >> "$O/small_m_gemm_$SHAPE.log"
+fi
 if [ -z "${NO_ENGINE_TEST:-}" ]; then
   FLASHRL_GPU_RESULTS=$O/gpu FLASHRL_GPU_WORK=/root/w/dg-$SHAPE FLASHRL_GPU_JOBS=2 FLASHRL_LOGGING_LEVEL=INFO \
     timeout 900 python3 -m pytest -rA -p no:cacheprovider tests/gpu/test_vllm_decode_gemm.py > "$O/decode_gemm_tests.log" 2>&1
   echo "tests exit $?" >> "$O/decode_gemm_tests.log"
 fi
-ROWS=$(python3 - "$O/small_m_gemm_$SHAPE.json" <<'PY'
+[ -n "${ROWS:-}" ] || ROWS=$(python3 - "$O/small_m_gemm_$SHAPE.json" <<'PY'
 import json, sys
 try:
     s = [r for r in json.load(open(sys.argv[1]))["summary"] if r["bit_identical"]]
@@ -51,3 +57,7 @@ rl() {  # rl NAME ARGS...: one rl_step.py row -> $O/NAME.json, .log (the goal ro
 FLASHRL_DECODE_GEMM=$ROWS rl "rl_step_${SHAPE}_decode_gemm" --configs int8+kv
 FLASHRL_DECODE_GEMM=0 rl "rl_step_${SHAPE}_cutlass" --configs int8+kv
 rl "rl_step_${SHAPE}_bf16" --configs bf16
+if [ -n "${REPEAT:-}" ]; then
+  FLASHRL_DECODE_GEMM=0 rl "rl_step_${SHAPE}_cutlass_2" --configs int8+kv
+  FLASHRL_DECODE_GEMM=$ROWS rl "rl_step_${SHAPE}_decode_gemm_2" --configs int8+kv
+fi
