@@ -240,7 +240,7 @@ def print_table(rows: list[dict], header: str) -> None:
     print(f"\n{header}")
     print(f"{'shape':8} {'config':9} {'rollout s':>9} {'sync s':>8} {'step s':>8} {'step/bf16':>9} {'sync/bf16':>9} "
           f"{'reload s':>8} {'1st sync':>8} {'tok/s':>9} {'KV tokens':>10} {'KV/bf16':>7} {'peak GiB':>8} {'preempt':>7} "
-          f"{'of 2.0x':>7} {'async sch':>9}")
+          f"{'of 2.0x':>7} {'async sch':>9} {'core proc':>9}")
 
     def ratio(value) -> str:  # "-" where this run had no bf16 row of the shape
         return f"{value:.2f}x" if value else "-"
@@ -260,7 +260,7 @@ def print_table(rows: list[dict], header: str) -> None:
               f"{f(r['sync_layerwise_s'], '8.3f'):>8} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} "
               f"{r['kv_cache_tokens']:10d} {ratio(r.get('kv_vs_bf16')):>7} {peak:>8} {preempt:>7} "
               f"{bound:>7} "
-              f"{str(r.get('async_scheduling', '-')):>9}")
+              f"{str(r.get('async_scheduling', '-')):>9} {str(r.get('engine_core_process', '-')):>9}")
 
 
 def main() -> None:

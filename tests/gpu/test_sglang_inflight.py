@@ -175,7 +175,7 @@ def verdict(mode: str, got: dict, fresh: dict) -> dict:
 def rows(request, gpu_work, gpu_jobs) -> dict:
     sys.path.insert(0, str(h.PROBES))
     return h.module_rows(request, CASES, run_case, gpu_work, min(gpu_jobs, 4), "sglang_inflight",
-                         engines="CUDA graphs, triton attention, radix cache on")
+                         engines="CUDA graphs, triton attention (fa3 in the @fa3 cases), radix cache on")
 
 
 @pytest.mark.parametrize("case", CASES)
