@@ -105,7 +105,8 @@ def worker(spec: dict) -> dict:
     llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=max(spec["prompt_lens"]) + spec["max_len"] + 8,
               gpu_memory_utilization=spec["gpu_memory_utilization"], enforce_eager=not gpu, seed=0,
-              enable_prefix_caching=True, disable_log_stats=not spec.get("stats", False))
+              enable_prefix_caching=True, disable_log_stats=not spec.get("stats", False),
+              **({"attention_backend": spec["attention_backend"]} if spec.get("attention_backend") else {}))
     start_s = time.perf_counter() - t0
     cache = llm.llm_engine.vllm_config.cache_config
     kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
@@ -285,7 +286,9 @@ def main() -> None:
                     help="no per-request sampling seed (verl and TRL set none; the default seeds every request)")
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                     help="sglang (GPU, SGLang 0.5.17): its offline Engine, the sync as flattened BF16 buckets")
-    ap.add_argument("--attention-backend", default="triton", help="SGLang's attention backend (--engine sglang)")
+    ap.add_argument("--attention-backend",
+                    help="the engine's attention backend (vLLM: FLASH_ATTN, FLASHINFER, ...; default its own choice; "
+                         "SGLang: triton unless set)")
     output_args(ap)
     a = ap.parse_args()
     import torch

@@ -133,7 +133,8 @@ def worker(spec: dict) -> dict:
     llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["tokens"] + 8, enforce_eager=not gpu,
               gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0,
-              enable_prefix_caching=bool(spec.get("cached_prompts")), **profiler)
+              enable_prefix_caching=bool(spec.get("cached_prompts")), **profiler,
+              **({"attention_backend": spec["attention_backend"]} if spec.get("attention_backend") else {}))
     rows = {}
     for phase in ("bulk", "tail"):
         n = spec[phase]
@@ -188,6 +189,7 @@ def main() -> None:
                     help="also time each phase without the profiler (a second process per config): plain, gap")
     ap.add_argument("--cached-prompts", action="store_true",
                     help="prefix caching on: the prompts' KV cached by each phase's warm-up, the timed steps decode only")
+    ap.add_argument("--attention-backend", help="vLLM's attention backend (FLASH_ATTN, FLASHINFER, ...; default its own)")
     output_args(ap)
     a = ap.parse_args()
     import torch
@@ -203,7 +205,8 @@ def main() -> None:
                 continue
             spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util,
                     "trace_dir": tempfile.mkdtemp(prefix="flashrl-trace-"),
-                    "cached_prompts": a.cached_prompts, **{k: opts[k] for k in ("bulk", "tail", "tokens", "prompt_len")}}
+                    "cached_prompts": a.cached_prompts, "attention_backend": a.attention_backend,
+                    **{k: opts[k] for k in ("bulk", "tail", "tokens", "prompt_len")}}
             row = {"shape": shape, "config": config,
                    **run_worker(__file__, spec, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})}  # traced in-process
             if a.plain and "error" not in row:
