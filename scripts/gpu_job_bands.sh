@@ -2,8 +2,9 @@
 # Issue 45, after 2026-11-27 (neither the FP8 KV cache nor FlashInfer attention moved the RL step; a faster
 # few-rows INT8 GEMM did not show inside the 2 % spread between repeats): where the step's time goes by how many
 # requests are still running -- `rl_step.py --step-bands` -- and one more 8-bit format in the step: fp8_channel
-# (FP8 weights per channel, FP8 activations per token: the format vLLM's RMSNorm + quant fusion takes; INT8's
-# activation quantization is a kernel of its own). On a 4-GPU host, after scripts/gpu_install.sh:
+# (FP8 weights per channel, FP8 activations per token: a key vLLM's RMSNorm + quant fusion pass has patterns for,
+# whether 0.26 applies it by default unchecked; INT8's activation quantization is a kernel of its own, +0.26 /
+# +0.45 ms per tail step at 7B / 14B). On a 4-GPU host, after scripts/gpu_install.sh:
 #   GPU 0 / 1  7B / 14B: bf16, int8+kv, int8               (each config its own process)
 #   GPU 2 / 3  7B / 14B: bf16, int8+kv, fp8_channel+kv     (bf16 and int8+kv again: the spread)
 #   setsid nohup bash scripts/gpu_job_bands.sh RES > RES/job.out 2>&1 < /dev/null &
