@@ -102,7 +102,7 @@ def vllm_settings(llm) -> dict:
     config = llm.llm_engine.vllm_config
     return {"async_scheduling": bool(config.scheduler_config.async_scheduling),
             "engine_core_process": type(llm.llm_engine.engine_core).__name__ != "InprocClient",
-            "enforce_eager": bool(config.model_config.enforce_eager), "decode_gemm_rows": int(settings().decode_gemm),
+            "enforce_eager": bool(config.model_config.enforce_eager), "decode_gemm": settings().decode_gemm,
             **llm.collective_rpc(attention_settings)[0]}
 
 

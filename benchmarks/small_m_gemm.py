@@ -3,10 +3,9 @@
 For each model shape (benchmarks/shapes.py) and linear layer (qkv with Qwen2.5's bias, o, gate_up, down) and
 each row count (the sequences of a decode step), times under a CUDA graph: the BF16 GEMM (`F.linear`, what a
 BF16 engine runs), vLLM's `cutlass_scaled_mm` on INT8 operands, `flashrl_tools.quant.kernels.w8a8_gemm` on the
-same operands, vLLM's per-token activation quantization (`scaled_int8_quant`, the INT8 path's other cost),
-and the Triton kernel taking the BF16 activations (that quantization inside the GEMM: "fused", what
-FLASHRL_DECODE_GEMM runs); checks both Triton outputs bit for bit against CUTLASS's. Prints a table (per
-shape: the sums over one layer, the weight-read bandwidth) and writes JSON. `--sweep 4,16` times every tile
+same operands, and vLLM's per-token activation quantization (`scaled_int8_quant`, the INT8 path's other cost);
+checks the Triton output bit for bit against CUTLASS's. Prints a table (per shape: the sums over one layer,
+the weight-read bandwidth) and writes JSON. `--sweep 4,16` times every tile
 configuration at those row counts and reports the best.
 
     python benchmarks/small_m_gemm.py --shapes 7b,14b --rows 1,4,8,16,32,64 --sweep 4,16 --json small_m_gemm.json
@@ -68,16 +67,10 @@ def measure(ops, w, w_s, b, bias, m: int, sweep: bool) -> dict:
             continue
         if t < t_best:
             best, t_best = cfg, t
-    fused_cfg = w8a8_gemm.default_config(m, *w.shape, a_bytes=2)
-
-    def fused():
-        return w8a8_gemm.w8a8_mm(x, b, None, w_s, torch.bfloat16, bias, fused_cfg)
-
     return {"bf16_us": bench(lambda: F.linear(x, w, bias)),
             "cutlass_us": bench(lambda: ops.cutlass_scaled_mm(x_q, b, scale_a=x_s, scale_b=w_s,
                                                               out_dtype=torch.bfloat16, bias=bias)),
             "triton_us": t_best, "triton_default_us": t_default, "quant_us": bench(lambda: ops.scaled_int8_quant(x)),
-            "fused_us": bench(fused), "fused_bit_identical": torch.equal(fused(), ref),
             "bit_identical": torch.equal(triton_mm(best), ref) and torch.equal(triton_mm(default), ref),
             "config": best}
 
@@ -110,33 +103,30 @@ def main() -> None:
                 rows.append({"shape": shape, "layer": name, "n": n, "k": k, "bias": has_bias, "rows": m, **row})
                 print(f"{shape} {name} M={m}: bf16 {row['bf16_us']:.1f} us, cutlass {row['cutlass_us']:.1f}, triton "
                       f"{row['triton_us']:.1f} (default {row['triton_default_us']:.1f}), quant {row['quant_us']:.1f}, "
-                      f"fused {row['fused_us']:.1f}, equal {row['bit_identical']} / {row['fused_bit_identical']}", flush=True)
+                      f"equal {row['bit_identical']}", flush=True)
             del w, w_s, b, bias
             torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name()
     print(f"\nOne decoder layer's linears, us per decode step, CUDA graphs ({dev}); INT8 = vLLM's per-token quant + GEMM")
-    print("| shape | rows | BF16 | CUTLASS | Triton | quant | fused | INT8 CUTLASS / BF16 | INT8 Triton / BF16 "
-          "| fused / BF16 | bit-identical |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape | rows | BF16 | CUTLASS | Triton | quant | INT8 CUTLASS / BF16 | INT8 Triton / BF16 | bit-identical |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     summary = []
     for shape in args.shapes.split(","):
         for m in rows_list:
             sel = [r for r in rows if r["shape"] == shape and r["rows"] == m]
-            tot = {key: sum(r[key] for r in sel) for key in ("bf16_us", "cutlass_us", "triton_us", "quant_us", "fused_us")}
+            tot = {key: sum(r[key] for r in sel) for key in ("bf16_us", "cutlass_us", "triton_us", "quant_us")}
             w_bytes = sum(r["n"] * r["k"] for r in sel)
             s = {"shape": shape, "rows": m, **{k2: round(v, 2) for k2, v in tot.items()},
                  "int8_cutlass_vs_bf16": round((tot["cutlass_us"] + tot["quant_us"]) / tot["bf16_us"], 3),
                  "int8_triton_vs_bf16": round((tot["triton_us"] + tot["quant_us"]) / tot["bf16_us"], 3),
-                 "fused_vs_bf16": round(tot["fused_us"] / tot["bf16_us"], 3),
                  "bf16_tb_s": round(2 * w_bytes / tot["bf16_us"] / 1e6, 2),
                  "cutlass_tb_s": round(w_bytes / tot["cutlass_us"] / 1e6, 2),
                  "triton_tb_s": round(w_bytes / tot["triton_us"] / 1e6, 2),
-                 "bit_identical": all(r["bit_identical"] and r["fused_bit_identical"] for r in sel)}
+                 "bit_identical": all(r["bit_identical"] for r in sel)}
             summary.append(s)
             print(f"| {shape} | {m} | {s['bf16_us']:.1f} ({s['bf16_tb_s']} TB/s) | {s['cutlass_us']:.1f} "
                   f"({s['cutlass_tb_s']} TB/s) | {s['triton_us']:.1f} ({s['triton_tb_s']} TB/s) | {s['quant_us']:.1f} | "
-                  f"{s['fused_us']:.1f} | {s['int8_cutlass_vs_bf16']:.2f}x | {s['int8_triton_vs_bf16']:.2f}x | "
-                  f"{s['fused_vs_bf16']:.2f}x | {s['bit_identical']} |")
+                  f"{s['int8_cutlass_vs_bf16']:.2f}x | {s['int8_triton_vs_bf16']:.2f}x | {s['bit_identical']} |")
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 45, after the bands job (2026-11-27: every running-request band of the 8-bit step is 0.75-0.88x BF16's; the
-# few-sequence bands, 2-16 running, hold ~40 % of the step): FLASHRL_DECODE_GEMM=16 with vLLM's per-token INT8
-# quantization inside the Triton GEMM (one kernel per linear at <= 16 rows) against CUTLASS, and vLLM's Triton
+# few-sequence bands, 2-16 running, hold ~40 % of the step): FLASHRL_DECODE_GEMM=16 against CUTLASS and vLLM's Triton
 # attention backend for the FP8 KV cache against FA3, by band (`rl_step.py --step-bands`), each row its own process.
+# Ran 2026-11-27 on commit 6db53eb, whose Triton GEMM quantized the BF16 activations itself (exact, 2.3x slower per
+# layer: reverted, benchmarks/RESULTS.md "A step's time by running requests"); run now, FLASHRL_DECODE_GEMM=16 is the
+# Triton GEMM after vLLM's own quantization kernel.
 # On a 4-GPU host, after scripts/gpu_install.sh:
-#   GPU 0  tests/test_kernels.py; small_m_gemm.py 7b,14b (the fused column); 7B int8+kv FLASHRL_DECODE_GEMM=16;
+#   GPU 0  tests/test_kernels.py; small_m_gemm.py 7b,14b; 7B int8+kv FLASHRL_DECODE_GEMM=16;
 #          tests/gpu/test_vllm_decode_gemm.py (a synced engine with the switch on = a fresh one on CUTLASS)
 #   GPU 1  14B int8+kv FLASHRL_DECODE_GEMM=16        GPU 3  14B int8+kv (CUTLASS, FA3: the same lease's baseline)
 #   GPU 2  7B int8+kv --attention-backend TRITON_ATTN, then 7B int8+kv (the same lease's baseline)
+#   GEMM_ONLY=1: only the A/B, 7B / 14B with FLASHRL_DECODE_GEMM=16 on GPUs 0 / 2, with CUTLASS on GPUs 1 / 3 (~6 min)
 #   setsid nohup bash scripts/gpu_job_fused.sh RES > RES/job.out 2>&1 < /dev/null &
 # -> RES/dg/bands_SHAPE_NAME_gGPU.{json,log}, RES/{kernels,small_m_gemm,decode_gemm_tests}.log, RES/gpu/*.json;
 #    RES/SESSIONDONE at the end (~10 minutes)
@@ -37,6 +40,10 @@ gpu0() {
     timeout 900 python3 -m pytest -rA -p no:cacheprovider tests/gpu/test_vllm_decode_gemm.py > "$RES/decode_gemm_tests.log" 2>&1
   echo "tests exit $?" >> "$RES/decode_gemm_tests.log"
 }
+if [ -n "${GEMM_ONLY:-}" ]; then
+  FLASHRL_DECODE_GEMM=16 row 0 7b triton16 & row 1 7b cutlass & FLASHRL_DECODE_GEMM=16 row 2 14b triton16 & row 3 14b cutlass &
+  wait; touch "$RES/SESSIONDONE"; exit 0
+fi
 gpu0 &
 FLASHRL_DECODE_GEMM=16 row 1 14b fused16 &
 (row 2 7b triton_attn --attention-backend TRITON_ATTN; row 2 7b cutlass) &

@@ -321,7 +321,7 @@ def test_step_profile_benchmark_smoke(tmp_path):
         busy = p["window_ms_per_step"] - p["idle_ms_per_step"]
         assert 0 < p["plain_ms_per_step"] < p["wall_ms_per_step"]
         assert abs(p["gap_ms_per_step"] - (p["plain_ms_per_step"] - busy)) < 1e-9
-    assert r["plain_engine"]["decode_gemm_rows"] == 0 and "engine_core_process" in r["plain_engine"]
+    assert r["plain_engine"]["decode_gemm"] == "auto" and "engine_core_process" in r["plain_engine"]
 
 
 def test_a_stalled_engine_process_prints_where_it_waits_and_lives_on(tmp_path):

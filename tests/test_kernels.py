@@ -67,35 +67,6 @@ def test_w8a8_few_rows_bit_identical_to_cutlass(rows, n, k, bias):
         assert torch.equal(w8a8_gemm.w8a8_mm(x_q, b, sa, sb, torch.bfloat16, bias_t), ref)
 
 
-@cuda
-@pytest.mark.parametrize("rows", [1, 4, 16, 64])
-@pytest.mark.parametrize("n,k,bias", [(4608, 3584, True), (3584, 18944, False), (112, 272, True)])
-def test_w8a8_quantizing_its_activations_bit_identical_to_vllm(rows, n, k, bias):
-    """With the BF16 activations (FLASHRL_DECODE_GEMM's path) the kernel does vLLM's per-token quantization
-    itself: the output equals `scaled_int8_quant` + CUTLASS bit for bit, an all-zero row, an outlier row and
-    exact .5 ties (a row whose absmax is 127: the inverse scale 1.0) included."""
-    ops = pytest.importorskip("vllm._custom_ops")
-    from flashrl_tools.quant.kernels import w8a8_gemm
-
-    g = torch.Generator(device="cuda").manual_seed(100 + rows)
-    w = (torch.randn((n, k), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
-    w_s = w.float().abs().amax(dim=1, keepdim=True) / 127.0
-    b = (w.float() / w_s).round().clamp(-128, 127).to(torch.int8).t()
-    x = (torch.randn((rows, k), generator=g, device="cuda") * 3).to(torch.bfloat16)
-    x[0, 7] = 300.0  # most of the row rounds to 0
-    if rows > 2:
-        x[1].zero_()  # scale 0, inverse 0
-        x[2] = (torch.arange(k, device="cuda") % 9 - 4).to(torch.bfloat16) + 0.5
-        x[2, 0] = 127.0  # inverse scale exactly 1: every other element is a tie
-    x_q, x_s, _ = ops.scaled_int8_quant(x)
-    bias_t = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16) if bias else None
-    assert w8a8_gemm.served(x, b, torch.bfloat16)
-    ref = ops.cutlass_scaled_mm(x_q, b, scale_a=x_s, scale_b=w_s, out_dtype=torch.bfloat16, bias=bias_t)
-    assert torch.equal(w8a8_gemm.w8a8_mm(x, b, None, w_s, torch.bfloat16, bias_t), ref)
-    with pytest.raises(ValueError, match="scale_a"):
-        w8a8_gemm.w8a8_mm(x, b, x_s, w_s, torch.bfloat16, bias_t)
-
-
 def test_w8a8_few_rows_takes_only_its_shapes():
     from flashrl_tools.quant.kernels import w8a8_gemm
 
@@ -106,7 +77,6 @@ def test_w8a8_few_rows_takes_only_its_shapes():
                                                          "num_warps": 4, "num_stages": 3}
     assert w8a8_gemm.default_config(4, 3584, 18944)["num_stages"] == 5
     assert w8a8_gemm.default_config(64, 3584, 18944)["num_stages"] == 4  # 5 stages of 64 + 32 rows: 240 KiB
-    assert w8a8_gemm.default_config(64, 3584, 18944, a_bytes=2)["num_stages"] == 2  # BF16 activations: 2 x 64 + 32
 
 
 def test_decode_gemm_hook_keeps_vllms_path_unless_switched_on_for_cuda_dynamic_int8(monkeypatch):
@@ -147,8 +117,45 @@ def test_decode_gemm_rows_are_read_and_checked_at_start():
     from flashrl_tools.runtime.core.adapter import check_settings
     from flashrl_tools.runtime.vllm.capabilities import GPU
 
-    assert [Settings.read({"FLASHRL_DECODE_GEMM": v}).decode_gemm for v in ("", "off", "on", "16")] == ["0", "0", "64", "16"]
-    check_settings(GPU, Settings.read({"FLASHRL_DECODE_GEMM": "16"}), "env")
+    assert [Settings.read({"FLASHRL_DECODE_GEMM": v}).decode_gemm for v in ("", "off", "on", "16", "auto")] == \
+        ["auto", "0", "64", "16", "auto"]
+    for ok in ("16", "auto", "0"):
+        check_settings(GPU, Settings.read({"FLASHRL_DECODE_GEMM": ok}), "env")
     for bad in ("65", "-1", "fast"):
         with pytest.raises(FlashRLError, match="FLASHRL_DECODE_GEMM"):
             check_settings(GPU, Settings.read({"FLASHRL_DECODE_GEMM": bad}), "env")
+
+
+def test_decode_gemm_auto_is_16_rows_on_hopper_only_and_falls_back_if_triton_fails(monkeypatch, caplog):
+    """FLASHRL_DECODE_GEMM unset (`auto`): resolved on the first CUDA activations by that device -- 16 rows on
+    sm_90, off on any other chip --; a tile that does not compile under `auto` leaves CUTLASS (one warning),
+    under an explicit N it raises."""
+    from flashrl_tools.config import settings as settings_mod
+    from flashrl_tools.runtime.vllm import decode_gemm
+
+    monkeypatch.setattr(decode_gemm, "max_rows", decode_gemm.max_rows)
+    monkeypatch.setattr(decode_gemm, "_auto", decode_gemm._auto)
+    for cap, rows in (((9, 0), 16), ((8, 0), 0), ((10, 0), 0), ((8, 9), 0)):
+        decode_gemm.configure("auto")
+        assert decode_gemm.max_rows == 0 and decode_gemm._auto
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        decode_gemm._resolve(torch.device("cpu"))
+        assert (decode_gemm.max_rows, decode_gemm._auto) == (rows, False), cap
+    decode_gemm.configure("8")
+    assert (decode_gemm.max_rows, decode_gemm._auto) == (8, False)
+
+    def broken(*a, **k):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(decode_gemm.w8a8_gemm, "warm", broken)
+    for value, raises in (("auto", False), ("16", True)):
+        monkeypatch.setattr(decode_gemm, "settings", lambda v=value: settings_mod.Settings.read({"FLASHRL_DECODE_GEMM": v}))
+        monkeypatch.setattr(decode_gemm, "max_rows", 16)
+        if raises:
+            with pytest.raises(RuntimeError, match="shared memory"):
+                decode_gemm._warm(None, None, None, None, torch.bfloat16, None)
+            assert decode_gemm.max_rows == 16
+        else:
+            with caplog.at_level("WARNING", logger="flashrl_tools.runtime"):
+                decode_gemm._warm(None, None, None, None, torch.bfloat16, None)
+            assert decode_gemm.max_rows == 0 and "CUTLASS for every batch" in caplog.text

@@ -24,7 +24,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_SYNC_TIMING": ("sync_timing", "0"),
     "FLASHRL_DEBUG_STACKS": ("debug_stacks", ""),
     "FLASHRL_TRITON": ("triton", "1"),
-    "FLASHRL_DECODE_GEMM": ("decode_gemm", "0"),
+    "FLASHRL_DECODE_GEMM": ("decode_gemm", "auto"),
     "FLASHRL_ALLOW_LEGACY_PICKLE": ("allow_legacy_pickle", "0"),
     "FLASHRL_ENGINE_ARGS": ("engine_args", ""),
 }
@@ -57,7 +57,8 @@ class Settings:
     sync_timing: bool
     debug_stacks: str  # a directory: each engine process prints every thread's Python stack on SIGUSR1, its PID there
     triton: bool  # the fused Triton INT8 quantizer on CUDA
-    decode_gemm: str  # "N": vLLM's INT8 linears at <= N rows (1..64) through flashrl's Triton GEMM; "0" off (issue 45)
+    decode_gemm: str  # "N": vLLM's INT8 linears at <= N rows (1..64) through flashrl's Triton GEMM; "0" off;
+    # "auto" (unset): 16 rows on Hopper (sm_90), off elsewhere (issue 45)
     allow_legacy_pickle: bool
     engine_args: str  # JSON: extra engine arguments (vllm.LLM / sglang.Engine) for the engines `verify` starts
 
@@ -67,7 +68,7 @@ class Settings:
         flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle"}
         values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
         values["inplace_sync"] = _switch(raw["inplace_sync"], on="1", unset="1")
-        values["decode_gemm"] = _switch(raw["decode_gemm"], on="64", unset="0")  # w8a8_gemm.MAX_ROWS rows
+        values["decode_gemm"] = _switch(raw["decode_gemm"], on="64", unset="auto")  # on: w8a8_gemm.MAX_ROWS rows
         values["logging_level"] = raw["logging_level"].upper()
         values["home"] = Path(raw["home"] or Path.home() / ".cache" / "flashrl").expanduser()
         return cls(**values)

@@ -15,13 +15,6 @@ every shape and row count it times.
 Operands as vLLM's CUTLASS kernel takes them: `a` [M, K] int8 (row-major), `b` [K, N] int8 -- the transposed
 view of the [N, K] checkpoint weight vLLM keeps after loading (stride (1, K)) --, `scale_a` per token [M, 1] or
 per tensor, `scale_b` per channel [N, 1] / [1, N] or per tensor, float32; `bias` [N] in the output dtype.
-
-Or `a` the 16-bit activations themselves (`scale_a` None): the kernel then does vLLM's dynamic per-token
-quantization (`scaled_int8_quant`, symmetric) itself, in its float operations -- absmax over the row,
-`scale = absmax / 127`, `q = cvt.rni.sat(x * (127 / absmax))` (0 for an all-zero row), divisions correctly
-rounded -- so the output is again CUTLASS's bit for bit, without the separate quantization kernel and its
-int8 copy of the activations (+0.26 / +0.45 ms of a 4-sequence decode step at 7B / 14B, issue 45's profiles).
-Every program recomputes its rows' absmax: at <= 64 rows that is a read of the activations from L2.
 """
 
 from __future__ import annotations
@@ -39,14 +32,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    try:
-        from triton.language.extra.cuda.libdevice import rint
-    except ImportError:  # older Triton
-        from triton.language.extra.libdevice import rint
-
     @triton.jit(do_not_specialize=["M"])  # one compiled variant per tile shape, whatever the row count
     def w8a8_rows(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_om,
-                  QUANT_A: tl.constexpr, SA_ROWS: tl.constexpr, SB_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  SA_ROWS: tl.constexpr, SB_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rm = tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,20 +42,10 @@ def _kernel():
         mask_m, mask_n = rm < M, rn < N
         a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
         b_ptrs = b_ptr + rn[:, None].to(tl.int64) * stride_bn + rk[None, :]  # [BLOCK_N, BLOCK_K]: K contiguous
-        if QUANT_A:  # vLLM's dynamic_scaled_int8_quant_kernel: a row's absmax, then its scale and inverse
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k in range(0, tl.cdiv(K, BLOCK_K)):
-                mask_k = rk < K - k * BLOCK_K
-                x = tl.load(a_ptrs + k * BLOCK_K, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-            sa = tl.div_rn(amax, 127.0)[:, None]
-            inv = tl.where(amax == 0.0, 0.0, tl.div_rn(tl.full((BLOCK_M,), 127.0, tl.float32), amax))[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             mask_k = rk < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
-            if QUANT_A:  # cvt.rni.sat.s8.f32: round half to even, saturate
-                a = tl.minimum(tl.maximum(rint(a.to(tl.float32) * inv), -128.0), 127.0).to(tl.int8)
             b = tl.load(b_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0)
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
             a_ptrs += BLOCK_K
@@ -76,11 +54,10 @@ def _kernel():
             sb = tl.load(sb_ptr + rn, mask=mask_n, other=0.0)[None, :]
         else:
             sb = tl.load(sb_ptr)
-        if not QUANT_A:  # else sa from the absmax above
-            if SA_ROWS:
-                sa = tl.load(sa_ptr + rm, mask=mask_m, other=0.0)[:, None]
-            else:
-                sa = tl.load(sa_ptr)
+        if SA_ROWS:
+            sa = tl.load(sa_ptr + rm, mask=mask_m, other=0.0)[:, None]
+        else:
+            sa = tl.load(sa_ptr)
         t = sb * acc.to(tl.float32)
         if HAS_BIAS:
             d = sa * t + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -92,52 +69,44 @@ def _kernel():
     return w8a8_rows
 
 
-def default_config(m: int, n: int, k: int, a_bytes: int = 1) -> dict:
+def default_config(m: int, n: int, k: int) -> dict:
     """Tile sizes for a (rows, out, in) shape, from `benchmarks/small_m_gemm.py --sweep 4,16` on an H200
     (2026-11-27, 7B / 14B layers): long K tiles (512) and 32-64 output channels per program win at every layer,
-    the widest layers (gate_up of 7B) with shorter K tiles; the long reductions (down) want deeper pipelines.
-    `a_bytes` 2: the activations enter as 16-bit (quantized in the kernel), their tiles twice the shared memory."""
+    the widest layers (gate_up of 7B) with shorter K tiles; the long reductions (down) want deeper pipelines."""
     block_m = max(16, 1 << (max(1, m) - 1).bit_length())
     block_n, block_k = 32 if n <= 4096 else 64, 128 if n >= 32768 else 512
-    stages = min(5 if k >= 8192 else 3, SHARED_BYTES // ((a_bytes * block_m + block_n) * block_k))  # a and b tiles
+    stages = min(5 if k >= 8192 else 3, SHARED_BYTES // ((block_m + block_n) * block_k))  # each stage: a and b tiles
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": max(2, stages)}
 
 
 def served(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, max_rows: int = MAX_ROWS) -> bool:
-    """Whether this kernel takes the call (else the caller's CUTLASS path): CUDA operands, `a` int8 or the 16-bit
-    activations (quantized in the kernel), at most `max_rows` (<= MAX_ROWS) rows, `b` the int8 [K, N] view of a
-    row-major [N, K] weight, a 16-bit output."""
-    a_kinds = (torch.int8, torch.bfloat16, torch.float16)
-    return (a.is_cuda and a.dtype in a_kinds and b.dtype == torch.int8 and a.dim() == 2 and b.dim() == 2
+    """Whether this kernel takes the call (else the caller's CUTLASS path): CUDA int8 operands, at most
+    `max_rows` (<= MAX_ROWS) rows, `b` the [K, N] view of a row-major [N, K] weight, a 16-bit output."""
+    return (a.is_cuda and a.dtype == torch.int8 and b.dtype == torch.int8 and a.dim() == 2 and b.dim() == 2
             and 0 < a.shape[0] <= min(max_rows, MAX_ROWS) and a.stride(1) == 1 and b.stride(0) == 1 and b.stride(1) >= b.shape[0]
             and out_dtype in (torch.bfloat16, torch.float16))
 
 
-def warm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor, out_dtype: torch.dtype,
+def warm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
          bias: torch.Tensor | None, max_rows: int) -> None:
     """Compile (and load) every tile variant `w8a8_mm` picks up to `max_rows` rows for these operands' kinds
     before a CUDA graph captures one: vLLM captures each batch size on its first call, with no warm-up run."""
     for rows in sorted({1, 17, 33} & set(range(1, min(max_rows, MAX_ROWS) + 1))):
         x = a[:1].expand(rows, -1).contiguous()
-        s = scale_a[:1].expand(rows, -1).contiguous() if scale_a is not None and scale_a.numel() > 1 else scale_a
+        s = scale_a[:1].expand(rows, -1).contiguous() if scale_a.numel() > 1 else scale_a
         w8a8_mm(x, b, s, scale_b, out_dtype, bias)
 
 
-def w8a8_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor,
-            out_dtype: torch.dtype, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """`cutlass_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)` for `served` operands, bit for bit; with
-    16-bit `a` and `scale_a` None, `cutlass_scaled_mm(*scaled_int8_quant(a)[:2], b, ...)` in one kernel."""
+def w8a8_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+            bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """`cutlass_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)` for `served` operands, bit for bit."""
     m, k = a.shape
     n = b.shape[1]
-    quant_a = a.dtype != torch.int8
-    if quant_a != (scale_a is None):
-        raise ValueError("w8a8_mm: int8 activations take their scale_a; 16-bit ones none (quantized here)")
-    cfg = dict(config or default_config(m, n, k, a.element_size()))
+    cfg = dict(config or default_config(m, n, k))
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 4)
     grid = ((n + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"],)
-    _kernel()[grid](a, b, scale_b if quant_a else scale_a, scale_b, bias if bias is not None else out, out, m, n, k,
-                    a.stride(0), b.stride(1), out.stride(0), QUANT_A=quant_a, SA_ROWS=not quant_a and scale_a.numel() > 1,
-                    SB_COLS=scale_b.numel() > 1, HAS_BIAS=bias is not None,
+    _kernel()[grid](a, b, scale_a, scale_b, bias if bias is not None else out, out, m, n, k, a.stride(0), b.stride(1),
+                    out.stride(0), SA_ROWS=scale_a.numel() > 1, SB_COLS=scale_b.numel() > 1, HAS_BIAS=bias is not None,
                     num_warps=warps, num_stages=stages, **cfg)
     return out

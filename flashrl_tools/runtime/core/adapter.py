@@ -112,9 +112,10 @@ def check_settings(caps: Capabilities, s: Settings, source: str) -> None:
     if s.inplace_sync not in INPLACE_VALUES:
         raise FlashRLError(f"invalid FLASHRL_INPLACE_SYNC={s.inplace_sync!r}", source,
                            f"allowed: {' | '.join(INPLACE_VALUES)} (or 0 / false / off), or unset")
-    if not (s.decode_gemm.isdigit() and int(s.decode_gemm) <= DECODE_GEMM_MAX):
+    if not (s.decode_gemm == "auto" or s.decode_gemm.isdigit() and int(s.decode_gemm) <= DECODE_GEMM_MAX):
         raise FlashRLError(f"invalid FLASHRL_DECODE_GEMM={s.decode_gemm!r}", source,
-                           f"allowed: a row count 1..{DECODE_GEMM_MAX} (on: {DECODE_GEMM_MAX}), 0 / off, or unset")
+                           f"allowed: a row count 1..{DECODE_GEMM_MAX} (on: {DECODE_GEMM_MAX}), 0 / off, or unset / auto "
+                           "(16 on Hopper GPUs)")
     for var, (attr, _default) in VARIABLES.items():
         setting = caps.settings.get(var)
         value = str(getattr(s, attr))

@@ -52,8 +52,8 @@ HOOKS: tuple[Hook, ...] = (
            HookKind.BEFORE, "worker", "quantized MoE layers keep their start-up kernel (CUDA graphs read its "
            "buffers)", optional=True) for kind in ("fp8", "int8")),
     Hook("decode_gemm", "vllm.model_executor.kernels.linear.scaled_mm.cutlass.CutlassInt8ScaledMMLinearKernel."
-         "apply_weights", decode_gemm.apply_weights, HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_GEMM=N: INT8 "
-         "W8A8 linears at <= N rows through flashrl's Triton GEMM (bit-equal to CUTLASS)", optional=True),
+         "apply_weights", decode_gemm.apply_weights, HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_GEMM=N (unset: "
+         "16 on Hopper): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM (bit-equal to CUTLASS)", optional=True),
     Hook("sleep", "vllm.v1.worker.gpu_worker.Worker.sleep", sleep.sleep, HookKind.AROUND, "worker (GPU)",
          "before level 2 keep what the wake does not restore; after it refuse until a full sync", optional=True),
     Hook("wake_up", "vllm.v1.worker.gpu_worker.Worker.wake_up", sleep.wake_up, HookKind.AFTER, "worker (GPU)",
@@ -68,5 +68,5 @@ def install(rc: RuntimeConfig) -> None:
     from flashrl_tools.runtime.core.hooks import install as install_hooks
 
     process.serve(rc)
-    decode_gemm.max_rows = int(settings().decode_gemm)  # validated by the plan (core/adapter.check_settings)
+    decode_gemm.configure(settings().decode_gemm)  # validated by the plan (core/adapter.check_settings)
     install_hooks(HOOKS)

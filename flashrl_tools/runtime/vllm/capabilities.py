@@ -16,7 +16,8 @@ _SETTINGS = {
                                     "ones too; 0: vLLM's layerwise reload for every layer", ("1", "0", "tp")),
     "FLASHRL_SYNC_DIGEST": Setting("each worker writes its weight digest after every complete sync"),
     "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
-                                   "(bit-equal to vLLM's CUTLASS kernel; GPU); 0 (default): CUTLASS for every batch"),
+                                   "(bit-equal to vLLM's CUTLASS kernel; GPU); unset / auto: 16 on Hopper (sm_90), "
+                                   "else off; 0: CUTLASS for every batch"),
     "FLASHRL_ENGINE_ARGS": Setting("extra vllm.LLM arguments for the engines `flashrl verify` / `tune` start"),
 }
 GPU = Capabilities(
