@@ -4,7 +4,7 @@
 # attention backend for the FP8 KV cache against FA3, by band (`rl_step.py --step-bands`), each row its own process.
 # Ran 2026-11-27 on commit 6db53eb, whose Triton GEMM quantized the BF16 activations itself (exact, 2.3x slower per
 # layer: reverted, benchmarks/RESULTS.md "A step's time by running requests"); run now, FLASHRL_DECODE_GEMM=16 is the
-# Triton GEMM after vLLM's own quantization kernel.
+# Triton GEMM after vLLM's own quantization kernel (and unset: 16 rows on Hopper, so the CUTLASS rows set 0).
 # On a 4-GPU host, after scripts/gpu_install.sh:
 #   GPU 0  tests/test_kernels.py; small_m_gemm.py 7b,14b; 7B int8+kv FLASHRL_DECODE_GEMM=16;
 #          tests/gpu/test_vllm_decode_gemm.py (a synced engine with the switch on = a fresh one on CUTLASS)
@@ -41,12 +41,12 @@ gpu0() {
   echo "tests exit $?" >> "$RES/decode_gemm_tests.log"
 }
 if [ -n "${GEMM_ONLY:-}" ]; then
-  FLASHRL_DECODE_GEMM=16 row 0 7b triton16 & row 1 7b cutlass & FLASHRL_DECODE_GEMM=16 row 2 14b triton16 & row 3 14b cutlass &
+  FLASHRL_DECODE_GEMM=16 row 0 7b triton16 & FLASHRL_DECODE_GEMM=0 row 1 7b cutlass & FLASHRL_DECODE_GEMM=16 row 2 14b triton16 & FLASHRL_DECODE_GEMM=0 row 3 14b cutlass &
   wait; touch "$RES/SESSIONDONE"; exit 0
 fi
 gpu0 &
 FLASHRL_DECODE_GEMM=16 row 1 14b fused16 &
-(row 2 7b triton_attn --attention-backend TRITON_ATTN; row 2 7b cutlass) &
-row 3 14b cutlass &
+(FLASHRL_DECODE_GEMM=0 row 2 7b triton_attn --attention-backend TRITON_ATTN; FLASHRL_DECODE_GEMM=0 row 2 7b cutlass) &
+FLASHRL_DECODE_GEMM=0 row 3 14b cutlass &
 wait
 touch "$RES/SESSIONDONE"
