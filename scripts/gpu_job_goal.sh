@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 45's goal rows on both engines, after scripts/gpu_install.sh and gpu_install_sglang.sh (FA3 library staged):
+# each config its own process, every vLLM row with `rl_step.py --step-bands`, FLASHRL_DECODE_GEMM at its default
+# (`auto`: 16 rows on Hopper). On a 4-GPU host (~20 minutes, the 14B queues the longest):
+#   GPU 0  vLLM 7B: bf16, int8 + FP8 KV, int8          GPU 1  vLLM 14B: the same
+#   GPU 2  SGLang 7B (fa3, overlap on): bf16, int8 + FP8 KV, int8      GPU 3  SGLang 14B: the same (never run before)
+#   setsid nohup bash scripts/gpu_job_goal.sh RES > RES/job.out 2>&1 < /dev/null &
+# -> RES/goal/ENGINE_SHAPE_CONFIG.{json,log}; RES/SESSIONDONE at the end
+set -uo pipefail
+RES=${1:?usage: gpu_job_goal.sh RES}
+cd "$(dirname "$0")/.." || exit 1
+source scripts/gpu_env.sh
+export PYTHONUNBUFFERED=1
+O=$RES/goal
+mkdir -p "$O" /root/w
+SGL="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH"
+queue() {  # queue GPU ENGINE SHAPE: bf16, int8+kv, int8 one after the other, each its own process
+  local gpu=$1 engine=$2 shape=$3 config extra path=$PYTHONPATH
+  if [ "$engine" = sglang ]; then extra=(--engine sglang --attention-backend fa3); path=$SGL; else extra=(--step-bands); fi
+  for config in bf16 int8+kv int8; do
+    CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$path timeout 1200 python3 benchmarks/rl_step.py --shapes "$shape" \
+      --configs "$config" --prompts 16 --unseeded --first-max-len 256 --gpu-memory-utilization 0.85 "${extra[@]}" \
+      --workdir "/root/w/goal-$gpu" --json "$O/${engine}_${shape}_$config.json" > "$O/${engine}_${shape}_$config.log" 2>&1
+    echo "exit $?" >> "$O/${engine}_${shape}_$config.log"
+  done
+}
+queue 0 vllm 7b & queue 1 vllm 14b & queue 2 sglang 7b & queue 3 sglang 14b &
+wait
+touch "$RES/SESSIONDONE"
