@@ -162,13 +162,15 @@ def test_int8_per_token_is_vllms_activation_quantization():
     xf = x.float()
     ref = (xf * (127.0 / xf.abs().amax(-1, keepdim=True).double()).float()).round()
     assert (q.float() - ref.nan_to_num(0)).abs().max() <= 1
+    cq, cs = torch.compile(int8_per_token, fullgraph=True)(x)
+    assert torch.equal(cq, q) and torch.equal(cs, s)
+    if torch.cuda.is_available():
+        return  # vLLM's CUDA build has no CPU kernel: test_int8_per_token_bit_equal_to_vllms_cuda_kernel
     ops = pytest.importorskip("vllm._custom_ops")
     vq, vs, _ = ops.scaled_int8_quant(x, None, None, symmetric=True)
     assert torch.equal(vs, s)
     diff = (vq.int() - q.int()).abs()
     assert diff.max() <= 1 and diff.float().mean() < 0.01
-    cq, cs = torch.compile(int8_per_token, fullgraph=True)(x)
-    assert torch.equal(cq, q) and torch.equal(cs, s)
 
 
 def test_fuse_act_quant_is_read_and_routes_int8_linears_through_the_gemm_op(monkeypatch):

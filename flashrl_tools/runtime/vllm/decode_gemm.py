@@ -46,7 +46,9 @@ def configure(value: str, fuse: bool = False) -> None:
 
 def _resolve(device: torch.device) -> None:
     """`auto` -> AUTO_ROWS on a Hopper device, else off; once per process, on its first CUDA activations (the
-    adapter installs before the worker has a device, and the front-end process must not initialize CUDA)."""
+    adapter installs before the worker has a device, and the front-end process must not initialize CUDA). Under
+    `auto` every CUDA INT8 linear is the op (vLLM's kernels unless resolved to rows), so a compiled graph does not
+    depend on the chip that traced it."""
     global max_rows, _auto
     if _auto:
         _auto = False
@@ -74,6 +76,8 @@ def _gemm(x_q, x_s, w_q, w_s, dtype, bias) -> torch.Tensor:
     """INT8 activations x INT8 weights: flashrl's Triton GEMM at <= max_rows rows, vLLM's CUTLASS kernel above."""
     from vllm import _custom_ops as ops
 
+    if _auto and x_q.is_cuda:  # here, at run time: a graph loaded from vLLM's compile cache never traces apply_weights
+        _resolve(x_q.device)
     kind = (bias is None, w_s.numel() > 1, dtype, tuple(w_q.shape))  # the tiles depend on the layer's shape
     if max_rows and kind not in _warmed and x_q.is_cuda and not torch.cuda.is_current_stream_capturing():
         _warm(x_q, w_q, x_s, w_s, dtype, bias)  # before a graph captures it (vLLM's profile run)
@@ -115,9 +119,7 @@ def apply_weights(original, kernel, layer, x, bias=None, *args, **kwargs):
     flashrl's ops on CUDA when FLASHRL_DECODE_GEMM or FLASHRL_FUSE_ACT_QUANT is on; everything else is vLLM's
     own path."""
     w_q, w_s, i_s, _i_zp, azp_adj = kernel._get_layer_params(layer)
-    if _auto and x.is_cuda:
-        _resolve(x.device)
-    if not (max_rows or fuse_act_quant) or args or kwargs or i_s is not None or azp_adj is not None or not x.is_cuda:
+    if not (max_rows or _auto or fuse_act_quant) or args or kwargs or i_s is not None or azp_adj is not None or not x.is_cuda:
         return original(kernel, layer, x, bias, *args, **kwargs)
     if not fuse_act_quant:
         return torch.ops.flashrl.int8_linear(x, w_q, w_s, bias)

@@ -92,12 +92,24 @@ def configure_engine(rc: RuntimeConfig, args, caps=None) -> dict:
         # eager differ by up to 0.34 nats on SmolLM2 with identical weights (syncs do reach a
         # compiled CPU engine exactly: docs/internals/vllm.md).
         overrides["enforce_eager"] = True
+    if isinstance(getattr(args, "additional_config", None), dict):
+        # part of vLLM's compile-cache key: a graph traced under other switches is not loaded
+        overrides["additional_config"] = {**args.additional_config, "flashrl": compiled_switches()}
     for key, value in overrides.items():
         setattr(args, key, value)
     if "quantization" in overrides:
         _resolve_online_quantization(args)
     log.info("flashrl %s: engine overrides %s", rc.fn.value, overrides)
     return overrides
+
+
+def compiled_switches() -> dict:
+    """The FLASHRL_* values torch.compile bakes into vLLM's graph (decode_gemm.apply_weights is traced): vLLM's
+    compile cache (the AOT one included, which skips tracing) keys on them through `additional_config`."""
+    from flashrl_tools.config.settings import settings
+
+    s = settings()
+    return {"decode_gemm": s.decode_gemm, "fuse_act_quant": s.fuse_act_quant}
 
 
 def _resolve_online_quantization(args) -> None:
