@@ -103,7 +103,6 @@ def vllm_settings(llm) -> dict:
     return {"async_scheduling": bool(config.scheduler_config.async_scheduling),
             "engine_core_process": type(llm.llm_engine.engine_core).__name__ != "InprocClient",
             "enforce_eager": bool(config.model_config.enforce_eager), "decode_gemm": settings().decode_gemm,
-            "fuse_act_quant": settings().fuse_act_quant,
             **llm.collective_rpc(attention_settings)[0]}
 
 

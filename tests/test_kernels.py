@@ -67,24 +67,6 @@ def test_w8a8_few_rows_bit_identical_to_cutlass(rows, n, k, bias):
         assert torch.equal(w8a8_gemm.w8a8_mm(x_q, b, sa, sb, torch.bfloat16, bias_t), ref)
 
 
-@cuda
-@pytest.mark.parametrize("rows", [1, 16, 64, 300])
-def test_int8_per_token_bit_equal_to_vllms_cuda_kernel(rows):
-    """FLASHRL_FUSE_ACT_QUANT's quantization, eager on CUDA, equals vLLM's `scaled_int8_quant` bit for bit."""
-    ops = pytest.importorskip("vllm._custom_ops")
-    from flashrl_tools.quant.quantizer import int8_per_token
-
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    x = (torch.randn((rows, 3584), generator=g, device="cuda") * 4).to(torch.bfloat16)
-    x[0, :8] = torch.tensor([127.0, 63.5, -0.5, 1.5, 2.5, -2.5, 0.0, 1.0], device="cuda")
-    x[0, 8:] = 0
-    if rows > 1:
-        x[1] = 0
-    vq, vs, _ = ops.scaled_int8_quant(x, None, None, symmetric=True)
-    q, s = int8_per_token(x)
-    assert torch.equal(q, vq) and torch.equal(s, vs)
-
-
 def test_w8a8_few_rows_takes_only_its_shapes():
     from flashrl_tools.quant.kernels import w8a8_gemm
 
@@ -128,6 +110,40 @@ def test_decode_gemm_hook_keeps_vllms_path_unless_switched_on_for_cuda_dynamic_i
     assert out.shape == (3, 2, 4) and out.dtype == torch.bfloat16
 
 
+def test_decode_gemm_auto_is_resolved_inside_the_op(monkeypatch):
+    """Under `auto` a CUDA INT8 linear is always `flashrl::int8_linear` (the traced graph does not depend on the
+    chip) and the op itself resolves `auto` on its first run: a graph that vLLM's AOT compile cache loads without
+    tracing apply_weights still takes the Triton path on Hopper (the engine test's `default` case)."""
+    from vllm import _custom_ops as ops
+
+    from flashrl_tools.runtime.vllm import decode_gemm
+
+    class Kernel:
+        def _get_layer_params(self, layer):
+            return torch.zeros(8, 4, dtype=torch.int8), torch.ones(4, 1), None, None, None
+
+    class CudaLike(torch.Tensor):  # a CPU tensor that says it is on CUDA: the routes, not the kernels
+        is_cuda = True
+
+    for name in ("max_rows", "_auto"):
+        monkeypatch.setattr(decode_gemm, name, getattr(decode_gemm, name))
+    routed = []
+    monkeypatch.setattr(torch.ops.flashrl, "int8_linear", lambda *a: routed.append(a) or "op", raising=False)
+    x = torch.zeros(2, 8, dtype=torch.bfloat16).as_subclass(CudaLike)
+    decode_gemm.configure("auto")
+    assert decode_gemm.apply_weights(lambda *a: "vllm", Kernel(), None, x) == "op" and len(routed) == 1
+    decode_gemm.configure("0")
+    assert decode_gemm.apply_weights(lambda *a: "vllm", Kernel(), None, x) == "vllm"
+    resolved = []
+    monkeypatch.setattr(decode_gemm, "_resolve", lambda device: resolved.append(device))
+    monkeypatch.setattr(ops, "scaled_int8_quant", lambda x2, *a, **k: (x2.to(torch.int8).as_subclass(CudaLike),
+                                                                      torch.ones(x2.shape[0], 1), None))
+    monkeypatch.setattr(ops, "cutlass_scaled_mm", lambda a, b, **k: torch.zeros(a.shape[0], b.shape[1]))
+    decode_gemm.configure("auto")
+    out = decode_gemm.int8_linear(torch.zeros(3, 2, 8), torch.zeros(8, 4, dtype=torch.int8), torch.ones(4, 1), None)
+    assert out.shape == (3, 2, 4) and len(resolved) == 1
+
+
 def test_decode_gemm_rows_are_read_and_checked_at_start():
     from flashrl_tools.config.settings import Settings
 
@@ -142,79 +158,6 @@ def test_decode_gemm_rows_are_read_and_checked_at_start():
     for bad in ("65", "-1", "fast"):
         with pytest.raises(FlashRLError, match="FLASHRL_DECODE_GEMM"):
             check_settings(GPU, Settings.read({"FLASHRL_DECODE_GEMM": bad}), "env")
-
-
-def test_int8_per_token_is_vllms_activation_quantization():
-    """FLASHRL_FUSE_ACT_QUANT's torch-ops quantization: scales bit-equal to vLLM-CPU's `scaled_int8_quant`, an
-    all-zero row 0 / 0, and q = round-half-even(x * (127 / absmax)) -- vLLM's CUDA kernel; vLLM-CPU's multiplies by
-    1 / scale, so a few codes differ by one (the CUDA comparison is a GPU test). Compiled (Inductor, CPU) = eager."""
-    from flashrl_tools.quant.quantizer import int8_per_token
-
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(64, 896, generator=g) * 3).to(torch.bfloat16)
-    x[3] = 0
-    x[5, :4] = torch.tensor([127.0, 63.5, -0.5, 1.5])  # absmax 127: x * 1, .5 ties round to even
-    x[5, 4:] = 0
-    q, s = int8_per_token(x)
-    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (64, 1)
-    assert not q[3].any() and s[3].item() == 0
-    assert q[5, :4].tolist() == [127, 64, 0, 2]
-    xf = x.float()
-    ref = (xf * (127.0 / xf.abs().amax(-1, keepdim=True).double()).float()).round()
-    assert (q.float() - ref.nan_to_num(0)).abs().max() <= 1
-    cq, cs = torch.compile(int8_per_token, fullgraph=True)(x)
-    assert torch.equal(cq, q) and torch.equal(cs, s)
-    if torch.cuda.is_available():
-        return  # vLLM's CUDA build has no CPU kernel: test_int8_per_token_bit_equal_to_vllms_cuda_kernel
-    ops = pytest.importorskip("vllm._custom_ops")
-    vq, vs, _ = ops.scaled_int8_quant(x, None, None, symmetric=True)
-    assert torch.equal(vs, s)
-    diff = (vq.int() - q.int()).abs()
-    assert diff.max() <= 1 and diff.float().mean() < 0.01
-
-
-def test_fuse_act_quant_is_read_and_routes_int8_linears_through_the_gemm_op(monkeypatch):
-    """FLASHRL_FUSE_ACT_QUANT: a flag, honoured by vLLM, declared without effect by SGLang; on, a CUDA linear
-    quantizes in torch ops and calls `flashrl::int8_mm` (its fake gives torch.compile the output)."""
-    from flashrl_tools.config.settings import Settings
-    from flashrl_tools.runtime.core.adapter import check_settings
-    from flashrl_tools.runtime.sglang.capabilities import CAPABILITIES as SGLANG
-    from flashrl_tools.runtime.vllm import decode_gemm
-    from flashrl_tools.runtime.vllm.capabilities import GPU
-
-    assert [Settings.read({"FLASHRL_FUSE_ACT_QUANT": v}).fuse_act_quant for v in ("", "0", "1", "on")] == \
-        [False, False, True, True]
-    for caps in (GPU, SGLANG):
-        check_settings(caps, Settings.read({"FLASHRL_FUSE_ACT_QUANT": "1"}), "env")
-    monkeypatch.setattr(decode_gemm, "max_rows", decode_gemm.max_rows)
-    monkeypatch.setattr(decode_gemm, "fuse_act_quant", decode_gemm.fuse_act_quant)
-    decode_gemm.configure("0", True)
-    assert decode_gemm.fuse_act_quant and decode_gemm.max_rows == 0
-    out = torch.ops.flashrl.int8_mm(torch.empty(6, 8, dtype=torch.int8, device="meta"), torch.empty(6, 1, device="meta"),
-                                    torch.empty(8, 4, dtype=torch.int8, device="meta"), torch.empty(4, 1, device="meta"),
-                                    None, torch.bfloat16)
-    assert out.shape == (6, 4) and out.dtype == torch.bfloat16
-    seen = {}
-
-    def int8_mm(x_q, x_s, w_q, w_s, bias, dtype):
-        seen.update(q=x_q, s=x_s, dtype=dtype)
-        return torch.zeros(x_q.shape[0], w_q.shape[1], dtype=dtype)
-
-    class Kernel:
-        def _get_layer_params(self, layer):
-            return torch.zeros(8, 4, dtype=torch.int8), torch.ones(4, 1), None, None, None
-
-    class CudaLike(torch.Tensor):  # a CPU tensor that says it is on CUDA: the route, not the kernels
-        is_cuda = True
-
-    monkeypatch.setattr(torch.ops.flashrl, "int8_mm", int8_mm, raising=False)
-    x = torch.randn(3, 2, 8).to(torch.bfloat16)
-    y = decode_gemm.apply_weights(lambda *a: "vllm", Kernel(), None, x.as_subclass(CudaLike))
-    assert y.shape == (3, 2, 4)
-    q, s = decode_gemm.quantizer.int8_per_token(x.reshape(6, 8))
-    assert torch.equal(seen["q"], q) and torch.equal(seen["s"], s) and seen["dtype"] == torch.bfloat16
-    decode_gemm.configure("0", False)
-    assert decode_gemm.apply_weights(lambda *a: "vllm", Kernel(), None, x.as_subclass(CudaLike)) == "vllm"
 
 
 def test_decode_gemm_auto_is_16_rows_on_hopper_only_and_falls_back_if_triton_fails(monkeypatch, caplog):

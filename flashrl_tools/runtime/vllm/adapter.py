@@ -68,6 +68,5 @@ def install(rc: RuntimeConfig) -> None:
     from flashrl_tools.runtime.core.hooks import install as install_hooks
 
     process.serve(rc)
-    s = settings()
-    decode_gemm.configure(s.decode_gemm, s.fuse_act_quant)  # validated by the plan (core/adapter.check_settings)
+    decode_gemm.configure(settings().decode_gemm)  # validated by the plan (core/adapter.check_settings)
     install_hooks(HOOKS)

@@ -18,8 +18,6 @@ _SETTINGS = {
     "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
                                    "(bit-equal to vLLM's CUTLASS kernel; GPU); unset / auto: 16 on Hopper (sm_90), "
                                    "else off; 0: CUTLASS for every batch"),
-    "FLASHRL_FUSE_ACT_QUANT": Setting("1: INT8 W8A8 linears quantize their activations in torch ops that "
-                                      "torch.compile fuses into RMSNorm / SiLU-and-mul (GPU); 0: vLLM's kernel"),
     "FLASHRL_ENGINE_ARGS": Setting("extra vllm.LLM arguments for the engines `flashrl verify` / `tune` start"),
 }
 GPU = Capabilities(

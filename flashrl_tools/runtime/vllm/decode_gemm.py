@@ -10,12 +10,10 @@ graph takes the branch of its batch size. The Triton kernel's output equals CUTL
 accumulation, CUTLASS's epilogue order: tests/test_kernels.py, benchmarks/small_m_gemm.py), so a sequence's
 tokens and logprobs do not depend on the switch or on the batch it decodes in. Static or asymmetric activation
 scales keep vLLM's path. Under `auto` a kernel that fails to compile (another Triton, another chip) logs one warning
-and leaves CUTLASS for every batch; an explicit N raises.
-
-FLASHRL_FUSE_ACT_QUANT=1: the activations are quantized by `quantizer.int8_per_token` (torch ops, traced by
-torch.compile, so Inductor fuses them into the kernel that writes the activations: RMSNorm, SiLU-and-mul) and
-only the GEMM is the custom op, `flashrl::int8_mm`. Compiled, its divisions are Triton's, not bit-equal to vLLM's
-kernel: an engine with the switch equals a fresh engine with the switch, not one without.
+and leaves CUTLASS for every batch; an explicit N raises. Under `auto` every CUDA INT8 linear of this kind is the op
+and the op resolves `auto` when it first runs: a graph loaded from vLLM's compile cache (its AOT cache skips
+tracing, so `apply_weights` never runs) still takes the Triton path, and it does not depend on the chip that
+traced it. The switch is part of vLLM's compile-cache key (engine_args.compiled_switches).
 """
 
 from __future__ import annotations
@@ -25,30 +23,25 @@ import logging
 import torch
 
 from flashrl_tools.config.settings import settings
-from flashrl_tools.quant import quantizer
 from flashrl_tools.quant.kernels import w8a8_gemm
 
 log = logging.getLogger("flashrl_tools.runtime")
 AUTO_ROWS, AUTO_CAPABILITY = 16, (9, 0)  # `auto`: Hopper, at most 16 rows (RESULTS: Triton wins to 16 rows on an H200)
 max_rows = 0  # FLASHRL_DECODE_GEMM, set by `configure` (0: off; read while torch.compile traces)
-fuse_act_quant = False  # FLASHRL_FUSE_ACT_QUANT, set by `configure`
 _auto = False  # `auto` not yet resolved: resolved on the first CUDA call, by that device
 _used: set[int] = set()  # non-empty once the Triton path ran (logged once)
-_used_fused: set[int] = set()  # non-empty once `int8_mm` ran (logged once)
 _warmed: set[tuple] = set()  # the operand kinds and layer shapes whose tile variants are compiled
 
 
-def configure(value: str, fuse: bool = False) -> None:
-    """FLASHRL_DECODE_GEMM as validated by the plan: "auto" or a row count (0: off); FLASHRL_FUSE_ACT_QUANT."""
-    global max_rows, _auto, fuse_act_quant
-    _auto, max_rows, fuse_act_quant = value == "auto", 0 if value == "auto" else int(value), fuse
+def configure(value: str) -> None:
+    """FLASHRL_DECODE_GEMM as validated by the plan: "auto" or a row count (0: off)."""
+    global max_rows, _auto
+    _auto, max_rows = value == "auto", 0 if value == "auto" else int(value)
 
 
 def _resolve(device: torch.device) -> None:
     """`auto` -> AUTO_ROWS on a Hopper device, else off; once per process, on its first CUDA activations (the
-    adapter installs before the worker has a device, and the front-end process must not initialize CUDA). Under
-    `auto` every CUDA INT8 linear is the op (vLLM's kernels unless resolved to rows), so a compiled graph does not
-    depend on the chip that traced it."""
+    adapter installs before the worker has a device, and the front-end process must not initialize CUDA)."""
     global max_rows, _auto
     if _auto:
         _auto = False
@@ -59,36 +52,22 @@ def _resolve(device: torch.device) -> None:
 def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     from vllm import _custom_ops as ops
 
-    x_q, x_s, _ = ops.scaled_int8_quant(x.reshape(-1, x.shape[-1]).contiguous(), None, None, symmetric=True)
-    return _gemm(x_q, x_s, w_q, w_s, x.dtype, bias).reshape(*x.shape[:-1], w_q.shape[1])
-
-
-@torch.library.custom_op("flashrl::int8_mm", mutates_args=())
-def int8_mm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None,
-            out_dtype: torch.dtype) -> torch.Tensor:
-    if not _used_fused:  # here, not in apply_weights: torch.compile traces that, it never sees this body
-        log.info("INT8 linears take activations quantized by torch ops (FLASHRL_FUSE_ACT_QUANT)")
-        _used_fused.add(1)
-    return _gemm(x_q, x_s, w_q, w_s, out_dtype, bias)
-
-
-def _gemm(x_q, x_s, w_q, w_s, dtype, bias) -> torch.Tensor:
-    """INT8 activations x INT8 weights: flashrl's Triton GEMM at <= max_rows rows, vLLM's CUTLASS kernel above."""
-    from vllm import _custom_ops as ops
-
-    if _auto and x_q.is_cuda:  # here, at run time: a graph loaded from vLLM's compile cache never traces apply_weights
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x_q, x_s, _ = ops.scaled_int8_quant(x2, None, None, symmetric=True)
+    if _auto and x_q.is_cuda:  # at run time: a graph from vLLM's compile cache never traced apply_weights
         _resolve(x_q.device)
-    kind = (bias is None, w_s.numel() > 1, dtype, tuple(w_q.shape))  # the tiles depend on the layer's shape
+    kind = (bias is None, w_s.numel() > 1, x.dtype, tuple(w_q.shape))  # the tiles depend on the layer's shape
     if max_rows and kind not in _warmed and x_q.is_cuda and not torch.cuda.is_current_stream_capturing():
-        _warm(x_q, w_q, x_s, w_s, dtype, bias)  # before a graph captures it (vLLM's profile run)
+        _warm(x_q, w_q, x_s, w_s, x.dtype, bias)  # before a graph captures it (vLLM's profile run)
         _warmed.add(kind)
-    if w8a8_gemm.served(x_q, w_q, dtype, max_rows):
-        out = w8a8_gemm.w8a8_mm(x_q, w_q, x_s, w_s, dtype, bias)
+    if w8a8_gemm.served(x_q, w_q, x.dtype, max_rows):
+        out = w8a8_gemm.w8a8_mm(x_q, w_q, x_s, w_s, x.dtype, bias)
         if not _used:
             log.info("INT8 linears at <= %d rows through flashrl's Triton GEMM (FLASHRL_DECODE_GEMM)", max_rows)
             _used.add(1)
-        return out
-    return ops.cutlass_scaled_mm(x_q, w_q, scale_a=x_s, scale_b=w_s, out_dtype=dtype, bias=bias)
+    else:
+        out = ops.cutlass_scaled_mm(x_q, w_q, scale_a=x_s, scale_b=w_s, out_dtype=x.dtype, bias=bias)
+    return out.reshape(*x.shape[:-1], w_q.shape[1])
 
 
 def _warm(x_q, w_q, x_s, w_s, dtype, bias) -> None:
@@ -109,19 +88,10 @@ def _(x, w_q, w_s, bias):
     return x.new_empty((*x.shape[:-1], w_q.shape[1]))
 
 
-@int8_mm.register_fake
-def _(x_q, x_s, w_q, w_s, bias, out_dtype):
-    return x_q.new_empty((x_q.shape[0], w_q.shape[1]), dtype=out_dtype)
-
-
 def apply_weights(original, kernel, layer, x, bias=None, *args, **kwargs):
     """AROUND vLLM's CUTLASS INT8 kernel's `apply_weights`: dynamic symmetric per-token activations go through
-    flashrl's ops on CUDA when FLASHRL_DECODE_GEMM or FLASHRL_FUSE_ACT_QUANT is on; everything else is vLLM's
-    own path."""
+    `flashrl::int8_linear` on CUDA when FLASHRL_DECODE_GEMM is on or `auto`; everything else is vLLM's own path."""
     w_q, w_s, i_s, _i_zp, azp_adj = kernel._get_layer_params(layer)
-    if not (max_rows or _auto or fuse_act_quant) or args or kwargs or i_s is not None or azp_adj is not None or not x.is_cuda:
+    if not (max_rows or _auto) or args or kwargs or i_s is not None or azp_adj is not None or not x.is_cuda:
         return original(kernel, layer, x, bias, *args, **kwargs)
-    if not fuse_act_quant:
-        return torch.ops.flashrl.int8_linear(x, w_q, w_s, bias)
-    x_q, x_s = quantizer.int8_per_token(x.reshape(-1, x.shape[-1]))
-    return torch.ops.flashrl.int8_mm(x_q, x_s, w_q, w_s, bias, x.dtype).reshape(*x.shape[:-1], w_q.shape[1])
+    return torch.ops.flashrl.int8_linear(x, w_q, w_s, bias)

@@ -108,8 +108,7 @@ def compiled_switches() -> dict:
     compile cache (the AOT one included, which skips tracing) keys on them through `additional_config`."""
     from flashrl_tools.config.settings import settings
 
-    s = settings()
-    return {"decode_gemm": s.decode_gemm, "fuse_act_quant": s.fuse_act_quant}
+    return {"decode_gemm": settings().decode_gemm}
 
 
 def _resolve_online_quantization(args) -> None:
