@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran 2026-11-27 on commits 1151b1c and f555be4 (benchmarks/RESULTS.md "INT8's activation quantization fused by
+# torch.compile"); the switch was reverted in 7ee70bd, so a run now times vLLM's kernel on both sides.
 # Issue 45, FLASHRL_FUSE_ACT_QUANT (INT8 activations quantized by torch ops that Inductor fuses into RMSNorm /
 # SiLU-and-mul) by band against vLLM's quantization kernel, and the GPU tests under FLASHRL_DECODE_GEMM's default
 # (`auto`, 16 rows on Hopper). On a 2-GPU host, after scripts/gpu_install.sh (~18 minutes):
