@@ -180,9 +180,13 @@ def run_cases(fn, cases: list, jobs: int, results: str, **meta) -> dict:
     return rows
 
 
-def module_rows(request, cases: list, run_case, work: Path, jobs: int, results: str, **meta) -> dict:
-    """For a module-scoped fixture: run the module's selected cases (`run_case(case, work)`) side by side."""
-    return run_cases(lambda c: run_case(c, work), selected(request, "case", cases), jobs, results, **meta)
+def module_rows(request, cases: list, run_case, work: Path, jobs: int, results: str, needs=None, **meta) -> dict:
+    """For a module-scoped fixture: run the module's selected cases (`run_case(case, work)`) side by side, and
+    the case each of them is compared with (`needs(case)`: a case name or None), selected by -k or not."""
+    chosen = selected(request, "case", cases)
+    extra = [b for b in (needs(c) for c in chosen) if b] if needs else []
+    chosen = [c for c in cases if c in chosen or c in extra]
+    return run_cases(lambda c: run_case(c, work), chosen, jobs, results, **meta)
 
 
 def assert_exact(row: dict) -> None:
