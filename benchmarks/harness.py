@@ -11,13 +11,14 @@ from pathlib import Path
 
 
 def preset_options(args, presets: dict, gpu_util: float) -> tuple[dict, float, Path]:
-    """(options: the preset's values overridden by the flags given, gpu_memory_utilization, work dir)."""
+    """(options: the preset's values overridden by the flags given, gpu_memory_utilization (the flag, else the
+    preset's, else `gpu_util` on a GPU and 0.3 on the CPU), work dir)."""
     import torch
 
     gpu = torch.cuda.is_available()
     preset = presets[args.preset or ("gpu" if gpu else "cpu")]
     opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in preset.items()}
-    util = args.gpu_memory_utilization or (gpu_util if gpu else 0.3)
+    util = opts.pop("gpu_memory_utilization", None) or (gpu_util if gpu else 0.3)
     return opts, util, Path(args.workdir or tempfile.mkdtemp(prefix="flashrl-bench-"))
 
 

@@ -20,6 +20,7 @@ runtime logged them, FLASHRL_SYNC_TIMING, in every engine process -- SGLang's sc
     python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step_7b.json
     python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
     python benchmarks/rl_step.py --preset dapo      # Qwen3-8B / 7B / 14B, prompts of 1-2k tokens, responses <= 16k
+    python benchmarks/rl_step.py --preset colocated --stats  # verl's colocated share (0.5 of the GPU), 256 sequences
     python benchmarks/rl_step.py --engine sglang --shapes 7b --configs bf16,int8+kv   # GPU, SGLang 0.5.17
     python benchmarks/rl_step.py --shapes 7b --configs bf16,int8+kv --step-bands     # + the rollout by running requests
 
@@ -56,6 +57,11 @@ PRESETS = {
     # issue 45's anchors (NeMo-RL's Qwen3-8B FP8 report, DAPO): prompts of 1-2k tokens, responses up to 16k
     "dapo": dict(shapes="qwen3-8b,7b,14b", configs="bf16,int8+kv,fp8+kv", prompts=64, samples=8,
                  prompt_len="1024-2048", max_len=16384),
+    # the colocated trainer's rollout (issue 45's anchors): the engine gets verl's default share of the GPU
+    # (rollout.gpu_memory_utilization 0.5; NeMo-RL's FP8 recipe 0.5, TRL colocate 0.3) and 256 sequences, NeMo-RL's
+    # Qwen3-8B recipe per engine (64 prompts x 32 on 8 GPUs); the goal rows' lengths
+    "colocated": dict(shapes="qwen3-8b,14b", configs="bf16,int8+kv", prompts=32, samples=8, prompt_len=1024,
+                      max_len=8192, gpu_memory_utilization=0.5),
 }
 
 

@@ -5,7 +5,9 @@
 #   GPU 0  vLLM 7B: bf16, int8 + FP8 KV, int8          GPU 1  vLLM 14B: the same
 #   GPU 2  SGLang 7B (fa3, overlap on): bf16, int8 + FP8 KV, int8      GPU 3  SGLang 14B: the same (never run before)
 # On 2 GPUs (the 4-GPU kinds are not always lent), QUEUES picks the queues, "GPU:ENGINE:SHAPE:CONFIGS" per line, e.g.
-# SGLang's 14B rows alone (~10 minutes): QUEUES=$'0:sglang:14b:bf16,int8\n1:sglang:14b:int8+kv'
+# SGLang's 14B rows alone (~10 minutes): QUEUES=$'0:sglang:14b:bf16,int8\n1:sglang:14b:int8+kv'; lines naming
+# the same GPU run one after the other, in their order. ARGS replaces the workload's flags (default the goal rows':
+# `--prompts 16 --gpu-memory-utilization 0.85`), e.g. ARGS="--preset colocated --stats" for verl's colocated share.
 #   setsid nohup bash scripts/gpu_job_goal.sh RES > RES/job.out 2>&1 < /dev/null &
 # -> RES/goal/ENGINE_SHAPE_CONFIG.{json,log}; RES/SESSIONDONE at the end
 set -uo pipefail
@@ -20,15 +22,18 @@ queue() {  # queue GPU ENGINE SHAPE [CONFIGS]: the configs (bf16,int8+kv,int8) o
   local gpu=$1 engine=$2 shape=$3 configs=${4:-bf16,int8+kv,int8} config extra path=$PYTHONPATH
   if [ "$engine" = sglang ]; then extra=(--engine sglang --attention-backend fa3); path=$SGL; else extra=(--step-bands); fi
   for config in ${configs//,/ }; do
+    # shellcheck disable=SC2086  # ARGS is a list of flags
     CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$path timeout 1200 python3 benchmarks/rl_step.py --shapes "$shape" \
-      --configs "$config" --prompts 16 --unseeded --first-max-len 256 --gpu-memory-utilization 0.85 "${extra[@]}" \
+      --configs "$config" ${ARGS:---prompts 16 --gpu-memory-utilization 0.85} --unseeded --first-max-len 256 "${extra[@]}" \
       --workdir "/root/w/goal-$gpu" --json "$O/${engine}_${shape}_$config.json" > "$O/${engine}_${shape}_$config.log" 2>&1
     echo "exit $?" >> "$O/${engine}_${shape}_$config.log"
   done
 }
 QUEUES=${QUEUES:-$'0:vllm:7b\n1:vllm:14b\n2:sglang:7b\n3:sglang:14b'}
-while IFS=: read -r gpu engine shape configs; do
-  [ -n "$gpu" ] && queue "$gpu" "$engine" "$shape" "$configs" &
-done <<< "$QUEUES"
+for g in $(cut -d: -f1 <<< "$QUEUES" | sort -u); do  # one background queue per GPU, its lines in order
+  grep "^$g:" <<< "$QUEUES" | while IFS=: read -r gpu engine shape configs; do
+    queue "$gpu" "$engine" "$shape" "$configs"
+  done &
+done
 wait
 touch "$RES/SESSIONDONE"

@@ -147,6 +147,26 @@ def test_rl_step_dapo_workload_prompt_lengths_and_the_qwen3_8b_shape(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+def test_rl_step_colocated_preset_gives_the_engine_verls_share_of_the_gpu(tmp_path):
+    """Issue 45's colocated workload: the preset's gpu_memory_utilization (verl's rollout default, 0.5) and 256
+    sequences per engine, unless the flags say otherwise; presets without one keep the script's default."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from harness import preset_options
+    from rl_step import PRESETS
+
+    def resolve(preset, util=None, prompts=None):
+        args = argparse.Namespace(preset=preset, gpu_memory_utilization=util, workdir=str(tmp_path), shapes=None,
+                                  configs=None, prompts=prompts, samples=None, prompt_len=None, max_len=None)
+        return preset_options(args, PRESETS, gpu_util=0.85)
+
+    opts, util, _ = resolve("colocated")
+    assert util == 0.5 and opts["prompts"] * opts["samples"] == 256 and "gpu_memory_utilization" not in opts
+    assert resolve("colocated", util=0.3, prompts=16)[:2] == ({**opts, "prompts": 16}, 0.3)
+    assert resolve("dapo")[1] in (0.85, 0.3)  # the script's default on a GPU, 0.3 on the CPU
+
+
 def test_rl_step_on_sglang_sends_the_vllm_rows_requests_and_times_the_rollout_after_the_sync(tmp_path, monkeypatch):
     """`rl_step --engine sglang` (GPU only: SGLang is not installed here) against a stand-in Engine: the same
     prompts, lengths and seeds as the vLLM worker's, the rollout before the sync capped, two syncs (the first
