@@ -818,3 +818,62 @@ def test_a_calibration_request_sglang_drops_from_its_queue_does_not_hold_the_nex
     u = req(calibration_rid("u", 0))
     add(u)
     assert t[2].aborted and sched.waiting_queue[-1] is u and getattr(sched, scheduler.CALIBRATING) is u
+
+
+class MHATokenToKVPool:
+    """SGLang's token-major KV pool as kv_store reads it: FP8 stored as bytes, one buffer per layer."""
+
+    def __init__(self, dtype=torch.float8_e4m3fn, slots=8, heads=2, dim=4):
+        self.dtype, self.start_layer = dtype, 0
+        self.is_quantized_kv_cache, self.use_hnd, self.kv_cache_layout = False, False, "nhd"
+        store = torch.uint8 if dtype == torch.float8_e4m3fn else dtype
+        self.k_buffer = [torch.zeros(slots, heads, dim, dtype=store) for _ in range(2)]
+        self.v_buffer = [torch.zeros(slots, heads, dim, dtype=store) for _ in range(2)]
+        self.stock = []
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, k_scale=None, v_scale=None, layer_id_override=None,
+                      dcp_kv_mask=None):  # SGLang's five-kernel path, recorded
+        self.stock.append(layer.layer_id)
+
+
+def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglangs_store(monkeypatch):
+    """kv_store: inside fa3's forward_decode an FP8 E4M3 pool's store goes to SGLang's fused kernel (the layer's
+    buffers viewed as FP8, the KVWriteLoc's loc, the scale tensors); outside decode, for a BF16 pool, with a DCP
+    mask, with float scales or with FLASHRL_FUSED_KV_STORE=0 SGLang's own store runs."""
+    from flashrl_tools.runtime.sglang import kv_store
+
+    calls = []
+    monkeypatch.setattr(kv_store, "on_device", lambda t: True)  # the kernel is CUDA's: a stand-in here
+    monkeypatch.setattr(kv_store, "kernel", lambda: lambda *a: calls.append(a))
+    monkeypatch.setattr(kv_store, "_state", {})
+    pool, layer = MHATokenToKVPool(), SimpleNamespace(layer_id=1)
+    k, v = torch.randn(3, 2, 4, dtype=torch.bfloat16), torch.randn(3, 2, 4, dtype=torch.bfloat16)
+    scale = torch.full((), 0.5)
+    loc = SimpleNamespace(loc=torch.tensor([5, 0, 7]), swa_loc=None)
+
+    def store(p, *args, **kwargs):
+        return kv_store.set_kv_buffer(type(p).set_kv_buffer, p, *args, **kwargs)
+
+    def decode(p, *args, **kwargs):  # fa3's forward_decode under the kv_store_decode hook
+        return kv_store.in_decode(lambda _backend: store(p, *args, **kwargs), None)
+
+    store(pool, layer, loc, k, v, scale, scale)  # a prefill
+    assert pool.stock == [1] and not calls
+    decode(pool, layer, loc, k, v, scale, scale)
+    assert pool.stock == [1] and len(calls) == 1 and kv_store._decoding == 0
+    q, ck, cv, kc, vc, where, ks, vs = calls[0]
+    assert q is None and ck is k and cv is v and where is loc.loc and ks is scale and vs is scale
+    assert kc.dtype == torch.float8_e4m3fn and kc.data_ptr() == pool.k_buffer[1].data_ptr()
+    assert vc.data_ptr() == pool.v_buffer[1].data_ptr()
+    decode(pool, layer, loc.loc, k, v)  # a bare loc, no scales (the kernel's 1.0)
+    assert len(calls) == 2 and calls[1][5] is loc.loc and calls[1][6] is None
+    for args, kwargs in (((MHATokenToKVPool(torch.bfloat16), layer, loc, k, v, scale, scale), {}),
+                         ((pool, layer, loc, k, v, scale, scale), {"dcp_kv_mask": torch.ones(3, dtype=torch.bool)}),
+                         ((pool, layer, loc, k, v, 0.5, 0.5), {}),
+                         ((pool, layer, loc, k, v[:, :1], scale, scale), {})):
+        decode(*args, **kwargs)
+    assert len(calls) == 2 and pool.stock == [1, 1, 1, 1]
+    monkeypatch.setattr(kv_store, "_state", {})
+    monkeypatch.setenv("FLASHRL_FUSED_KV_STORE", "0")
+    decode(pool, layer, loc, k, v, scale, scale)
+    assert len(calls) == 2 and pool.stock == [1, 1, 1, 1, 1]

@@ -12,7 +12,7 @@ FLASHRL_KV_CACHE_DTYPE changed is refused there (`check_env`)."""
 from __future__ import annotations
 
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
-from flashrl_tools.runtime.sglang import kv_front, pause, process, scheduler, server_args, weight_sync
+from flashrl_tools.runtime.sglang import kv_front, kv_store, pause, process, scheduler, server_args, weight_sync
 
 _CT = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
 _TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -32,6 +32,12 @@ HOOKS: tuple[Hook, ...] = (
          weight_sync.around_processing, HookKind.AROUND, "scheduler", "the same for MoE experts"),
     Hook("model_runner", "sglang.srt.model_executor.model_runner.ModelRunner.load_model", weight_sync.runner_loaded,
          HookKind.AFTER, "scheduler", "a sync session replaces `model.load_weights`; FP8 KV scales state"),
+    Hook("kv_store_decode", "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend.forward_decode",
+         kv_store.in_decode, HookKind.AROUND, "scheduler", "FP8 KV cache: marks fa3's decode step (it does not read "
+         "K / V again after storing them)", optional=True),
+    Hook("kv_store", "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer", kv_store.set_kv_buffer,
+         HookKind.AROUND, "scheduler", "FP8 KV cache, fa3's decode: K / V scaled, cast and stored in one kernel "
+         "(SGLang's `fused_fp8_qkv_kv_cache`) instead of five (FLASHRL_FUSED_KV_STORE)"),
     Hook("direct_updates", "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
          "update_weights_from_tensor", scheduler.direct_updates, HookKind.BEFORE, "scheduler",
          "refuse `load_format=\"direct\"` and custom loaders (they bypass `load_weights`)"),

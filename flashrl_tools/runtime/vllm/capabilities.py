@@ -15,6 +15,8 @@ _SETTINGS = {
     "FLASHRL_INPLACE_SYNC": Setting("1: 8-bit linears of a known kernel layout written in place; tp: tensor-parallel "
                                     "ones too; 0: vLLM's layerwise reload for every layer", ("1", "0", "tp")),
     "FLASHRL_SYNC_DIGEST": Setting("each worker writes its weight digest after every complete sync"),
+    "FLASHRL_FUSED_KV_STORE": Setting("no effect: vLLM's cache write scales, casts and stores K / V in one kernel "
+                                      "(the switch is SGLang's)"),
     "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
                                    "(bit-equal to vLLM's CUTLASS kernel; GPU); unset / auto: 16 on Hopper (sm_90), "
                                    "else off; 0: CUTLASS for every batch"),
