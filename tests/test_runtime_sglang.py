@@ -837,15 +837,16 @@ class MHATokenToKVPool:
 
 
 def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglangs_store(monkeypatch):
-    """kv_store: inside fa3's forward_decode an FP8 E4M3 pool's store goes to SGLang's fused kernel (the layer's
-    buffers viewed as FP8, the KVWriteLoc's loc, the scale tensors); outside decode, for a BF16 pool, with a DCP
-    mask, with float scales or with FLASHRL_FUSED_KV_STORE=0 SGLang's own store runs."""
+    """kv_store (FLASHRL_FUSED_KV_STORE=1): inside fa3's forward_decode an FP8 E4M3 pool's store goes to SGLang's
+    fused kernel (the layer's buffers viewed as FP8, the KVWriteLoc's loc, the scale tensors); outside decode,
+    for a BF16 pool, with a DCP mask, with float scales or without the switch SGLang's own store runs."""
     from flashrl_tools.runtime.sglang import kv_store
 
     calls = []
     monkeypatch.setattr(kv_store, "on_device", lambda t: True)  # the kernel is CUDA's: a stand-in here
     monkeypatch.setattr(kv_store, "kernel", lambda: lambda *a: calls.append(a))
     monkeypatch.setattr(kv_store, "_state", {})
+    monkeypatch.setenv("FLASHRL_FUSED_KV_STORE", "1")
     pool, layer = MHATokenToKVPool(), SimpleNamespace(layer_id=1)
     k, v = torch.randn(3, 2, 4, dtype=torch.bfloat16), torch.randn(3, 2, 4, dtype=torch.bfloat16)
     scale = torch.full((), 0.5)
@@ -874,6 +875,6 @@ def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglang
         decode(*args, **kwargs)
     assert len(calls) == 2 and pool.stock == [1, 1, 1, 1]
     monkeypatch.setattr(kv_store, "_state", {})
-    monkeypatch.setenv("FLASHRL_FUSED_KV_STORE", "0")
+    monkeypatch.delenv("FLASHRL_FUSED_KV_STORE")  # off by default (until its GPU engine test has run)
     decode(pool, layer, loc, k, v, scale, scale)
     assert len(calls) == 2 and pool.stock == [1, 1, 1, 1, 1]

@@ -1,9 +1,10 @@
 """The fused FP8 KV store on the GPU (runtime/sglang/kv_store.py: SGLang's `fused_fp8_qkv_kv_cache`, which fa3's
-decode takes under the runtime) against SGLang's five-kernel store (`set_kv_buffer`: K / V divided in place by a
-0-dim float32 scale, cast to FP8). A Qwen3-8B-shaped layer's K and V (8 heads x 128) for 256 tokens into random
-slots of a 1,024-slot pool: only those slots written, every value within one FP8 step of SGLang's and nearly all
-bit-equal; past 464 SGLang's cast gives NaN where the fused kernel saturates at 448. The engine with the fused
-store equals a fresh one: test_sglang.py's `dense-int8+kv@fa3`."""
+decode takes under FLASHRL_FUSED_KV_STORE=1) against SGLang's five-kernel store (`set_kv_buffer`: K / V divided in
+place by a 0-dim float32 scale, cast to FP8). A Qwen3-8B-shaped layer's K and V (8 heads x 128) for 256 tokens
+into random slots of a 1,024-slot pool: only those slots written, every value within one FP8 step of SGLang's,
+at most 4 % not bit-equal (2026-11-27, H200: 2.97 % of K; the first bound, 1 %, was a guess and failed); past
+464 SGLang's cast gives NaN where the fused kernel saturates at 448. The engine with the fused store equals a
+fresh one: test_sglang.py's `dense-int8+kv@fa3` with the switch on (scripts/gpu_job_kv_store.sh)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def test_fused_fp8_kv_store_writes_sglangs_values_within_one_fp8_step():
         assert bool((got[~finite].abs() == 448).all()), name
         row[name] = {"elements": ref.numel(), "not_bit_equal": int((got != ref)[finite].sum()),
                      "nan_in_sglangs_store": int((~finite).sum())}
-        assert row[name]["not_bit_equal"] <= ref.numel() // 100, row
+        # SGLang's store rounds to BF16 before FP8: where that lands on the other side of an FP8 midpoint (about
+        # 1 / 32 of the elements: BF16's step is 1/16 of E4M3's, half of it flips) the two are one step apart
+        assert row[name]["not_bit_equal"] <= ref.numel() // 25, row
     assert row["k"]["nan_in_sglangs_store"] == 1  # -30 / 0.05 = -600; 20 / 0.05 = 400 stays finite
     out = os.environ.get("FLASHRL_GPU_RESULTS")
     if out:

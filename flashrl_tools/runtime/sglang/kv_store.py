@@ -6,9 +6,11 @@ BF16 cache takes one. SGLang ships the fused kernel its TRT-LLM backend uses (`f
 cast and store of K and V in one, reading the scale tensors, so captured decode graphs see recalibrated
 scales). While fa3's `forward_decode` runs -- it reads K and V from the cache, not again after the store -- the
 pool's store takes that kernel. Its values are SGLang's TRT-LLM backend's: K * (1 / scale) rounded once to FP8
-and saturated at 448, where the five kernels divide, round to BF16, then to FP8 (NaN past 464): a few elements
-land one FP8 step apart. Prefill keeps SGLang's path (some of its paths read the divided K / V after the
-store). FLASHRL_FUSED_KV_STORE=0: SGLang's path everywhere."""
+and saturated at 448, where the five kernels divide, round to BF16, then to FP8 (NaN past 464): ~3 % of the
+elements land one FP8 step apart (the BF16 rounding in between; tests/gpu/test_sglang_kv_store.py). Prefill
+keeps SGLang's path (some of its paths read the divided K / V after the store). FLASHRL_FUSED_KV_STORE=1 turns
+it on (4 % off a Qwen3-8B step on an H200); off by default until the engine test with it (tests/gpu/
+test_sglang.py `dense-int8+kv@fa3`: synced = fresh) has run on a GPU."""
 
 from __future__ import annotations
 
