@@ -868,6 +868,9 @@ def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglang
     assert vc.data_ptr() == pool.v_buffer[1].data_ptr()
     decode(pool, layer, loc.loc, k, v)  # a bare loc, no scales (the kernel's 1.0)
     assert len(calls) == 2 and calls[1][5] is loc.loc and calls[1][6] is None
+    decode(pool, layer, loc, k, v, k_scale=scale, v_scale=scale, layer_id_override=None)  # scales by name
+    assert len(calls) == 3 and calls[2][6] is scale and calls[2][7] is scale
+    calls.pop()
     for args, kwargs in (((MHATokenToKVPool(torch.bfloat16), layer, loc, k, v, scale, scale), {}),
                          ((pool, layer, loc, k, v, scale, scale), {"dcp_kv_mask": torch.ones(3, dtype=torch.bool)}),
                          ((pool, layer, loc, k, v, 0.5, 0.5), {}),

@@ -32,16 +32,34 @@ def in_decode(original, backend, *args, **kwargs):
         _decoding -= 1
 
 
-def set_kv_buffer(original, pool, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None, *rest, **kwargs):
-    """AROUND `MHATokenToKVPool.set_kv_buffer`: the fused store where `fusable`, SGLang's otherwise."""
-    if _decoding and not rest and all(v is None for v in kwargs.values()) and fusable(pool, cache_k, cache_v,
-                                                                                        k_scale, v_scale):
-        return store(pool, layer, loc_info, cache_k, cache_v, k_scale, v_scale)
-    return original(pool, layer, loc_info, cache_k, cache_v, k_scale, v_scale, *rest, **kwargs)
+_ARGS = ("layer", "loc_info", "k", "v", "k_scale", "v_scale")  # set_kv_buffer's first parameters (0.5.17)
+
+
+def set_kv_buffer(original, pool, *args, **kwargs):
+    """AROUND `MHATokenToKVPool.set_kv_buffer`: the fused store where `fusable` (its other parameters --
+    layer_id_override, dcp_kv_mask -- unset), SGLang's otherwise."""
+    if _decoding and 4 <= len(args) <= 6 and switched_on():
+        named = dict(zip(_ARGS, args))
+        scales = {k: kwargs[k] for k in ("k_scale", "v_scale") if k in kwargs and k not in named}
+        rest = {k: v for k, v in kwargs.items() if k not in scales}
+        if all(v is None for v in rest.values()):
+            named.update(scales)
+            if fusable(pool, named["k"], named["v"], named.get("k_scale"), named.get("v_scale")):
+                return store(pool, **{"k_scale": None, "v_scale": None, **named})
+    return original(pool, *args, **kwargs)
 
 
 def on_device(t) -> bool:
     return t.is_cuda
+
+
+def switched_on() -> bool:
+    """FLASHRL_FUSED_KV_STORE, read once per process."""
+    if "on" not in _state:
+        from flashrl_tools.config.settings import settings
+
+        _state["on"] = settings().fused_kv_store
+    return _state["on"]
 
 
 def fusable(pool, k, v, k_scale, v_scale) -> bool:
@@ -49,11 +67,7 @@ def fusable(pool, k, v, k_scale, v_scale) -> bool:
     tensors (or none): what the fused kernel takes."""
     import torch
 
-    if "on" not in _state:
-        from flashrl_tools.config.settings import settings
-
-        _state["on"] = settings().fused_kv_store
-    return (_state["on"] and type(pool).__name__ == "MHATokenToKVPool"
+    return (type(pool).__name__ == "MHATokenToKVPool"
             and getattr(pool, "dtype", None) == torch.float8_e4m3fn
             and not getattr(pool, "is_quantized_kv_cache", False) and not getattr(pool, "use_hnd", False)
             and getattr(pool, "kv_cache_layout", "nhd") == "nhd"
