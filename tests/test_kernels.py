@@ -193,3 +193,135 @@ def test_decode_gemm_auto_is_16_rows_on_hopper_only_and_falls_back_if_triton_fai
             with caplog.at_level("WARNING", logger="flashrl_tools.runtime"):
                 decode_gemm._warm(None, None, None, None, torch.bfloat16, None)
             assert decode_gemm.max_rows == 0 and "CUTLASS for every batch" in caplog.text
+
+
+def _paged_batch(lens, q_heads, kv_heads, d=128, page=16, fp8_query=True, device="cpu", seed=0,
+                 query_dtype=torch.bfloat16):
+    """A decode batch over a paged FP8 cache in vLLM's NHD layout ([blocks, page, kv_heads, K|V]), pages shuffled;
+    sequence 1 is a padded request (no query token)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    pages = [(int(n) + page - 1) // page for n in lens]
+    perm = torch.randperm(sum(pages) + 1, generator=g, device=device).to(torch.int32)
+    bt = torch.zeros(len(pages), max(pages), dtype=torch.int32, device=device)
+    off = 0
+    for i, p in enumerate(pages):
+        bt[i, :p] = perm[off:off + p]
+        off += p
+    raw = (torch.randn(sum(pages) + 1, page, kv_heads, 2 * d, generator=g, device=device) * 3).to(torch.float8_e4m3fn)
+    qsl = torch.tensor([0, 1, 1] + list(range(2, len(pages))), dtype=torch.int32, device=device)
+    q = torch.randn(len(pages) - 1, q_heads, d, generator=g, device=device).to(query_dtype)
+    qs = torch.tensor([0.04], device=device)
+    scales = {"k_scale": torch.tensor([0.03], device=device), "v_scale": torch.tensor([0.02], device=device)}
+    if fp8_query:
+        q, scales["q_scale"] = (q.float() / qs).to(torch.float8_e4m3fn), qs
+    return q, raw[..., :d], raw[..., d:], bt, lens, qsl, scales
+
+
+def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
+    """Run inside a process started with TRITON_INTERPRET=1 (Triton reads it when it is imported)."""
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+
+    # a 16-bit query in FP16: Triton's interpreter multiplies BF16 as integers (the GPU test covers BF16)
+    q, k, v, bt, lens, qsl, sc = _paged_batch([37, 0, 100, 5, 16], q_heads, kv_heads, fp8_query=fp8_query,
+                                              query_dtype=torch.float16)
+    ref = fp8_decode_attn.reference(q, k, v, bt, lens, qsl, 128 ** -0.5, **sc)
+    assert ref[0].abs().max() > 0
+    for splits in (1, 4):
+        out = torch.full((q.shape[0] + 1, *q.shape[1:]), 7.0, dtype=torch.bfloat16)
+        fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32, **sc)
+        real = [0, 1, 2, 3]  # the tokens of sequences 0, 2, 3, 4
+        err = (out[real].float() - ref[real]).abs().max()
+        assert err <= 2 ** -7 * ref[real].abs().max(), (splits, float(err))  # one BF16 step (the interpreter truncates)
+        assert torch.all(out[4] == 7.0)  # no sequence's token: untouched
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,fp8_query", [(8, 2, True), (7, 1, True), (4, 2, False)])
+def test_fp8_decode_attention_matches_the_float32_reference(q_heads, kv_heads, fp8_query):
+    """flashrl's FP8 decode attention (issue 45) equals float32 attention over the same FP8 values to the output's
+    BF16 step, for one split and for several (the merge), a non-power-of-2 query group, an FP16 query, pages
+    in any order and a padded request. On CPU through Triton's interpreter (its own process: Triton reads
+    TRITON_INTERPRET at import); the GPU test and benchmarks/decode_attention.py run the compiled kernel."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_kernels import "
+            f"_interpreted_check; _interpreted_check({q_heads}, {kv_heads}, {fp8_query})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_fp8_decode_attention_splits_and_refusals():
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+
+    assert fp8_decode_attn.splits_for(128, 8, 132) == 1  # 1,024 programs: one pass
+    assert fp8_decode_attn.splits_for(64, 4, 132) == 2
+    assert fp8_decode_attn.splits_for(4, 8, 132) == 16 and fp8_decode_attn.splits_for(1, 1, 132) == 16
+    q, k, v, bt, lens, qsl, sc = _paged_batch([20, 0, 3], 4, 2)
+    with pytest.raises(ValueError, match="q_scale"):
+        fp8_decode_attn.fp8_decode_attention(q, k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, sc["k_scale"],
+                                             sc["v_scale"], splits=1)
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        fp8_decode_attn.fp8_decode_attention(q[:, :3], k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, splits=1, **sc)
+
+
+def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
+    """FLASHRL_DECODE_ATTN=1 (runtime/vllm/decode_attn.py): only a CUDA batch of one-token queries over an FP8 E4M3
+    cache, without cascade / window / ALiBi / soft-cap / sinks / output quantization, leaves FA3; off by default."""
+    from types import SimpleNamespace as NS
+
+    from flashrl_tools.runtime.vllm import decode_attn
+
+    impl = NS(kv_cache_dtype="fp8", sliding_window=None, alibi_slopes=None, logits_soft_cap=None, sinks=None,
+              attn_type="decoder", dcp_world_size=1)
+    meta = NS(max_query_len=1, use_cascade=False)
+    q = NS(is_cuda=True, dtype=torch.float8_e4m3fn)
+    assert decode_attn.served(impl, None, q, meta, (), {})
+    assert decode_attn.served(impl, None, NS(is_cuda=True, dtype=torch.bfloat16), meta, (), {})
+    refused = [(NS(**{**vars(impl), "kv_cache_dtype": "auto"}), meta, q, {}),
+               (NS(**{**vars(impl), "kv_cache_dtype": "fp8_e5m2"}), meta, q, {}),
+               (NS(**{**vars(impl), "sliding_window": (127, 0)}), meta, q, {}),
+               (NS(**{**vars(impl), "logits_soft_cap": 30.0}), meta, q, {}),
+               (NS(**{**vars(impl), "sinks": torch.zeros(1)}), meta, q, {}),
+               (NS(**{**vars(impl), "attn_type": "encoder_only"}), meta, q, {}),
+               (impl, NS(max_query_len=5, use_cascade=False), q, {}),
+               (impl, NS(max_query_len=1, use_cascade=True), q, {}),
+               (impl, None, q, {}),
+               (impl, meta, NS(is_cuda=False, dtype=torch.float8_e4m3fn), {}),
+               (impl, meta, q, {"output_scale": torch.ones(1)})]
+    for i, m, qq, kw in refused:
+        assert not decode_attn.served(i, None, qq, m, (), kw)
+    calls = []
+    monkeypatch.setitem(decode_attn._state, "on", False)  # the default: FA3 for every batch
+    out = decode_attn.forward(lambda *a, **k: calls.append(a) or "fa3", impl, None, q, None, None, None, meta, "out")
+    assert out == "fa3" and len(calls) == 1
+    monkeypatch.delitem(decode_attn._state, "on")
+    monkeypatch.delenv("FLASHRL_DECODE_ATTN", raising=False)
+    assert decode_attn.enabled() is False
+
+
+@cuda
+@pytest.mark.parametrize("q_heads,kv_heads,query", [(32, 8, "fp8"), (28, 4, "fp8"), (40, 8, "bf16")])
+def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, query):
+    """The compiled kernel at decode shapes (issue 45): within the output's BF16 rounding of float32 attention over
+    the same FP8 values, at the split count the engine picks and at one split, and the same bits when run again."""
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+
+    g = torch.Generator().manual_seed(q_heads)
+    lens = [int(x) for x in torch.randint(1, 5000, (48,), generator=g)]
+    lens[1] = 0
+    q, k, v, bt, lens_t, qsl, sc = _paged_batch(lens, q_heads, kv_heads, fp8_query=query == "fp8", device="cuda")
+    ref = fp8_decode_attn.reference(q, k, v, bt, lens_t, qsl, 128 ** -0.5, **sc)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for splits in (fp8_decode_attn.splits_for(len(lens), kv_heads, sms), 1, 16):
+        out = torch.zeros(q.shape, dtype=torch.bfloat16, device="cuda")
+        fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens_t, qsl, 128 ** -0.5, splits=splits, **sc)
+        err = (out.float() - ref).abs().amax(dim=(1, 2))
+        assert torch.all(err <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (splits, err.max().item())
+        again = torch.zeros_like(out)
+        fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits, **sc)
+        assert torch.equal(out, again)

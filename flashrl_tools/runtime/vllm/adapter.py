@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
-from flashrl_tools.runtime.vllm import async_front, decode_gemm, engine_args, fixes, pause, requests, sleep, weight_sync
+from flashrl_tools.runtime.vllm import (async_front, decode_attn, decode_gemm, engine_args, fixes, pause, requests, sleep,
+                                        weight_sync)
 
 _V1 = "vllm.v1.worker.worker_base.WorkerBase"
 _ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
@@ -54,6 +55,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("decode_gemm", "vllm.model_executor.kernels.linear.scaled_mm.cutlass.CutlassInt8ScaledMMLinearKernel."
          "apply_weights", decode_gemm.apply_weights, HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_GEMM=N (unset: "
          "16 on Hopper): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM (bit-equal to CUTLASS)", optional=True),
+    Hook("decode_attn", "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward", decode_attn.forward,
+         HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_ATTN=1: with an FP8 KV cache, decode batches' attention "
+         "through flashrl's Triton kernel", optional=True),
     Hook("sleep", "vllm.v1.worker.gpu_worker.Worker.sleep", sleep.sleep, HookKind.AROUND, "worker (GPU)",
          "before level 2 keep what the wake does not restore; after it refuse until a full sync", optional=True),
     Hook("wake_up", "vllm.v1.worker.gpu_worker.Worker.wake_up", sleep.wake_up, HookKind.AFTER, "worker (GPU)",

@@ -1,0 +1,187 @@
+"""Decode attention over a paged FP8 (E4M3) KV cache with per-tensor scales, in Triton (issue 45).
+
+Why: FA3's FP8 decode reads the cache at about half the bandwidth of its BF16 decode (RESULTS "The FP8 KV cache
+and the attention backend"), so halving the cache's bytes takes ~20 % off attention, not ~50 %. This kernel is
+shaped for decode only (one query token per sequence): one program per (sequence, KV head, split) holds the KV
+head's whole query group, streams the split's pages, and keeps the online softmax in float32 (split-KV
+"flash decoding"; the splits are merged by a second kernel when there is more than one).
+
+The math, per sequence and query head: `o = sum_j softmax_j(s) * v_scale * V_j` with
+`s_j = sm_scale * q_scale * k_scale * (q . K_j)`. FP8 operands are widened to FP16 (exact for E4M3), so
+`q . K_j` is the exact product sum accumulated in float32, as FA3's FP8 MMA computes it. The probabilities
+stay FP16 for the P.V product (FA3 rounds them to FP8 there). A BF16 query (no q_scale) is multiplied in
+BF16 with the keys widened to BF16 (also exact). Deterministic: no atomics; for a given split count a
+sequence's output does not depend on the other sequences of the batch.
+
+Operands: `q` [tokens, q_heads, D] (FP8 with `q_scale`, or BF16 / FP16 with `q_scale=None`); `k_cache`,
+`v_cache` [blocks, page, kv_heads, D] FP8 views with any strides (vLLM's FA layout and SGLang's token pool
+viewed with page 1 are both such views); `block_table` [seqs, max_pages] int32; `seq_lens` [seqs] int32
+(0 = a padded request: nothing written); `query_start_loc` [seqs + 1] (the token of sequence i); scales float32
+tensors of one element (read on the device, so recalibrated scales need no CUDA graph capture).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+
+
+def splits_for(num_seqs: int, kv_heads: int, sm_count: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits per sequence: enough programs for ~2 per SM. A function of the batch's shape only (not of its
+    lengths), so a captured CUDA graph holds one launch grid."""
+    programs = max(1, num_seqs * kv_heads)
+    want = -(-2 * sm_count // programs)
+    return max(1, min(max_splits, 1 << (want - 1).bit_length() if want > 1 else 1))
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr,
+                     lse_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                     stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_FP8: tl.constexpr):
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(lens_ptr + seq)
+        tok = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - tok
+        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+        if (q_len > 0) & (seq_len > 0):  # an empty split still writes its (empty) partial
+            rg = tl.arange(0, GROUP_PAD)
+            rd = tl.arange(0, D)
+            rn = tl.arange(0, BLOCK_N)
+            heads = kvh * GROUP + rg
+            gmask = rg < GROUP
+            q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + rd[None, :],
+                        mask=gmask[:, None], other=0.0)
+            if Q_FP8:
+                q = q.to(tl.float16)
+                scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
+            else:
+                scale = sm_scale * tl.load(ks_ptr) * 1.4426950408889634
+            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_sum = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, D], tl.float32)
+            bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+            k_head = k_ptr + kvh * stride_kh
+            v_head = v_ptr + kvh * stride_vh
+            for n in range(start, end, BLOCK_N):
+                t = n + rn
+                valid = t < end
+                blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
+                slot = t % PAGE
+                k = tl.load(k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :],
+                            mask=valid[:, None], other=0.0)
+                v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :],
+                            mask=valid[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+                m = m_new
+            if SPLITS == 1:
+                o = acc / l_sum[:, None] * tl.load(vs_ptr)
+                tl.store(out_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + rd[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+            else:
+                row = (seq.to(tl.int64) * q_heads + heads) * SPLITS + split
+                safe = tl.where(l_sum > 0, l_sum, 1.0)
+                tl.store(part_ptr + row[:, None] * D + rd[None, :], acc / safe[:, None], mask=gmask[:, None])
+                lse = tl.where(l_sum > 0, m + tl.log2(safe), float("-inf"))
+                tl.store(lse_ptr + row, lse, mask=gmask)
+
+    @triton.jit
+    def merge_kernel(part_ptr, lse_ptr, lens_ptr, qsl_ptr, vs_ptr, out_ptr, stride_ot, stride_oh, q_heads,
+                     D: tl.constexpr, SPLITS: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        tok = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - tok
+        if (q_len > 0) & (tl.load(lens_ptr + seq) > 0):
+            rs = tl.arange(0, SPLITS)
+            rd = tl.arange(0, D)
+            row = (seq.to(tl.int64) * q_heads + head) * SPLITS
+            lse = tl.load(lse_ptr + row + rs)
+            w = tl.exp2(lse - tl.max(lse, axis=0))
+            part = tl.load(part_ptr + (row + rs)[:, None] * D + rd[None, :])
+            o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0) * tl.load(vs_ptr)
+            tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
+
+    return split_kernel, merge_kernel
+
+
+def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         sm_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                         q_scale: torch.Tensor | None = None, splits: int | None = None,
+                         block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring)."""
+    split_kernel, merge_kernel = _kernels()
+    num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
+    kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    if q_heads % kv_heads or d & (d - 1) or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"fp8_decode_attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    group = q_heads // kv_heads
+    if splits is None:
+        splits = splits_for(num_seqs, kv_heads, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"fp8_decode_attention: splits={splits}, a power of 2 is needed")
+    q_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if q_fp8 != (q_scale is not None):
+        raise ValueError("fp8_decode_attention: an FP8 query takes q_scale, a 16-bit one does not")
+    part = lse = out
+    if splits > 1:
+        part = torch.empty((num_seqs * q_heads * splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_seqs * q_heads * splits,), dtype=torch.float32, device=q.device)
+    split_kernel[(num_seqs, kv_heads, splits)](
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, q_scale if q_fp8 else k_scale, k_scale, v_scale,
+        out, part, lse, sm_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
+        q_heads, GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=d, PAGE=page, BLOCK_N=block_n,
+        SPLITS=splits, Q_FP8=q_fp8, num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        merge_kernel[(num_seqs, q_heads)](part, lse, seq_lens, query_start_loc, v_scale, out, out.stride(0),
+                                          out.stride(1), q_heads, D=d, SPLITS=splits, num_warps=4)
+    return out
+
+
+def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sm_scale, k_scale, v_scale,
+              q_scale=None) -> torch.Tensor:
+    """The same attention in float32 torch, one sequence at a time (tests and benchmarks/decode_attention.py)."""
+    q_heads = q.shape[1]
+    kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    qf = q.float() * (q_scale.float() if q_scale is not None else 1.0)
+    for i in range(seq_lens.shape[0]):
+        n, tok = int(seq_lens[i]), int(query_start_loc[i])
+        if n == 0 or int(query_start_loc[i + 1]) == tok:
+            continue
+        t = torch.arange(n, device=q.device)
+        blk = block_table[i, t // page].long()
+        k = _gather(k_cache, blk, t % page) * k_scale.float()  # [n, kv_heads, D]
+        v = _gather(v_cache, blk, t % page) * v_scale.float()
+        k = k.repeat_interleave(q_heads // kv_heads, dim=1)
+        v = v.repeat_interleave(q_heads // kv_heads, dim=1)
+        s = torch.einsum("hd,nhd->hn", qf[tok], k) * sm_scale
+        out[tok] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+def _gather(cache: torch.Tensor, blk: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """cache[blk, slot] in float32 (indexing runs on the bytes: not every device indexes FP8 tensors)."""
+    return cache.view(torch.uint8)[blk, slot].view(cache.dtype).float()
