@@ -4,12 +4,13 @@ and flashrl's FP8 decode kernel (issue 45).
 RESULTS "The FP8 KV cache and the attention backend": FA3's FP8 decode reads the cache at about half the bandwidth
 of its BF16 decode. This script times one decode step's attention for one layer at RL-step batch shapes, each
 call replayed from a CUDA graph (as vLLM's decode steps run), in vLLM 0.26's cache layout (NHD: [blocks, page,
-kv_heads, K|V]), with random block tables and context lengths uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV
-bytes the step must read / its time. Each kernel's output is checked against a float32 reference on the same
-FP8 values (`fp8_decode_attn.reference`, the first 16 sequences). Prints a table and writes JSON; `--sweep B,..`
-also times flashrl's kernel at every split count and tile at those batch sizes.
+kv_heads, K|V]; `--layout hnd`: [blocks, kv_heads, page, K|V]), with random block tables and context lengths
+uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV bytes the step must read / its time. Each kernel's output is
+checked against a float32 reference on the same FP8 values (`fp8_decode_attn.reference`, the first 16
+sequences). Prints a table and writes JSON; `--sweep B,..` also times flashrl's kernel at every split count and
+tile at those batch sizes.
 
-    python benchmarks/decode_attention.py --shapes qwen3-8b,7b,14b --batches 256,128,64,16,4 --ctx 3000 --sweep 128,16 --json da.json
+    python benchmarks/decode_attention.py --shapes qwen3-8b,7b,14b --batches 256,128,64,16,4 --sweep 128,16 --json da.json
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1000.0
 
 
-def make_batch(q_heads: int, kv_heads: int, batch: int, ctx: int, gen: torch.Generator) -> dict:
+def make_batch(q_heads: int, kv_heads: int, batch: int, ctx: int, gen: torch.Generator, layout: str = "nhd") -> dict:
     lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (batch,), generator=gen, device="cuda", dtype=torch.int32)
     pages = [(int(n) + PAGE - 1) // PAGE for n in lens]
     total = sum(pages)
@@ -47,7 +48,11 @@ def make_batch(q_heads: int, kv_heads: int, batch: int, ctx: int, gen: torch.Gen
     for i, p in enumerate(pages):
         bt[i, :p] = perm[off:off + p]
         off += p
-    raw = (torch.randn(total + 1, PAGE, kv_heads, 2 * D, generator=gen, device="cuda") * 2).to(torch.float8_e4m3fn)
+    if layout == "hnd":  # vLLM's HND cache layout (VLLM_KV_CACHE_LAYOUT=HND): a KV head's page contiguous
+        raw = (torch.randn(total + 1, kv_heads, PAGE, 2 * D, generator=gen, device="cuda") * 2).to(
+            torch.float8_e4m3fn).transpose(1, 2)
+    else:
+        raw = (torch.randn(total + 1, PAGE, kv_heads, 2 * D, generator=gen, device="cuda") * 2).to(torch.float8_e4m3fn)
     q16 = (torch.randn(batch, q_heads, D, generator=gen, device="cuda") * 2).to(torch.bfloat16)
     q_scale = torch.tensor([0.05], device="cuda")
     return {"lens": lens, "bt": bt, "raw": raw, "q16": q16, "q8": (q16.float() / q_scale).to(torch.float8_e4m3fn),
@@ -112,6 +117,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=3000, help="mean context (lengths uniform in [ctx/2, 3 ctx/2])")
     ap.add_argument("--sweep", default="", help="batch sizes (e.g. 128,16) at which flashrl's kernel is timed at every "
                     "split count and tile")
+    ap.add_argument("--layout", default="nhd", choices=("nhd", "hnd"), help="vLLM's KV cache layout (default NHD)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -122,13 +128,14 @@ def main() -> None:
         cfg = {**QWEN25, **QWEN3}[shape]
         q_heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         for batch in (int(x) for x in args.batches.split(",")):
-            b = make_batch(q_heads, kv_heads, batch, args.ctx, gen)
+            b = make_batch(q_heads, kv_heads, batch, args.ctx, gen, args.layout)
             cands = candidates(b, q_heads, kv_heads)
             n_ref = min(batch, 16)
             ref = fp8_decode_attn.reference(b["q8"][:n_ref], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n_ref],
                                             b["lens"][:n_ref], b["qsl"][:n_ref + 1], D ** -0.5, b["k_scale"],
                                             b["v_scale"], q_scale=b["q_scale"])
-            row = {"shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "batch": batch, "ctx": args.ctx,
+            row = {"layout": args.layout, "shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "batch": batch,
+                   "ctx": args.ctx,
                    "kv_tokens": int(b["lens"].sum()),
                    "default_splits": fp8_decode_attn.splits_for(batch, kv_heads,
                                                                 torch.cuda.get_device_properties(0).multi_processor_count)}
@@ -163,7 +170,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name()
     names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8")
-    print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); contexts ~{args.ctx}")
+    print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); contexts ~{args.ctx}, "
+          f"{args.layout.upper()} layout")
     print("| shape | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |")
     for r in rows:

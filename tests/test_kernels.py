@@ -258,9 +258,10 @@ def test_fp8_decode_attention_matches_the_float32_reference(q_heads, kv_heads, f
 def test_fp8_decode_attention_splits_and_refusals():
     from flashrl_tools.quant.kernels import fp8_decode_attn
 
-    assert fp8_decode_attn.splits_for(128, 8, 132) == 1  # 1,024 programs: one pass
-    assert fp8_decode_attn.splits_for(64, 4, 132) == 2
-    assert fp8_decode_attn.splits_for(4, 8, 132) == 16 and fp8_decode_attn.splits_for(1, 1, 132) == 16
+    assert fp8_decode_attn.splits_for(128, 8, 132) == 2  # the sweep's best (H200, 132 SMs)
+    assert fp8_decode_attn.splits_for(128, 4, 132) == 4
+    assert fp8_decode_attn.splits_for(256, 8, 132) == 1
+    assert fp8_decode_attn.splits_for(16, 4, 132) == 16 and fp8_decode_attn.splits_for(1, 1, 132) == 16
     q, k, v, bt, lens, qsl, sc = _paged_batch([20, 0, 3], 4, 2)
     with pytest.raises(ValueError, match="q_scale"):
         fp8_decode_attn.fp8_decode_attention(q, k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, sc["k_scale"],
