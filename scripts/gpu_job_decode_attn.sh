@@ -31,9 +31,9 @@ G=tests/gpu
    --json "$RES/da/decode_attention_hnd.json" > "$RES/da/bench_hnd.log" 2>&1
  CUDA_VISIBLE_DEVICES=1 python3 -m pytest -rA -p no:cacheprovider tests/test_kernels.py -k "compiled or fp8_decode" \
    > "$RES/da/kernel_test.log" 2>&1
- CUDA_VISIBLE_DEVICES=1 FLASHRL_DECODE_ATTN=1 TEST_GROUPS="vllm-kv:4:vllm:$G/test_vllm_runtime.py -k kv" \
+ CUDA_VISIBLE_DEVICES=1 GPU_WORK=/root/w/gpu-tv FLASHRL_DECODE_ATTN=1 TEST_GROUPS="vllm-kv:4:vllm:$G/test_vllm_runtime.py -k kv" \
    bash scripts/gpu_tests.sh "$RES/tv" &
- CUDA_VISIBLE_DEVICES=1 FLASHRL_FUSED_KV_STORE=1 TEST_GROUPS="kv-store:1:sglang:$G/test_sglang_kv_store.py
+ CUDA_VISIBLE_DEVICES=1 GPU_WORK=/root/w/gpu-t FLASHRL_FUSED_KV_STORE=1 TEST_GROUPS="kv-store:1:sglang:$G/test_sglang_kv_store.py
 sglang:2:sglang:$G/test_sglang.py -k fa3" bash scripts/gpu_tests.sh "$RES/t" &
  wait) &
 wait
