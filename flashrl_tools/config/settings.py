@@ -25,8 +25,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_DEBUG_STACKS": ("debug_stacks", ""),
     "FLASHRL_TRITON": ("triton", "1"),
     "FLASHRL_DECODE_GEMM": ("decode_gemm", "auto"),
-    "FLASHRL_FUSED_KV_STORE": ("fused_kv_store", "0"),
-    "FLASHRL_DECODE_ATTN": ("decode_attn", "0"),
+    "FLASHRL_FUSED_KV_STORE": ("fused_kv_store", "1"),
+    "FLASHRL_DECODE_ATTN": ("decode_attn", "auto"),
     "FLASHRL_ALLOW_LEGACY_PICKLE": ("allow_legacy_pickle", "0"),
     "FLASHRL_ENGINE_ARGS": ("engine_args", ""),
 }
@@ -61,21 +61,20 @@ class Settings:
     triton: bool  # the fused Triton INT8 quantizer on CUDA
     decode_gemm: str  # "N": vLLM's INT8 linears at <= N rows (1..64) through flashrl's Triton GEMM; "0" off;
     # "auto" (unset): 16 rows on Hopper (sm_90), off elsewhere (issue 45)
-    fused_kv_store: bool  # SGLang, FP8 KV cache: fa3's decode stores K / V in one kernel (runtime/sglang/kv_store.py);
-    # off by default until its GPU engine test has run
-    decode_attn: bool  # vLLM, FP8 KV cache: decode batches' attention through flashrl's Triton kernel
-    # (runtime/vllm/decode_attn.py); off by default until measured against FA3 in the RL step
+    fused_kv_store: bool  # SGLang, FP8 KV cache: fa3's decode stores K / V in one kernel (runtime/sglang/kv_store.py)
+    decode_attn: str  # vLLM, FP8 KV cache: decode batches' attention through flashrl's Triton kernel
+    # (runtime/vllm/decode_attn.py): "1" on, "0" off, "auto" (unset): on Hopper (sm_90), off elsewhere
     allow_legacy_pickle: bool
     engine_args: str  # JSON: extra engine arguments (vllm.LLM / sglang.Engine) for the engines `verify` starts
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> Settings:
         raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
-        flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle", "fused_kv_store",
-                 "decode_attn"}
+        flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle", "fused_kv_store"}
         values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
         values["inplace_sync"] = _switch(raw["inplace_sync"], on="1", unset="1")
         values["decode_gemm"] = _switch(raw["decode_gemm"], on="64", unset="auto")  # on: w8a8_gemm.MAX_ROWS rows
+        values["decode_attn"] = _switch(raw["decode_attn"], on="1", unset="auto")
         values["logging_level"] = raw["logging_level"].upper()
         values["home"] = Path(raw["home"] or Path.home() / ".cache" / "flashrl").expanduser()
         return cls(**values)

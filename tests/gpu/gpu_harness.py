@@ -98,6 +98,16 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
     return dst
 
 
+DECODE_ATTN_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # runtime/vllm/decode_attn.py's log
+
+
+def decode_attn_expected() -> bool:
+    """Whether vLLM engines with an FP8 KV cache started here take flashrl's decode attention (FLASHRL_DECODE_ATTN:
+    1, or unset / auto on Hopper)."""
+    value = os.environ.get("FLASHRL_DECODE_ATTN", "auto").strip().lower() or "auto"
+    return value in ("1", "true", "yes", "on") or value == "auto" and torch.cuda.get_device_capability() == (9, 0)
+
+
 def async_scheduling(log: str) -> bool | None:
     """Whether the vLLM engines of a probe's log scheduled asynchronously (vLLM logs its config at start; issue 45:
     the exactness tests run with vLLM's default, on, and say so); None: no vLLM engine config in the log."""
@@ -124,7 +134,9 @@ def run_probe(probe: str, work: Path, tag: str, env: dict, req: dict, timeout: f
         return {"error": f"{probe} {tag}: exit {code}", "log_tail": log.read_text()[-4000:]}
     result = json.loads(out.read_text())
     if isinstance(result, dict):
-        result.setdefault("async_scheduling", async_scheduling(log.read_text(errors="replace")))
+        text = log.read_text(errors="replace")
+        result.setdefault("async_scheduling", async_scheduling(text))
+        result.setdefault("flashrl_decode_attn", DECODE_ATTN_LINE in text)
     return result
 
 

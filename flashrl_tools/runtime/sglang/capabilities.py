@@ -17,9 +17,9 @@ _SETTINGS = {
                                     ("1", "0")),
     "FLASHRL_DECODE_GEMM": Setting("no effect: SGLang's INT8 linears run sgl-kernel's GEMM at every batch size "
                                    "(the switch is vLLM's)"),
-    "FLASHRL_FUSED_KV_STORE": Setting("1: with an FP8 KV cache, fa3's decode stores K / V in one kernel (SGLang's "
-                                      "fused_fp8_qkv_kv_cache) instead of five (4 % off a Qwen3-8B step, H200); "
-                                      "0 (default until its GPU engine test has run): SGLang's store"),
+    "FLASHRL_FUSED_KV_STORE": Setting("1 (default): with an FP8 KV cache, fa3's decode stores K / V in one kernel "
+                                      "(SGLang's fused_fp8_qkv_kv_cache) instead of five (4 % off a Qwen3-8B step, "
+                                      "H200); 0: SGLang's store"),
     "FLASHRL_DECODE_ATTN": Setting("no effect: SGLang's attention backends read the FP8 cache themselves (the "
                                    "switch is vLLM's)"),
     "FLASHRL_SYNC_DIGEST": Setting("each scheduler (TP rank) writes its weight digest after every complete sync"),

@@ -8,9 +8,9 @@ scales). While fa3's `forward_decode` runs -- it reads K and V from the cache, n
 pool's store takes that kernel. Its values are SGLang's TRT-LLM backend's: K * (1 / scale) rounded once to FP8
 and saturated at 448, where the five kernels divide, round to BF16, then to FP8 (NaN past 464): ~3 % of the
 elements land one FP8 step apart (the BF16 rounding in between; tests/gpu/test_sglang_kv_store.py). Prefill
-keeps SGLang's path (some of its paths read the divided K / V after the store). FLASHRL_FUSED_KV_STORE=1 turns
-it on (4 % off a Qwen3-8B step on an H200); off by default until the engine test with it (tests/gpu/
-test_sglang.py `dense-int8+kv@fa3`: synced = fresh) has run on a GPU."""
+keeps SGLang's path (some of its paths read the divided K / V after the store). On by default (4 % off a Qwen3-8B
+step on an H200; the engine test with it, tests/gpu/test_sglang.py `dense-int8+kv@fa3`, synced = fresh, passed
+on an H200); FLASHRL_FUSED_KV_STORE=0 keeps SGLang's store."""
 
 from __future__ import annotations
 

@@ -56,8 +56,8 @@ HOOKS: tuple[Hook, ...] = (
          "apply_weights", decode_gemm.apply_weights, HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_GEMM=N (unset: "
          "16 on Hopper): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM (bit-equal to CUTLASS)", optional=True),
     Hook("decode_attn", "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward", decode_attn.forward,
-         HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_ATTN=1: with an FP8 KV cache, decode batches' attention "
-         "through flashrl's Triton kernel", optional=True),
+         HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_ATTN (unset: on Hopper): with an FP8 KV cache, decode "
+         "batches' attention through flashrl's Triton kernel", optional=True),
     Hook("sleep", "vllm.v1.worker.gpu_worker.Worker.sleep", sleep.sleep, HookKind.AROUND, "worker (GPU)",
          "before level 2 keep what the wake does not restore; after it refuse until a full sync", optional=True),
     Hook("wake_up", "vllm.v1.worker.gpu_worker.Worker.wake_up", sleep.wake_up, HookKind.AFTER, "worker (GPU)",
