@@ -4,7 +4,9 @@ Why: FA3's FP8 decode reads the cache at about half the bandwidth of its BF16 de
 and the attention backend"), so halving the cache's bytes takes ~20 % off attention, not ~50 %. This kernel is
 shaped for decode only (one query token per sequence): one program per (sequence, KV head, split) holds the KV
 head's whole query group, streams the split's pages, and keeps the online softmax in float32 (split-KV
-"flash decoding"; the splits are merged by a second kernel when there is more than one).
+"flash decoding"; the splits are merged by a second kernel when there is more than one). Measured on an H200
+(RESULTS "flashrl's FP8 decode attention"): FA3's FP8 speed from 64 sequences up (neither reaches BF16's
+bandwidth), 16-19 % faster with 16, its error against float32 attention ~13x smaller than FA3's.
 
 The math, per sequence and query head: `o = sum_j softmax_j(s) * v_scale * V_j` with
 `s_j = sm_scale * q_scale * k_scale * (q . K_j)`. FP8 operands are widened to FP16 (exact for E4M3), so
@@ -26,7 +28,6 @@ import functools
 
 import torch
 
-LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 
 
