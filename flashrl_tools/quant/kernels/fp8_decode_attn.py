@@ -6,7 +6,7 @@ shaped for decode only (one query token per sequence): one program per (sequence
 head's whole query group, streams the split's pages, and keeps the online softmax in float32 (split-KV
 "flash decoding"; the splits are merged by a second kernel when there is more than one). Measured on an H200
 (RESULTS "flashrl's FP8 decode attention"): FA3's FP8 speed from 64 sequences up (neither reaches BF16's
-bandwidth), 16-19 % faster with 16, its error against float32 attention ~13x smaller than FA3's.
+bandwidth), 3-19 % faster with 16 (7B, 14B: 16-19 %), its error against float32 attention ~13x smaller than FA3's.
 
 The math, per sequence and query head: `o = sum_j softmax_j(s) * v_scale * V_j` with
 `s_j = sm_scale * q_scale * k_scale * (q . K_j)`. FP8 operands are widened to FP16 (exact for E4M3), so

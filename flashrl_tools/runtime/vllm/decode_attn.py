@@ -9,8 +9,9 @@ parallelism, a BF16 cache -- keeps FA3. The kernel reads the scale tensors on th
 no graph capture. The cache write stays vLLM's (`do_kv_cache_update`). The choice depends only on the batch's
 shape, so a synced engine and a fresh one started with the same settings run the same kernels on the same batches
 (tests/gpu/test_vllm_runtime.py's `+kv` cases pass with it). Measured on an H200 (RESULTS "flashrl's FP8 decode
-attention"): FA3's FP8 speed from 64 sequences up, 16-19 % faster at 16; 1.9 % off a Qwen3-8B colocated step; the
-attention's error against float32 ~13x smaller than FA3's (the probabilities stay FP16 where FA3 rounds them to FP8).
+attention"): FA3's FP8 speed from 64 sequences up, 3-19 % faster at 16 (7B, 14B: 16-19 %); 1.9 % off a Qwen3-8B
+colocated step; the attention's error against float32 ~13x smaller than FA3's (the probabilities stay FP16 where
+FA3 rounds them to FP8).
 """
 
 from __future__ import annotations
