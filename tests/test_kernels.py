@@ -160,6 +160,21 @@ def test_decode_gemm_rows_are_read_and_checked_at_start():
             check_settings(GPU, Settings.read({"FLASHRL_DECODE_GEMM": bad}), "env")
 
 
+def test_decode_attn_switch_is_read_and_checked_at_start():
+    from flashrl_tools.config.settings import Settings
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.core.adapter import check_settings
+    from flashrl_tools.runtime.vllm.capabilities import GPU
+
+    assert [Settings.read({"FLASHRL_DECODE_ATTN": v}).decode_attn for v in ("", "off", "on", "1", "auto")] == \
+        ["auto", "0", "1", "1", "auto"]
+    for ok in ("1", "auto", "0"):
+        check_settings(GPU, Settings.read({"FLASHRL_DECODE_ATTN": ok}), "env")
+    for bad in ("2", "fast"):
+        with pytest.raises(FlashRLError, match="FLASHRL_DECODE_ATTN"):
+            check_settings(GPU, Settings.read({"FLASHRL_DECODE_ATTN": bad}), "env")
+
+
 def test_decode_gemm_auto_is_16_rows_on_hopper_only_and_falls_back_if_triton_fails(monkeypatch, caplog):
     """FLASHRL_DECODE_GEMM unset (`auto`): resolved on the first CUDA activations by that device -- 16 rows on
     sm_90, off on any other chip --; a tile that does not compile under `auto` leaves CUTLASS (one warning),

@@ -104,8 +104,10 @@ DECODE_ATTN_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # 
 def decode_attn_expected() -> bool:
     """Whether vLLM engines with an FP8 KV cache started here take flashrl's decode attention (FLASHRL_DECODE_ATTN:
     1, or unset / auto on Hopper)."""
-    value = os.environ.get("FLASHRL_DECODE_ATTN", "auto").strip().lower() or "auto"
-    return value in ("1", "true", "yes", "on") or value == "auto" and torch.cuda.get_device_capability() == (9, 0)
+    from flashrl_tools.config.settings import settings
+    from flashrl_tools.runtime.vllm.decode_attn import resolve
+
+    return resolve(settings().decode_attn, torch.cuda.get_device_capability())
 
 
 def async_scheduling(log: str) -> bool | None:

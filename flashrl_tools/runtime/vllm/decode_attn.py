@@ -28,12 +28,16 @@ log = logging.getLogger("flashrl_tools.runtime")
 _state: dict = {}
 
 
+def resolve(value: str, capability: tuple[int, int]) -> bool:
+    """FLASHRL_DECODE_ATTN on a device of this capability: 1 on, 0 off, `auto` (unset) on Hopper (sm_90), where the
+    kernel's tiles were swept and the engine test ran."""
+    return value == "1" or value == "auto" and tuple(capability) == (9, 0)
+
+
 def enabled(device: torch.device) -> bool:
-    """FLASHRL_DECODE_ATTN, resolved once per process on its first CUDA batch: 1 on, 0 off, `auto` (unset) on
-    Hopper (sm_90), where the kernel's tiles were swept and the engine test ran."""
+    """FLASHRL_DECODE_ATTN, resolved once per process on its first CUDA batch (`resolve`)."""
     if "on" not in _state:
-        value = settings().decode_attn
-        _state["on"] = value == "1" or value == "auto" and torch.cuda.get_device_capability(device) == (9, 0)
+        _state["on"] = resolve(settings().decode_attn, torch.cuda.get_device_capability(device))
     return _state["on"]
 
 
