@@ -81,7 +81,7 @@ class Loaded:
 
 # -- vLLM -----------------------------------------------------------------------------------------
 
-WORKER_FIXES = ("cpu_int8_kernel", "moe_weight_update", "moe_kernels_fp8", "moe_kernels_int8", "post_load")
+WORKER_FIXES = ("cpu_int8_kernel", "cpu_int8_exact", "moe_weight_update", "moe_kernels_fp8", "moe_kernels_int8", "post_load")
 
 
 class VllmLoaded(Loaded):

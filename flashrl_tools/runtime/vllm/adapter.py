@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
-from flashrl_tools.runtime.vllm import (async_front, decode_attn, decode_gemm, engine_args, fixes, pause, requests, sleep,
-                                        weight_sync)
+from flashrl_tools.runtime.vllm import (async_front, cpu_int8, decode_attn, decode_gemm, engine_args, fixes, pause,
+                                        requests, sleep, weight_sync)
 
 _V1 = "vllm.v1.worker.worker_base.WorkerBase"
 _ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
@@ -42,9 +42,7 @@ HOOKS: tuple[Hook, ...] = (
     *(Hook(f"async_{name}", f"{_ASYNC}.{name}", async_front.changed, HookKind.BEFORE, "front end",
            "the workers' state may change: the next request asks them again", optional=True)
       for name in ("collective_rpc", "sleep", "wake_up")),
-    Hook("cpu_int8_kernel", "vllm.model_executor.kernels.linear.scaled_mm.cpu.CPUInt8ScaledMMLinearKernel."
-         "process_weights_for_onednn", fixes.keep_onednn_inputs, HookKind.AFTER, "worker (CPU)",
-         "vLLM-CPU's oneDNN INT8 kernel keeps its scale tensors alive", optional=True),
+    *cpu_int8.HOOKS,
     Hook("moe_weight_update", "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method."
          "UnquantizedFusedMoEMethod._setup_kernel", fixes.repack_moe_on_update, HookKind.AROUND, "worker (CPU)",
          "vLLM-CPU's BF16 MoE experts re-packed on updates", optional=True),
@@ -63,6 +61,13 @@ HOOKS: tuple[Hook, ...] = (
     Hook("wake_up", "vllm.v1.worker.gpu_worker.Worker.wake_up", sleep.wake_up, HookKind.AFTER, "worker (GPU)",
          "the kept tensors and the calibrated FP8 KV scales written back", optional=True),
 )
+
+
+def install_always() -> None:
+    """The hooks installed without FLASHRL_CONFIG too (`Hook.always`: vLLM-CPU's INT8 linears)."""
+    from flashrl_tools.runtime.core.hooks import install as install_hooks
+
+    install_hooks([h for h in HOOKS if h.always])
 
 
 def install(rc: RuntimeConfig) -> None:

