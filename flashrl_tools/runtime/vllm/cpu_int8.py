@@ -27,16 +27,18 @@ EXACT = "_flashrl_exact_weight"  # on the kernel: the layer's int8 weight as flo
 
 @functools.cache
 def saturates() -> bool:
-    """Whether this host's oneDNN INT8 GEMM saturates: 64 products 127 x 127, scaled by 1 / 127, must sum to 64 * 127."""
+    """Whether this host's oneDNN INT8 GEMM saturates: 64 products 127 x 127, scaled by 1 / 127, must sum
+    to 64 * 127 (measured on an AVX2 host: 64.0)."""
     from vllm import _custom_ops as ops
 
     k, n = 64, 8
-    weight, scale = torch.full((n, k), 127, dtype=torch.int8), torch.ones(n, 1, dtype=torch.float32)  # alive while the handler is
+    weight = torch.full((n, k), 127, dtype=torch.int8)
+    scale = torch.ones(n, 1, dtype=torch.float32)  # the handler points to it: alive until the GEMM ran
     handler = ops.create_onednn_scaled_mm(weight.t(), scale, torch.bfloat16, True, False, 1)
     x, x_scale = torch.full((1, k), 127, dtype=torch.int8), torch.full((1, 1), 1 / 127, dtype=torch.float32)
     out = torch.empty(1, n, dtype=torch.bfloat16)
     ops.onednn_scaled_mm(handler, x, out, x_scale, None, None, None)
-    bad = not torch.allclose(out.float(), torch.full((1, n), 64 * 127.0, dtype=torch.float32), rtol=1e-2)  # measured: 64.0
+    bad = not torch.allclose(out.float(), torch.full((1, n), 64 * 127.0, dtype=torch.float32), rtol=1e-2)
     if bad:
         log.warning("flashrl: vLLM-CPU's oneDNN INT8 GEMM saturates on this host (no VNNI); INT8 linears are "
                     "computed exactly in float32 instead (slower)")
