@@ -24,10 +24,9 @@ def test_shortcuts_and_unset(monkeypatch):
     monkeypatch.delenv("FLASHRL_CONFIG", raising=False)
     assert apply() is None  # unset: the runtime off; only the `always` hooks (vLLM-CPU's INT8 linears)
     from flashrl_tools.runtime.core.hooks import MARK
-    from flashrl_tools.runtime.vllm.adapter import HOOKS, install_always
+    from flashrl_tools.runtime.vllm.adapter import HOOKS
 
     assert {h.name for h in HOOKS if h.always} == {"cpu_int8_kernel", "cpu_int8_exact"}
-    install_always()
     pytest.importorskip("vllm")
     from vllm import LLM
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel

@@ -63,14 +63,18 @@ def exact_linear(kernel, layer, x: torch.Tensor, bias: torch.Tensor | None, weig
     _, w_s, i_s, i_zp, azp_adj = kernel._get_layer_params(layer)
     rows = x.reshape(-1, x.shape[-1])
     x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(rows, i_s, i_zp, kernel.config.input_symmetric)
-    x_s = x_s.float().reshape(-1, 1) if x_s.numel() > 1 else x_s.float().reshape(())
+    x_s = _per_row(x_s)
     out = (x_q.float() @ weight) * w_s.float().reshape(1, -1) * x_s
     if x_zp is not None:
-        zp = x_zp.float().reshape(-1, 1) if x_zp.numel() > 1 else x_zp.float().reshape(())
-        out -= x_s * zp * azp_adj.float().reshape(1, -1)
+        out -= x_s * _per_row(x_zp) * azp_adj.float().reshape(1, -1)
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[1])
+
+
+def _per_row(t: torch.Tensor) -> torch.Tensor:
+    """A per-token (column) or per-tensor (scalar) activation scale / zero point, as float32."""
+    return t.float().reshape(-1, 1) if t.numel() > 1 else t.float().reshape(())
 
 
 def apply_onednn(original, kernel, layer, x, bias=None):
