@@ -116,6 +116,16 @@ def test_no_runtime_module_over_300_lines():
     assert long == {}
 
 
+def test_every_logger_is_under_the_one_configure_logging_sets_up():
+    """FLASHRL_LOGGING_LEVEL / _FILE configure the `flashrl_tools` logger (runtime/core/logs.py); a logger outside
+    it drops its INFO lines (the GPU tests read some of them: which kernel an engine took)."""
+    import re
+
+    names = {str(f.relative_to(REPO)): m for f in PKG.rglob("*.py")
+             for m in re.findall(r"getLogger\(\s*[\"']([^\"']*)[\"']", f.read_text())}
+    assert {f: n for f, n in names.items() if n != "flashrl_tools" and not n.startswith("flashrl_tools.")} == {}
+
+
 def test_flashrl_variables_are_read_in_settings_only():
     """Every FLASHRL_* variable goes through config/settings.py; the README's table lists them all."""
     import re

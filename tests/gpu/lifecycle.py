@@ -91,6 +91,8 @@ def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_m
         return {"error": {"fresh": fresh.get("log_tail"), "lifecycle": life.get("log_tail"),
                           "restore": (restore or {}).get("log_tail")}}
     row = verdict(fresh, life, verl, restore)
+    if kv:  # the decode kernel reads the cache the sleeps kept and the syncs rescaled
+        h.expect_decode_attn(row, [fresh.get("flashrl_decode_attn"), life.get("flashrl_decode_attn")])
     if restore_model:
         row["checkpoint_entries_not_reproduced"] = entries_differing(work / "sq-orig-int8", restore_model)
     return row

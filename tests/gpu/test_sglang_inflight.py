@@ -33,6 +33,7 @@ CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8
          "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3",
          "in_place-int8+kv@dist"]
 PROBE = h.PROBES / "sglang_inflight_probe.py"
+FUSED_STORE_LINE = "fa3's decode stores K / V in one kernel"  # runtime/sglang/kv_store.py's log
 TOKENS = 96
 
 
@@ -43,7 +44,7 @@ def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: s
                          capture_output=True, text=True, env=env, timeout=900)
     if res.returncode != 0 or not out.is_file():
         return f"exit {res.returncode}: {(res.stdout + res.stderr)[-4000:]}"
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "fused_kv_store": FUSED_STORE_LINE in res.stdout + res.stderr}
 
 
 def run_case(case: str, work) -> dict:
@@ -89,6 +90,13 @@ def run_case(case: str, work) -> dict:
     if isinstance(fresh, str):
         return {"error": f"fresh engine: {fresh}"}
     row = verdict(mode, got, fresh)
+    if kv and backend == "fa3":  # both engines' decode stored K / V as FLASHRL_FUSED_KV_STORE says
+        from flashrl_tools.config.settings import settings
+
+        row["fused_kv_store"] = [got["fused_kv_store"], fresh["fused_kv_store"]]
+        if row["fused_kv_store"] != [settings().fused_kv_store] * 2:
+            row["failures"].append(f"fused FP8 KV store {row['fused_kv_store']}, FLASHRL_FUSED_KV_STORE "
+                                   f"{settings().fused_kv_store}")
     if mode == "in_place" and kv:  # the FP8 cache's own effect: its decoded tokens recomputed with a BF16 KV cache
         decoded = [[f"tf-dec-{r}", prompt(int(r[1:])) + o["tokens"][:got["at_pause"][r]] + fresh["outputs"][f"dec-{r}"]["tokens"],
                     len(prompt(0)) + got["at_pause"][r]] for r, o in got["kept"].items()]

@@ -31,7 +31,10 @@ def run_case(case: str, work) -> dict:
     if line is None:
         return {"error": f"exit {res.returncode}", "log_tail": (res.stdout + res.stderr)[-4000:]}
     result = json.loads(line[len("RESULT"):])
-    return {"checks": result["checks"], "failures": [k for k, ok in result["checks"].items() if not ok]}
+    row = {"checks": result["checks"], "failures": [k for k, ok in result["checks"].items() if not ok],
+           "async_scheduling": h.async_scheduling(res.stdout + res.stderr)}
+    h.expect_decode_attn(row, [h.DECODE_ATTN_LINE in res.stdout + res.stderr])
+    return row
 
 
 @pytest.fixture(scope="module")

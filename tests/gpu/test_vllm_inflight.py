@@ -81,6 +81,8 @@ def run_case(case: str, work) -> dict:
     row["async_scheduling"] = h.async_scheduling(log)
     row["calibrations_with_kept_requests"] = log.count("requests kept in flight")
     row["failures"] = [k for k, ok in row["checks"].items() if not ok]
+    if kv:  # the kept FP8 blocks, rescaled at the update, then read by the decode kernel
+        h.expect_decode_attn(row, [h.DECODE_ATTN_LINE in log])
     return row
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("flashrl")
+log = logging.getLogger("flashrl_tools.runtime")
 
 _decoding = 0  # > 0 while fa3's forward_decode runs (one scheduler thread per process)
 _state: dict = {}  # "on": the switch, read once per process; "logged": the first fused store was logged
