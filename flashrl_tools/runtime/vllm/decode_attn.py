@@ -41,6 +41,11 @@ def enabled(device: torch.device) -> bool:
     return _state["on"]
 
 
+def ran() -> bool:
+    """Whether a decode batch of this process went through flashrl's kernel (the benchmarks record it per row)."""
+    return bool(_state.get("logged"))
+
+
 @functools.lru_cache(maxsize=8)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
