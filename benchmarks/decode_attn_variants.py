@@ -1,0 +1,202 @@
+"""What limits flashrl's FP8 decode attention (issue 45's open lever): variants of its split kernel, and the same
+gather without the attention, timed on one layer's decode step (torch + Triton only: no vLLM needed).
+
+flashrl's kernel (`quant/kernels/fp8_decode_attn.py`) reads an FP8 cache at ~2.4 TB/s where FA3 reads a BF16 one at
+~4.2 (RESULTS "flashrl's FP8 decode attention"). Rows, each at the split counts around the shipped default:
+  shipped         the kernel as shipped (FP8 Q, K, V widened to FP16 for both products)
+  qk_fp8          Q.K^T as an FP8 x FP8 product (no widening of K; exact products, float32 sums), P.V as shipped
+  qk_pv_fp8       also P.V in FP8 (P rounded to FP8, as FA3 does: more error)
+  *_cg            the cache's loads bypass L1 and are evicted first (it is read once)
+  read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
+  shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
+  read_only_bf16  the gather alone over the BF16 cache
+Bandwidth = the KV bytes a step must read / its time (CUDA-graph replays). Error = max |out - float32 reference| /
+max |out| on the first 8 sequences.
+
+    python benchmarks/decode_attn_variants.py --batches 256,128,16 --json dav.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_attention import D, PAGE, bench, make_batch  # noqa: E402
+
+from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
+
+VARIANTS = ("shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16")
+SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qs_ptr, ks_ptr, part_ptr, lse_ptr, sm_scale,
+                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                     q_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, BF16: tl.constexpr,
+                     STREAM: tl.constexpr):
+        # MODE 0: shipped math (FP16 products; BF16: a BF16 cache, BF16 products), 1: Q.K in FP8, 2: Q.K and P.V in
+        # FP8, 3: loads only
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(lens_ptr + seq)
+        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+        rg = tl.arange(0, GROUP_PAD)
+        rd = tl.arange(0, D)
+        rn = tl.arange(0, BLOCK_N)
+        heads = kvh * GROUP + rg
+        gmask = rg < GROUP
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + rd[None, :],
+                    mask=gmask[:, None], other=0.0)
+        scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        k_head = k_ptr + kvh * stride_kh
+        v_head = v_ptr + kvh * stride_vh
+        for n in range(start, end, BLOCK_N):
+            t = n + rn
+            valid = t < end
+            blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
+            slot = t % PAGE
+            if STREAM:  # the cache read once: bypass L1, evict first
+                k = tl.load(k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :],
+                            mask=valid[:, None], other=0.0, cache_modifier=".cg", eviction_policy="evict_first")
+                v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :],
+                            mask=valid[:, None], other=0.0, cache_modifier=".cg", eviction_policy="evict_first")
+            else:
+                k = tl.load(k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :],
+                            mask=valid[:, None], other=0.0)
+                v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :],
+                            mask=valid[:, None], other=0.0)
+            if MODE == 3:
+                acc += tl.sum(k.to(tl.float32), axis=0)[None, :] + tl.sum(v.to(tl.float32), axis=0)[None, :]
+            else:
+                if MODE == 0 and not BF16:
+                    s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16))) * scale
+                else:  # FP8 x FP8, or BF16 x BF16
+                    s = tl.dot(q, tl.trans(k)) * scale
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                if MODE == 2 or BF16:
+                    pv = tl.dot(p.to(v.dtype), v)
+                else:
+                    pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+                acc = acc * alpha[:, None] + pv
+                m = m_new
+        row = (seq.to(tl.int64) * q_heads + heads) * SPLITS + split
+        safe = tl.where(l_sum > 0, l_sum, 1.0)
+        tl.store(part_ptr + row[:, None] * D + rd[None, :], acc / safe[:, None], mask=gmask[:, None])
+        tl.store(lse_ptr + row, tl.where(l_sum > 0, m + tl.log2(safe), float("-inf")), mask=gmask)
+
+    @triton.jit
+    def merge_kernel(part_ptr, lse_ptr, vs_ptr, out_ptr, stride_ot, stride_oh, q_heads, D: tl.constexpr,
+                     SPLITS: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        rs = tl.arange(0, SPLITS)
+        rd = tl.arange(0, D)
+        row = (seq.to(tl.int64) * q_heads + head) * SPLITS
+        lse = tl.load(lse_ptr + row + rs)
+        w = tl.exp2(lse - tl.max(lse, axis=0))
+        part = tl.load(part_ptr + (row + rs)[:, None] * D + rd[None, :])
+        o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0) * tl.load(vs_ptr)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
+
+    return split_kernel, merge_kernel
+
+
+def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, block_n: int, out: torch.Tensor):
+    split_kernel, merge_kernel = _kernel()
+    batch, raw = b["lens"].shape[0], b["raw"]
+    bf16 = name.endswith("_bf16")
+    if bf16:
+        raw = b.setdefault("raw16", raw.to(torch.bfloat16))
+    k, v = raw[..., :D], raw[..., D:]
+    q = b["q16"] if bf16 else b["q8"]
+    qs = torch.ones(1, device=b["lens"].device) if bf16 else b["q_scale"]
+    mode = {"shipped": 0, "shipped_bf16": 0, "shipped_cg": 0, "qk_fp8": 1, "qk_fp8_cg": 1, "qk_pv_fp8": 2}.get(name, 3)
+    group = q_heads // kv_heads
+    part = torch.empty((batch * q_heads * splits, D), dtype=torch.float32, device=b["lens"].device)
+    lse = torch.empty((batch * q_heads * splits,), dtype=torch.float32, device=b["lens"].device)
+
+    def run():
+        split_kernel[(batch, kv_heads, splits)](
+            q, k, v, b["bt"], b["lens"], qs, b["k_scale"], part, lse, D ** -0.5, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), b["bt"].stride(0), q_heads,
+            GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=D, PAGE=PAGE, BLOCK_N=block_n,
+            SPLITS=splits, MODE=mode, BF16=bf16, STREAM=name.endswith("_cg"), num_warps=4,
+            num_stages=2)
+        merge_kernel[(batch, q_heads)](part, lse, b["v_scale"], out, out.stride(0), out.stride(1), q_heads, D=D,
+                                       SPLITS=splits, num_warps=4)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qwen3-8b")
+    ap.add_argument("--batches", default="256,128,16")
+    ap.add_argument("--ctx", type=int, default=3000)
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    print(f"{torch.cuda.get_device_name(0)}: one layer's decode attention, us (TB/s), contexts "
+          f"{args.ctx // 2}..{3 * args.ctx // 2}, BLOCK_N {args.block_n}; error vs float32")
+    for shape in args.shapes.split(","):
+        q_heads, kv_heads = SHAPES[shape]
+        for batch in (int(x) for x in args.batches.split(",")):
+            b = make_batch(q_heads, kv_heads, batch, args.ctx, torch.Generator(device="cuda").manual_seed(0))
+            default = fp8_decode_attn.splits_for(batch, kv_heads, sms)
+            n = min(8, batch)
+            ref = fp8_decode_attn.reference(b["q8"][:n], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n],
+                                            b["lens"][:n], b["qsl"][:n + 1], D ** -0.5, b["k_scale"], b["v_scale"],
+                                            q_scale=b["q_scale"])
+            for name in VARIANTS:
+                for splits in sorted({max(1, default // 2), default, min(16, default * 2)}):
+                    out = torch.zeros(batch, q_heads, D, dtype=torch.bfloat16, device=b["lens"].device)
+                    row = {"shape": shape, "batch": batch, "variant": name, "splits": splits,
+                           "default_splits": splits == default}
+                    try:
+                        fn = variant_fn(name, b, q_heads, kv_heads, splits, args.block_n, out)
+                        fn()
+                        torch.cuda.synchronize()
+                        us = bench(fn)
+                        bytes_ = b["kv_bytes"] * (2 if name.endswith("_bf16") else 1)
+                        row.update(us=us, tb_s=bytes_ / us / 1e6)
+                        if not name.startswith("read_only"):
+                            row["error"] = float((out[:n].float() - ref).abs().max() / ref.abs().max())
+                    except Exception as e:  # noqa: BLE001 -- a variant that does not compile is a row too
+                        row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    rows.append(row)
+                    print(f"{shape:9} {batch:4} {name:15} splits {splits:2}{'*' if splits == default else ' '} "
+                          + (f"{row['us']:9.1f} ({row['tb_s']:.2f})" if "us" in row else row["failed"])
+                          + (f"  err {row['error']:.4f}" if "error" in row else ""), flush=True)
+                    if args.json:  # rewritten after every row: a run cut short keeps what it timed
+                        tmp = args.json + ".tmp"
+                        with open(tmp, "w") as f:
+                            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                       "ctx": args.ctx, "block_n": args.block_n, "rows": rows}, f, indent=1)
+                        os.replace(tmp, args.json)
+            del b
+
+
+if __name__ == "__main__":
+    main()
