@@ -7,6 +7,8 @@ flashrl's kernel (`quant/kernels/fp8_decode_attn.py`) reads an FP8 cache at ~2.4
   qk_fp8          Q.K^T as an FP8 x FP8 product (no widening of K; exact products, float32 sums), P.V as shipped
   qk_pv_fp8       also P.V in FP8 (P rounded to FP8, as FA3 does: more error)
   *_cg            the cache's loads bypass L1 and are evicted first (it is read once)
+  *_paged         one block-table load per page (PAGE rows affine in it) instead of one per token
+--tiles BLOCK_N:WARPS:STAGES,.. times each variant at those tiles too (default the shipped 128:4:2).
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
   read_only_bf16  the gather alone over the BF16 cache
@@ -30,7 +32,8 @@ from decode_attention import D, PAGE, bench, make_batch  # noqa: E402
 
 from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
-VARIANTS = ("shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16")
+VARIANTS = ("shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16",
+            "shipped_paged", "read_only_paged")
 SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
@@ -43,7 +46,7 @@ def _kernel():
                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                      q_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, BF16: tl.constexpr,
-                     STREAM: tl.constexpr):
+                     STREAM: tl.constexpr, PAGED: tl.constexpr):
         # MODE 0: shipped math (FP16 products; BF16: a BF16 cache, BF16 products), 1: Q.K in FP8, 2: Q.K and P.V in
         # FP8, 3: loads only
         seq = tl.program_id(0)
@@ -70,18 +73,25 @@ def _kernel():
         for n in range(start, end, BLOCK_N):
             t = n + rn
             valid = t < end
-            blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
-            slot = t % PAGE
-            if STREAM:  # the cache read once: bypass L1, evict first
-                k = tl.load(k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :],
-                            mask=valid[:, None], other=0.0, cache_modifier=".cg", eviction_policy="evict_first")
-                v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :],
-                            mask=valid[:, None], other=0.0, cache_modifier=".cg", eviction_policy="evict_first")
+            if PAGED:  # one block-table entry per page, its PAGE rows affine in it
+                NP: tl.constexpr = BLOCK_N // PAGE
+                rp = n // PAGE + tl.arange(0, NP)
+                pg = tl.load(bt_row + rp, mask=rp * PAGE < end, other=0).to(tl.int64)
+                rows_k = tl.reshape(pg[:, None] * stride_kb + (tl.arange(0, PAGE) * stride_ks)[None, :], [BLOCK_N])
+                rows_v = tl.reshape(pg[:, None] * stride_vb + (tl.arange(0, PAGE) * stride_vs)[None, :], [BLOCK_N])
             else:
-                k = tl.load(k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :],
-                            mask=valid[:, None], other=0.0)
-                v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :],
-                            mask=valid[:, None], other=0.0)
+                blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
+                slot = t % PAGE
+                rows_k = blk * stride_kb + slot * stride_ks
+                rows_v = blk * stride_vb + slot * stride_vs
+            if STREAM:  # the cache read once: bypass L1, evict first
+                k = tl.load(k_head + rows_k[:, None] + rd[None, :], mask=valid[:, None], other=0.0,
+                            cache_modifier=".cg", eviction_policy="evict_first")
+                v = tl.load(v_head + rows_v[:, None] + rd[None, :], mask=valid[:, None], other=0.0,
+                            cache_modifier=".cg", eviction_policy="evict_first")
+            else:
+                k = tl.load(k_head + rows_k[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(v_head + rows_v[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
             if MODE == 3:
                 acc += tl.sum(k.to(tl.float32), axis=0)[None, :] + tl.sum(v.to(tl.float32), axis=0)[None, :]
             else:
@@ -122,7 +132,8 @@ def _kernel():
     return split_kernel, merge_kernel
 
 
-def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, block_n: int, out: torch.Tensor):
+def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, block_n: int, out: torch.Tensor,
+               num_warps: int = 4, num_stages: int = 2):
     split_kernel, merge_kernel = _kernel()
     batch, raw = b["lens"].shape[0], b["raw"]
     bf16 = name.endswith("_bf16")
@@ -131,7 +142,8 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
     k, v = raw[..., :D], raw[..., D:]
     q = b["q16"] if bf16 else b["q8"]
     qs = torch.ones(1, device=b["lens"].device) if bf16 else b["q_scale"]
-    mode = {"shipped": 0, "shipped_bf16": 0, "shipped_cg": 0, "qk_fp8": 1, "qk_fp8_cg": 1, "qk_pv_fp8": 2}.get(name, 3)
+    mode = 3 if name.startswith("read_only") else 2 if name.startswith("qk_pv_fp8") else 1 if name.startswith("qk_fp8") \
+        else 0
     group = q_heads // kv_heads
     part = torch.empty((batch * q_heads * splits, D), dtype=torch.float32, device=b["lens"].device)
     lse = torch.empty((batch * q_heads * splits,), dtype=torch.float32, device=b["lens"].device)
@@ -141,8 +153,8 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
             q, k, v, b["bt"], b["lens"], qs, b["k_scale"], part, lse, D ** -0.5, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), b["bt"].stride(0), q_heads,
             GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=D, PAGE=PAGE, BLOCK_N=block_n,
-            SPLITS=splits, MODE=mode, BF16=bf16, STREAM=name.endswith("_cg"), num_warps=4,
-            num_stages=2)
+            SPLITS=splits, MODE=mode, BF16=bf16, STREAM=name.endswith("_cg"),
+            PAGED="paged" in name, num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(batch, q_heads)](part, lse, b["v_scale"], out, out.stride(0), out.stride(1), q_heads, D=D,
                                        SPLITS=splits, num_warps=4)
     return run
@@ -153,13 +165,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3-8b")
     ap.add_argument("--batches", default="256,128,16")
     ap.add_argument("--ctx", type=int, default=3000)
-    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--tiles", default="128:4:2", help="BLOCK_N:WARPS:STAGES,...")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     print(f"{torch.cuda.get_device_name(0)}: one layer's decode attention, us (TB/s), contexts "
-          f"{args.ctx // 2}..{3 * args.ctx // 2}, BLOCK_N {args.block_n}; error vs float32")
+          f"{args.ctx // 2}..{3 * args.ctx // 2}; error vs float32")
+    tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",")]
     for shape in args.shapes.split(","):
         q_heads, kv_heads = SHAPES[shape]
         for batch in (int(x) for x in args.batches.split(",")):
@@ -169,13 +183,14 @@ def main() -> None:
             ref = fp8_decode_attn.reference(b["q8"][:n], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n],
                                             b["lens"][:n], b["qsl"][:n + 1], D ** -0.5, b["k_scale"], b["v_scale"],
                                             q_scale=b["q_scale"])
-            for name in VARIANTS:
+            for name, (block_n, warps, stages) in ((v, t) for v in args.variants.split(",") for t in tiles):
                 for splits in sorted({max(1, default // 2), default, min(16, default * 2)}):
                     out = torch.zeros(batch, q_heads, D, dtype=torch.bfloat16, device=b["lens"].device)
                     row = {"shape": shape, "batch": batch, "variant": name, "splits": splits,
-                           "default_splits": splits == default}
+                           "default_splits": splits == default, "block_n": block_n, "num_warps": warps,
+                           "num_stages": stages}
                     try:
-                        fn = variant_fn(name, b, q_heads, kv_heads, splits, args.block_n, out)
+                        fn = variant_fn(name, b, q_heads, kv_heads, splits, block_n, out, warps, stages)
                         fn()
                         torch.cuda.synchronize()
                         us = bench(fn)
@@ -186,14 +201,15 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 -- a variant that does not compile is a row too
                         row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     rows.append(row)
-                    print(f"{shape:9} {batch:4} {name:15} splits {splits:2}{'*' if splits == default else ' '} "
+                    print(f"{shape:9} {batch:4} {name:20} {block_n:3}:{warps}:{stages} splits {splits:2}"
+                          f"{'*' if splits == default else ' '} "
                           + (f"{row['us']:9.1f} ({row['tb_s']:.2f})" if "us" in row else row["failed"])
                           + (f"  err {row['error']:.4f}" if "error" in row else ""), flush=True)
                     if args.json:  # rewritten after every row: a run cut short keeps what it timed
                         tmp = args.json + ".tmp"
                         with open(tmp, "w") as f:
                             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                       "ctx": args.ctx, "block_n": args.block_n, "rows": rows}, f, indent=1)
+                                       "ctx": args.ctx, "rows": rows}, f, indent=1)
                         os.replace(tmp, args.json)
             del b
 
