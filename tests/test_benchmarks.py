@@ -478,3 +478,45 @@ def test_small_m_gemm_layers_and_its_refusal_without_a_gpu():
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "small_m_gemm.py"), "--shapes", "7b"],
                          capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
+
+
+def _variants_check() -> None:
+    """Run inside a process started with TRITON_INTERPRET=1: every variant of benchmarks/decode_attn_variants.py that
+    computes attention equals float32 attention over the same FP8 values (FP8 probabilities: within FA3's error)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import decode_attn_variants as dav
+
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+
+    g = torch.Generator().manual_seed(0)
+    lens, q_heads, kv_heads, d, page = torch.tensor([37, 100, 5], dtype=torch.int32), 8, 2, dav.D, dav.PAGE
+    pages = [(int(n) + page - 1) // page for n in lens]
+    perm = torch.randperm(sum(pages) + 1, generator=g).to(torch.int32)
+    bt = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+    for i, p in enumerate(pages):
+        bt[i, :p] = perm[sum(pages[:i]):sum(pages[:i]) + p]
+    raw = (torch.randn(sum(pages) + 1, page, kv_heads, 2 * d, generator=g) * 2).to(torch.float8_e4m3fn)
+    q_scale = torch.tensor([0.05])
+    q8 = (torch.randn(3, q_heads, d, generator=g) * 2 / q_scale).to(torch.float8_e4m3fn)
+    b = {"lens": lens, "bt": bt, "raw": raw, "q8": q8, "q_scale": q_scale, "k_scale": torch.tensor([0.03]),
+         "v_scale": torch.tensor([0.02])}
+    ref = fp8_decode_attn.reference(q8, raw[..., :d], raw[..., d:], bt, lens, torch.arange(4, dtype=torch.int32),
+                                    d ** -0.5, b["k_scale"], b["v_scale"], q_scale=q_scale)
+    for name in ("shipped", "shipped_cg", "shipped_paged", "qk_fp8", "qk_pv_fp8"):
+        out = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
+        dav.variant_fn(name, b, q_heads, kv_heads, 2, 32, out)()  # two splits: the merge too
+        err = float((out.float() - ref).abs().max() / ref.abs().max())
+        assert err <= (0.05 if name == "qk_pv_fp8" else 2 ** -7), (name, err)
+
+
+def test_decode_attention_variants_compute_the_same_attention():
+    """The diagnostic's variants (benchmarks/decode_attn_variants.py) time the same attention as the shipped kernel:
+    through Triton's interpreter on CPU, in a process of its own (Triton reads TRITON_INTERPRET at import)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU: the script itself checks each variant against the reference")
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r}); from test_benchmarks import _variants_check; " \
+           "_variants_check()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
