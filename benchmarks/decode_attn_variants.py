@@ -8,6 +8,7 @@ flashrl's kernel (`quant/kernels/fp8_decode_attn.py`) reads an FP8 cache at ~2.4
   qk_pv_fp8       also P.V in FP8 (P rounded to FP8, as FA3 does: more error)
   *_cg            the cache's loads bypass L1 and are evicted first (it is read once)
   *_paged         one block-table load per page (PAGE rows affine in it) instead of one per token
+  tma, *_tma      one page per iteration through a tensor descriptor (TMA on Hopper; BLOCK_N is PAGE there)
 --tiles BLOCK_N:WARPS:STAGES,.. times each variant at those tiles too (default the shipped 128:4:2).
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
@@ -33,7 +34,7 @@ from decode_attention import D, PAGE, bench, make_batch  # noqa: E402
 from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
 VARIANTS = ("shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16",
-            "shipped_paged", "read_only_paged")
+            "shipped_paged", "read_only_paged", "tma", "read_only_tma", "tma_bf16")
 SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
@@ -129,12 +130,86 @@ def _kernel():
         o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0) * tl.load(vs_ptr)
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
 
-    return split_kernel, merge_kernel
+    @triton.jit
+    def tma_kernel(q_ptr, k_desc, v_desc, bt_ptr, lens_ptr, qs_ptr, ks_ptr, part_ptr, lse_ptr, sm_scale, stride_qt,
+                   stride_qh, stride_bt, k_col0, v_col0, col_step, q_heads, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+                   MODE: tl.constexpr, BF16: tl.constexpr):
+        # one page (PAGE rows of one KV head: a [PAGE, D] box) per iteration through a tensor descriptor (TMA on
+        # Hopper) over the cache viewed as [slots, kv_heads * row]; MODE 0: attention as shipped, 3: loads only
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(lens_ptr + seq)
+        n_pages = tl.cdiv(seq_len, PAGE)
+        per_split = tl.cdiv(n_pages, SPLITS)
+        p0 = split * per_split
+        p1 = tl.minimum(p0 + per_split, n_pages)
+        rg = tl.arange(0, GROUP_PAD)
+        rd = tl.arange(0, D)
+        heads = kvh * GROUP + rg
+        gmask = rg < GROUP
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + rd[None, :],
+                    mask=gmask[:, None], other=0.0)
+        if not BF16:
+            q = q.to(tl.float16)
+        scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        kcol = k_col0 + kvh * col_step
+        vcol = v_col0 + kvh * col_step
+        for pg in range(p0, p1):
+            row = tl.load(bt_row + pg) * PAGE
+            k = k_desc.load([row, kcol])
+            v = v_desc.load([row, vcol])
+            if MODE == 3:
+                acc += tl.sum(k.to(tl.float32), axis=0)[None, :] + tl.sum(v.to(tl.float32), axis=0)[None, :]
+            else:
+                valid = pg * PAGE + tl.arange(0, PAGE) < seq_len
+                s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+                m = m_new
+        out_row = (seq.to(tl.int64) * q_heads + heads) * SPLITS + split
+        safe = tl.where(l_sum > 0, l_sum, 1.0)
+        tl.store(part_ptr + out_row[:, None] * D + rd[None, :], acc / safe[:, None], mask=gmask[:, None])
+        tl.store(lse_ptr + out_row, tl.where(l_sum > 0, m + tl.log2(safe), float("-inf")), mask=gmask)
+
+    return split_kernel, merge_kernel, tma_kernel
+
+
+def tma_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, out: torch.Tensor, num_warps: int,
+           num_stages: int, part: torch.Tensor, lse: torch.Tensor, raw: torch.Tensor, q: torch.Tensor,
+           qs: torch.Tensor, bf16: bool):
+    """The `tma` variants: the cache ([blocks, page, kv_heads, K|V], contiguous) as a 2-D tensor of slots, K and V
+    one [PAGE, D] box per page and head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _, merge_kernel, tma_kernel = _kernel()
+    slots = raw.view(-1, raw.shape[2] * raw.shape[3])
+    desc = TensorDescriptor(slots, list(slots.shape), list(slots.stride()), [PAGE, D])
+    group = q_heads // kv_heads
+
+    def run():
+        tma_kernel[(b["lens"].shape[0], kv_heads, splits)](
+            q, desc, desc, b["bt"], b["lens"], qs, b["k_scale"], part, lse, D ** -0.5, q.stride(0), q.stride(1),
+            b["bt"].stride(0), 0, D, 2 * D, q_heads, GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()),
+            D=D, PAGE=PAGE, SPLITS=splits, MODE=3 if name.startswith("read_only") else 0, BF16=bf16,
+            num_warps=num_warps, num_stages=num_stages)
+        merge_kernel[(b["lens"].shape[0], q_heads)](part, lse, b["v_scale"], out, out.stride(0), out.stride(1),
+                                                    q_heads, D=D, SPLITS=splits, num_warps=4)
+    return run
 
 
 def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, block_n: int, out: torch.Tensor,
                num_warps: int = 4, num_stages: int = 2):
-    split_kernel, merge_kernel = _kernel()
+    split_kernel, merge_kernel, _ = _kernel()
     batch, raw = b["lens"].shape[0], b["raw"]
     bf16 = name.endswith("_bf16")
     if bf16:
@@ -147,6 +222,8 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
     group = q_heads // kv_heads
     part = torch.empty((batch * q_heads * splits, D), dtype=torch.float32, device=b["lens"].device)
     lse = torch.empty((batch * q_heads * splits,), dtype=torch.float32, device=b["lens"].device)
+    if "tma" in name:
+        return tma_fn(name, b, q_heads, kv_heads, splits, out, num_warps, num_stages, part, lse, raw, q, qs, bf16)
 
     def run():
         split_kernel[(batch, kv_heads, splits)](

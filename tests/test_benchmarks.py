@@ -502,7 +502,7 @@ def _variants_check() -> None:
          "v_scale": torch.tensor([0.02])}
     ref = fp8_decode_attn.reference(q8, raw[..., :d], raw[..., d:], bt, lens, torch.arange(4, dtype=torch.int32),
                                     d ** -0.5, b["k_scale"], b["v_scale"], q_scale=q_scale)
-    for name in ("shipped", "shipped_cg", "shipped_paged", "qk_fp8", "qk_pv_fp8"):
+    for name in ("shipped", "shipped_cg", "shipped_paged", "qk_fp8", "qk_pv_fp8", "tma"):
         out = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
         dav.variant_fn(name, b, q_heads, kv_heads, 2, 32, out)()  # two splits: the merge too
         err = float((out.float() - ref).abs().max() / ref.abs().max())
