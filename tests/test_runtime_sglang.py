@@ -836,10 +836,11 @@ class MHATokenToKVPool:
         self.stock.append(layer.layer_id)
 
 
-def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglangs_store(monkeypatch):
+def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglangs_store(monkeypatch, caplog):
     """kv_store (FLASHRL_FUSED_KV_STORE=1): inside fa3's forward_decode an FP8 E4M3 pool's store goes to SGLang's
-    fused kernel (the layer's buffers viewed as FP8, the KVWriteLoc's loc, the scale tensors); outside decode,
-    for a BF16 pool, with a DCP mask, with float scales or with the switch off SGLang's own store runs."""
+    fused kernel (the layer's buffers viewed as FP8, the KVWriteLoc's loc, the scale tensors), said once per
+    process on the runtime's logger (the GPU tests read that line); outside decode, for a BF16 pool, with a DCP
+    mask, with float scales or with the switch off SGLang's own store runs."""
     from flashrl_tools.runtime.sglang import kv_store
 
     calls = []
@@ -860,8 +861,10 @@ def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglang
 
     store(pool, layer, loc, k, v, scale, scale)  # a prefill
     assert pool.stock == [1] and not calls
-    decode(pool, layer, loc, k, v, scale, scale)
+    with caplog.at_level("INFO", logger="flashrl_tools.runtime"):
+        decode(pool, layer, loc, k, v, scale, scale)
     assert pool.stock == [1] and len(calls) == 1 and kv_store._decoding == 0
+    assert caplog.text.count(kv_store.LOG_LINE) == 1
     q, ck, cv, kc, vc, where, ks, vs = calls[0]
     assert q is None and ck is k and cv is v and where is loc.loc and ks is scale and vs is scale
     assert kc.dtype == torch.float8_e4m3fn and kc.data_ptr() == pool.k_buffer[1].data_ptr()

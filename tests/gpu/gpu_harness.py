@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from flashrl_tools.runtime.vllm.decode_attn import LOG_LINE as DECODE_ATTN_LINE  # the kernel's line in a log
+
 REPO = Path(__file__).resolve().parents[2]
 PROBES = REPO / "tests" / "probes"
 SEQS = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
@@ -96,9 +98,6 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
         if not (dst / "config.json").is_file():
             quantize(src, dst, fmt, force=True)
     return dst
-
-
-DECODE_ATTN_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # runtime/vllm/decode_attn.py's log
 
 
 def decode_attn_expected() -> bool:

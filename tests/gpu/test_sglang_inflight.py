@@ -27,13 +27,13 @@ import sys
 import pytest
 
 import gpu_harness as h
+from flashrl_tools.runtime.sglang import kv_store
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8", "retract-int8", "retract-fp8",
          "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3",
          "in_place-int8+kv@dist"]
 PROBE = h.PROBES / "sglang_inflight_probe.py"
-FUSED_STORE_LINE = "fa3's decode stores K / V in one kernel"  # runtime/sglang/kv_store.py's log
 TOKENS = 96
 
 
@@ -44,7 +44,7 @@ def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: s
                          capture_output=True, text=True, env=env, timeout=900)
     if res.returncode != 0 or not out.is_file():
         return f"exit {res.returncode}: {(res.stdout + res.stderr)[-4000:]}"
-    return {**json.loads(out.read_text()), "fused_kv_store": FUSED_STORE_LINE in res.stdout + res.stderr}
+    return {**json.loads(out.read_text()), "fused_kv_store": kv_store.LOG_LINE in res.stdout + res.stderr}
 
 
 def run_case(case: str, work) -> dict:

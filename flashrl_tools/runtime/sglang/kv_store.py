@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 log = logging.getLogger("flashrl_tools.runtime")
+LOG_LINE = "FP8 KV cache: fa3's decode stores K / V in one kernel"  # logged once per process (the GPU tests read it)
 
 _decoding = 0  # > 0 while fa3's forward_decode runs (one scheduler thread per process)
 _state: dict = {}  # "on": the switch, read once per process; "logged": the first fused store was logged
@@ -92,4 +93,4 @@ def store(pool, layer, loc_info, k, v, k_scale, v_scale) -> None:
              loc, k_scale, v_scale)
     if not _state.get("logged"):
         _state["logged"] = True
-        log.info("FP8 KV cache: fa3's decode stores K / V in one kernel (SGLang's fused_fp8_qkv_kv_cache)")
+        log.info("%s (SGLang's fused_fp8_qkv_kv_cache)", LOG_LINE)

@@ -25,6 +25,7 @@ from flashrl_tools.config.settings import settings
 from flashrl_tools.quant.kernels import fp8_decode_attn
 
 log = logging.getLogger("flashrl_tools.runtime")
+LOG_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # logged once per process (the GPU tests read it)
 _state: dict = {}
 
 
@@ -87,5 +88,5 @@ def forward(original, impl, layer, query, key, value, kv_cache, attn_metadata, o
         q_scale=layer._q_scale if query.dtype == fp8 else None, splits=splits)
     if "logged" not in _state:
         _state["logged"] = True
-        log.info("FP8 KV decode attention through flashrl's Triton kernel (FLASHRL_DECODE_ATTN)")
+        log.info("%s (FLASHRL_DECODE_ATTN)", LOG_LINE)
     return output
