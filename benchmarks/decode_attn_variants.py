@@ -13,7 +13,9 @@ flashrl's kernel (`quant/kernels/fp8_decode_attn.py`) reads an FP8 cache at ~2.4
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
   read_only_bf16  the gather alone over the BF16 cache
-Bandwidth = the KV bytes a step must read / its time (CUDA-graph replays). Error = max |out - float32 reference| /
+The variants are switches on a copy of the shipped kernel's split loop (tests/test_benchmarks.py checks the copy's
+`shipped` output bit-equal to the package kernel's). Bandwidth = the KV bytes a step must read / its time (CUDA-graph
+replays). Error = max |out - float32 reference| /
 max |out| on the first 8 sequences.
 
     python benchmarks/decode_attn_variants.py --batches 256,128,16 --json dav.json
