@@ -248,6 +248,12 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json")
     args = ap.parse_args()
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        sys.exit(f"error: --variants {','.join(unknown)}: unknown (use some of {','.join(VARIANTS)})")
+    if not torch.cuda.is_available():
+        sys.exit("error: decode_attn_variants.py needs a CUDA GPU (it times Triton kernels on the device); on CPU "
+                 "tests/test_benchmarks.py checks its variants through Triton's interpreter")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     print(f"{torch.cuda.get_device_name(0)}: one layer's decode attention, us (TB/s), contexts "

@@ -526,3 +526,9 @@ def test_decode_attention_variants_compute_the_same_attention():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_attn_variants.py")], capture_output=True,
+                         text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # the script itself: one line
+    assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_attn_variants.py"), "--variants",
+                          "shipped,tmaa"], capture_output=True, text=True)
+    assert res.returncode != 0 and "--variants tmaa: unknown" in res.stderr and "Traceback" not in res.stderr
