@@ -1,22 +1,27 @@
 """What limits flashrl's FP8 decode attention (issue 45's open lever): variants of its split kernel, and the same
 gather without the attention, timed on one layer's decode step (torch + Triton only: no vLLM needed).
 
-flashrl's kernel (`quant/kernels/fp8_decode_attn.py`) reads an FP8 cache at ~2.4 TB/s where FA3 reads a BF16 one at
-~4.2 (RESULTS "flashrl's FP8 decode attention"). Rows, each at the split counts around the shipped default:
-  shipped         the kernel as shipped (FP8 Q, K, V widened to FP16 for both products)
+With one KV head a program flashrl's kernel (`quant/kernels/fp8_decode_attn.py`) read an FP8 cache at ~2.4 TB/s where
+FA3 reads a BF16 one at ~4.2 (RESULTS "flashrl's FP8 decode attention"); two heads a program (`hpp2_hf`, the package's
+default since) 2.6-2.9 on an H200 (RESULTS "What limits flashrl's FP8 decode attention"). Rows, each at the split
+counts around its default (`splits_for` of its programs per sequence):
+  package         the package's kernel at its defaults (two KV heads a program where they pair: hpp2_hf, 64 keys)
+  shipped         the kernel as shipped until 2026-11-28: one KV head a program (FP8 Q, K, V widened to FP16)
   qk_fp8          Q.K^T as an FP8 x FP8 product (no widening of K; exact products, float32 sums), P.V as shipped
   qk_pv_fp8       also P.V in FP8 (P rounded to FP8, as FA3 does: more error)
   *_cg            the cache's loads bypass L1 and are evicted first (it is read once)
   *_paged         one block-table load per page (PAGE rows affine in it) instead of one per token
   tma, *_tma      one page per iteration through a tensor descriptor (TMA on Hopper; BLOCK_N is PAGE there)
+  heads_fast, *_hf  the launch grid's fastest axis is the KV head (programs running together read whole token rows)
+  hpp2, hpp4      2 or 4 KV heads per program, their query groups packed in the 16-row tile (one dot per head)
 --tiles BLOCK_N:WARPS:STAGES,.. times each variant at those tiles too (default the shipped 128:4:2).
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
   read_only_bf16  the gather alone over the BF16 cache
-The variants are switches on a copy of the shipped kernel's split loop (tests/test_benchmarks.py checks the copy's
-`shipped` output bit-equal to the package kernel's). Bandwidth = the KV bytes a step must read / its time (CUDA-graph
-replays). Error = max |out - float32 reference| /
-max |out| on the first 8 sequences.
+The variants are switches on a copy of the kernel's split loop (tests/test_benchmarks.py checks the copy's `shipped`
+and `hpp2_hf` outputs bit-equal to the package kernel's with one and two heads a program). Bandwidth = the KV bytes
+a step must read / its time (CUDA-graph replays). Error = max |out - float32 reference| / max |out| on the first 8
+sequences.
 
     python benchmarks/decode_attn_variants.py --batches 256,128,16 --json dav.json
 """
@@ -35,8 +40,9 @@ from decode_attention import D, PAGE, bench, make_batch  # noqa: E402
 
 from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
-VARIANTS = ("shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16",
-            "shipped_paged", "read_only_paged", "tma", "read_only_tma", "tma_bf16")
+VARIANTS = ("package", "shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16",
+            "shipped_paged", "read_only_paged", "tma", "read_only_tma", "tma_bf16", "heads_fast", "read_only_hf",
+            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf")
 SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
@@ -49,11 +55,15 @@ def _kernel():
                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                      q_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, BF16: tl.constexpr,
-                     STREAM: tl.constexpr, PAGED: tl.constexpr):
+                     STREAM: tl.constexpr, PAGED: tl.constexpr, HF: tl.constexpr, HPP: tl.constexpr):
         # MODE 0: shipped math (FP16 products; BF16: a BF16 cache, BF16 products), 1: Q.K in FP8, 2: Q.K and P.V in
-        # FP8, 3: loads only
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
+        # FP8, 3: loads only. HF: grid (kv head groups, seqs, splits). HPP > 1: KV heads kvh..kvh+HPP-1 (MODE 0, FP8)
+        if HF:
+            seq = tl.program_id(1)
+            kvh = tl.program_id(0) * HPP
+        else:
+            seq = tl.program_id(0)
+            kvh = tl.program_id(1) * HPP
         split = tl.program_id(2)
         seq_len = tl.load(lens_ptr + seq)
         per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
@@ -63,7 +73,8 @@ def _kernel():
         rd = tl.arange(0, D)
         rn = tl.arange(0, BLOCK_N)
         heads = kvh * GROUP + rg
-        gmask = rg < GROUP
+        gmask = rg < GROUP * HPP
+        hid = rg // GROUP  # the program's KV head each query row belongs to (HPP > 1)
         q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + rd[None, :],
                     mask=gmask[:, None], other=0.0)
         scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
@@ -87,7 +98,25 @@ def _kernel():
                 slot = t % PAGE
                 rows_k = blk * stride_kb + slot * stride_ks
                 rows_v = blk * stride_vb + slot * stride_vs
-            if STREAM:  # the cache read once: bypass L1, evict first
+            if HPP > 1:  # one dot per KV head on the packed tile, each row keeping its own head's scores / values
+                q16 = q.to(tl.float16)
+                s = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+                for h in tl.static_range(HPP):
+                    kh = tl.load(k_head + h * stride_kh + rows_k[:, None] + rd[None, :], mask=valid[:, None],
+                                 other=0.0)
+                    s = tl.where(hid[:, None] == h, tl.dot(q16, tl.trans(kh.to(tl.float16))), s)
+                s = tl.where(valid[None, :], s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None]
+                for h in tl.static_range(HPP):
+                    vh = tl.load(v_head + h * stride_vh + rows_v[:, None] + rd[None, :], mask=valid[:, None],
+                                 other=0.0)
+                    acc += tl.dot(tl.where(hid[:, None] == h, p, 0.0).to(tl.float16), vh.to(tl.float16))
+                m = m_new
+            elif STREAM:  # the cache read once: bypass L1, evict first
                 k = tl.load(k_head + rows_k[:, None] + rd[None, :], mask=valid[:, None], other=0.0,
                             cache_modifier=".cg", eviction_policy="evict_first")
                 v = tl.load(v_head + rows_v[:, None] + rd[None, :], mask=valid[:, None], other=0.0,
@@ -95,7 +124,9 @@ def _kernel():
             else:
                 k = tl.load(k_head + rows_k[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
                 v = tl.load(v_head + rows_v[:, None] + rd[None, :], mask=valid[:, None], other=0.0)
-            if MODE == 3:
+            if HPP > 1:
+                pass
+            elif MODE == 3:
                 acc += tl.sum(k.to(tl.float32), axis=0)[None, :] + tl.sum(v.to(tl.float32), axis=0)[None, :]
             else:
                 if MODE == 0 and not BF16:
@@ -209,6 +240,13 @@ def tma_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, out: to
     return run
 
 
+def programs_heads(name: str, q_heads: int, kv_heads: int) -> int:
+    """The KV heads one program of `name` holds (the default splits count programs per sequence)."""
+    if name == "package":
+        return fp8_decode_attn.heads_per_program(q_heads, kv_heads)
+    return 4 if "hpp4" in name else 2 if "hpp2" in name else 1
+
+
 def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, block_n: int, out: torch.Tensor,
                num_warps: int = 4, num_stages: int = 2):
     split_kernel, merge_kernel, _ = _kernel()
@@ -222,18 +260,26 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
     mode = 3 if name.startswith("read_only") else 2 if name.startswith("qk_pv_fp8") else 1 if name.startswith("qk_fp8") \
         else 0
     group = q_heads // kv_heads
+    hpp = programs_heads(name, q_heads, kv_heads)
+    if kv_heads % hpp or group * hpp > max(16, 1 << (group - 1).bit_length()):
+        raise ValueError(f"{name}: {kv_heads} KV heads of {group} query heads do not pack {hpp} to a 16-row tile")
+    hf = name == "heads_fast" or name.endswith("_hf")
+    grid = (kv_heads // hpp, batch, splits) if hf else (batch, kv_heads // hpp, splits)
     part = torch.empty((batch * q_heads * splits, D), dtype=torch.float32, device=b["lens"].device)
     lse = torch.empty((batch * q_heads * splits,), dtype=torch.float32, device=b["lens"].device)
+    if name == "package":
+        return lambda: fp8_decode_attn.fp8_decode_attention(q, k, v, out, b["bt"], b["lens"], b["qsl"], D ** -0.5,
+                                                            b["k_scale"], b["v_scale"], q_scale=qs, splits=splits)
     if "tma" in name:
         return tma_fn(name, b, q_heads, kv_heads, splits, out, num_warps, num_stages, part, lse, raw, q, qs, bf16)
 
     def run():
-        split_kernel[(batch, kv_heads, splits)](
+        split_kernel[grid](
             q, k, v, b["bt"], b["lens"], qs, b["k_scale"], part, lse, D ** -0.5, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), b["bt"].stride(0), q_heads,
             GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=D, PAGE=PAGE, BLOCK_N=block_n,
             SPLITS=splits, MODE=mode, BF16=bf16, STREAM=name.endswith("_cg"),
-            PAGED="paged" in name, num_warps=num_warps, num_stages=num_stages)
+            PAGED="paged" in name, HF=hf, HPP=hpp, num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(batch, q_heads)](part, lse, b["v_scale"], out, out.stride(0), out.stride(1), q_heads, D=D,
                                        SPLITS=splits, num_warps=4)
     return run
@@ -263,12 +309,12 @@ def main() -> None:
         q_heads, kv_heads = SHAPES[shape]
         for batch in (int(x) for x in args.batches.split(",")):
             b = make_batch(q_heads, kv_heads, batch, args.ctx, torch.Generator(device="cuda").manual_seed(0))
-            default = fp8_decode_attn.splits_for(batch, kv_heads, sms)
             n = min(8, batch)
             ref = fp8_decode_attn.reference(b["q8"][:n], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n],
                                             b["lens"][:n], b["qsl"][:n + 1], D ** -0.5, b["k_scale"], b["v_scale"],
                                             q_scale=b["q_scale"])
             for name, (block_n, warps, stages) in ((v, t) for v in args.variants.split(",") for t in tiles):
+                default = fp8_decode_attn.splits_for(batch, kv_heads // programs_heads(name, q_heads, kv_heads), sms)
                 for splits in sorted({max(1, default // 2), default, min(16, default * 2)}):
                     out = torch.zeros(batch, q_heads, D, dtype=torch.bfloat16, device=b["lens"].device)
                     row = {"shape": shape, "batch": batch, "variant": name, "splits": splits,

@@ -129,7 +129,7 @@ def attention_settings(worker) -> dict:
     FP8 (queries quantized with the layer's `_q_scale`, which the FP8 KV calibration writes: FA3 on Hopper with
     an FP8 KV cache), read from the model's first attention layer; whether a decode batch of the worker went
     through flashrl's FP8 decode kernel so far (FLASHRL_DECODE_ATTN)."""
-    from flashrl_tools.runtime.vllm import decode_attn
+    from flashrl_tools.runtime.core import decode_attn
 
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model

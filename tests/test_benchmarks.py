@@ -489,7 +489,7 @@ def _variants_check() -> None:
     from flashrl_tools.quant.kernels import fp8_decode_attn
 
     g = torch.Generator().manual_seed(0)
-    lens, q_heads, kv_heads, d, page = torch.tensor([37, 100, 5], dtype=torch.int32), 8, 2, dav.D, dav.PAGE
+    lens, q_heads, kv_heads, d, page = torch.tensor([37, 100, 5], dtype=torch.int32), 16, 4, dav.D, dav.PAGE
     pages = [(int(n) + page - 1) // page for n in lens]
     perm = torch.randperm(sum(pages) + 1, generator=g).to(torch.int32)
     bt = torch.zeros(len(pages), max(pages), dtype=torch.int32)
@@ -502,17 +502,21 @@ def _variants_check() -> None:
          "v_scale": torch.tensor([0.02])}
     ref = fp8_decode_attn.reference(q8, raw[..., :d], raw[..., d:], bt, lens, torch.arange(4, dtype=torch.int32),
                                     d ** -0.5, b["k_scale"], b["v_scale"], q_scale=q_scale)
-    shipped = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
-    fp8_decode_attn.fp8_decode_attention(q8, raw[..., :d], raw[..., d:], shipped, bt, lens,
-                                         torch.arange(4, dtype=torch.int32), d ** -0.5, b["k_scale"], b["v_scale"],
-                                         q_scale=q_scale, splits=2, block_n=32)
-    for name in ("shipped", "shipped_cg", "shipped_paged", "qk_fp8", "qk_pv_fp8", "tma"):
+    package = {}
+    for hpp in (1, None):  # one KV head a program (the `shipped` copy), and the package's default (two)
+        package[hpp] = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
+        fp8_decode_attn.fp8_decode_attention(q8, raw[..., :d], raw[..., d:], package[hpp], bt, lens,
+                                             torch.arange(4, dtype=torch.int32), d ** -0.5, b["k_scale"],
+                                             b["v_scale"], q_scale=q_scale, splits=2, block_n=32, heads=hpp)
+    b["qsl"] = torch.arange(4, dtype=torch.int32)
+    for name in ("package", "shipped", "shipped_cg", "shipped_paged", "qk_fp8", "qk_pv_fp8", "tma", "heads_fast", "hpp2", "hpp4",
+                 "hpp2_hf"):
         out = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
         dav.variant_fn(name, b, q_heads, kv_heads, 2, 32, out)()  # two splits: the merge too
         err = float((out.float() - ref).abs().max() / ref.abs().max())
         assert err <= (0.05 if name == "qk_pv_fp8" else 2 ** -7), (name, err)
-        if name == "shipped":  # the script's copy of the kernel computes what the package's kernel does
-            assert torch.equal(out, shipped)
+        if name in ("shipped", "hpp2_hf"):  # the script's copy of the kernel computes what the package's kernel does
+            assert torch.equal(out, package[1 if name == "shipped" else None]), name
 
 
 def test_decode_attention_variants_compute_the_same_attention():

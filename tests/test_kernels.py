@@ -242,12 +242,13 @@ def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
                                               query_dtype=torch.float16)
     ref = fp8_decode_attn.reference(q, k, v, bt, lens, qsl, 128 ** -0.5, **sc)
     assert ref[0].abs().max() > 0
-    for splits in (1, 4):
+    for splits, heads in ((1, None), (4, None), (4, 1)):  # heads None: two a program where they pair
         out = torch.full((q.shape[0] + 1, *q.shape[1:]), 7.0, dtype=torch.bfloat16)
-        fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32, **sc)
+        fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
+                                             heads=heads, **sc)
         real = [0, 1, 2, 3]  # the tokens of sequences 0, 2, 3, 4
         err = (out[real].float() - ref[real]).abs().max()
-        assert err <= 2 ** -7 * ref[real].abs().max(), (splits, float(err))  # one BF16 step (the interpreter truncates)
+        assert err <= 2 ** -7 * ref[real].abs().max(), (splits, heads, float(err))  # one BF16 step (interpreter)
         assert torch.all(out[4] == 7.0)  # no sequence's token: untouched
 
 
@@ -279,12 +280,19 @@ def test_fp8_decode_attention_splits_and_refusals():
     assert fp8_decode_attn.splits_for(128, 4, 132) == 4
     assert fp8_decode_attn.splits_for(256, 8, 132) == 1
     assert fp8_decode_attn.splits_for(16, 4, 132) == 16 and fp8_decode_attn.splits_for(1, 1, 132) == 16
+    # two KV heads a program where their query groups fill at most the 16-row tile: Qwen3-8B, Qwen2.5-7B / 14B
+    assert [fp8_decode_attn.heads_per_program(q, kv) for q, kv in ((32, 8), (28, 4), (40, 8), (7, 1), (64, 4))] == \
+        [2, 2, 2, 1, 1]
     q, k, v, bt, lens, qsl, sc = _paged_batch([20, 0, 3], 4, 2)
     with pytest.raises(ValueError, match="q_scale"):
         fp8_decode_attn.fp8_decode_attention(q, k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, sc["k_scale"],
                                              sc["v_scale"], splits=1)
     with pytest.raises(ValueError, match="unsupported shapes"):
         fp8_decode_attn.fp8_decode_attention(q[:, :3], k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, splits=1, **sc)
+    with pytest.raises(ValueError, match="2 KV heads a program: 2 KV heads of 16 query heads"):
+        wide = torch.zeros(q.shape[0], 32, q.shape[2], dtype=q.dtype)
+        fp8_decode_attn.fp8_decode_attention(wide, k, v, torch.empty(wide.shape), bt, lens, qsl, 0.1, splits=1,
+                                             heads=2, **sc)
 
 
 def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
@@ -293,6 +301,7 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
     only."""
     from types import SimpleNamespace as NS
 
+    from flashrl_tools.runtime.core import decode_attn as core
     from flashrl_tools.runtime.vllm import decode_attn
 
     impl = NS(kv_cache_dtype="fp8", sliding_window=None, alibi_slopes=None, logits_soft_cap=None, sinks=None,
@@ -315,15 +324,17 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
     for i, m, qq, kw in refused:
         assert not decode_attn.served(i, None, qq, m, (), kw)
     calls = []
-    monkeypatch.setitem(decode_attn._state, "on", False)  # the default: FA3 for every batch
+    monkeypatch.setitem(core._state, "on", False)  # the default: FA3 for every batch
     out = decode_attn.forward(lambda *a, **k: calls.append(a) or "fa3", impl, None, q, None, None, None, meta, "out")
     assert out == "fa3" and len(calls) == 1
     for value, capability, on in (("0", (9, 0), False), ("1", (8, 0), True), ("", (9, 0), True), ("auto", (8, 9), False),
                                   ("auto", (10, 0), False)):  # unset / auto: Hopper only
-        monkeypatch.setattr(decode_attn, "_state", {})
+        monkeypatch.setattr(core, "_state", {})
         monkeypatch.setenv("FLASHRL_DECODE_ATTN", value)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert decode_attn.enabled(torch.device("cpu")) is on
+        assert core.enabled(torch.device("cpu")) is on
+    # an engine whose adapter has not passed its GPU test on Hopper (SGLang's): `auto` off, `1` on
+    assert core.resolve("auto", (9, 0), auto=False) is False and core.resolve("1", (9, 0), auto=False) is True
 
 
 @cuda
@@ -339,11 +350,14 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
     q, k, v, bt, lens_t, qsl, sc = _paged_batch(lens, q_heads, kv_heads, fp8_query=query == "fp8", device="cuda")
     ref = fp8_decode_attn.reference(q, k, v, bt, lens_t, qsl, 128 ** -0.5, **sc)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for splits in (fp8_decode_attn.splits_for(len(lens), kv_heads, sms), 1, 16):
+    hpp = fp8_decode_attn.heads_per_program(q_heads, kv_heads)
+    for splits, heads in ((None, None), (1, None), (16, None), (None, 1)):  # None: the engine's choice
         out = torch.zeros(q.shape, dtype=torch.bfloat16, device="cuda")
-        fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens_t, qsl, 128 ** -0.5, splits=splits, **sc)
+        fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
+                                             sm_count=sms, **sc)
         err = (out.float() - ref).abs().amax(dim=(1, 2))
-        assert torch.all(err <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (splits, err.max().item())
+        assert torch.all(err <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (splits, heads, hpp, err.max().item())
         again = torch.zeros_like(out)
-        fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits, **sc)
+        fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
+                                             sm_count=sms, **sc)
         assert torch.equal(out, again)

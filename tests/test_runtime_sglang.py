@@ -888,3 +888,104 @@ def test_fa3_decode_stores_fp8_kv_in_one_kernel_and_everything_else_takes_sglang
     monkeypatch.delenv("FLASHRL_FUSED_KV_STORE")  # on by default (its GPU engine test passed)
     decode(pool, layer, loc, k, v, scale, scale)
     assert len(calls) == 3
+
+
+def _fa3_decode_call(page_size: int = 1, bs: int = 3, q_heads: int = 8, kv_heads: int = 2, d: int = 128, seed: int = 0):
+    """The keyword arguments fa3's forward_decode gives `flash_attn_with_kvcache` (SGLang 0.5.17) over an FP8 pool
+    of `page_size`: the query cast to FP8 without a scale, per-tensor descales expanded to (batch, kv_heads)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([37, 100, 5][:bs], dtype=torch.int32)
+    pages = [(int(n) + page_size - 1) // page_size for n in lens]
+    perm = torch.randperm(sum(pages) + 1, generator=g).to(torch.int32)
+    table = torch.zeros(bs, max(pages), dtype=torch.int32)
+    for i, p in enumerate(pages):
+        table[i, :p] = perm[sum(pages[:i]):sum(pages[:i]) + p]
+    slots = (sum(pages) + 1) * page_size
+    k_buf = (torch.randn(slots, kv_heads, d, generator=g) * 2).to(torch.float8_e4m3fn)  # the pool's layer buffers
+    v_buf = (torch.randn(slots, kv_heads, d, generator=g) * 2).to(torch.float8_e4m3fn)
+    k_scale, v_scale = torch.tensor([0.03]), torch.tensor([0.02])
+    return {"q": (torch.randn(bs, q_heads, d, generator=g) * 4).to(torch.float8_e4m3fn),
+            "k_cache": k_buf.view(-1, page_size, kv_heads, d), "v_cache": v_buf.view(-1, page_size, kv_heads, d),
+            "page_table": table, "cache_seqlens": lens, "cu_seqlens_q": torch.arange(bs + 1, dtype=torch.int32),
+            "max_seqlen_q": 1, "softmax_scale": d ** -0.5, "causal": True, "window_size": (-1, -1), "softcap": 0.0,
+            "k_descale": k_scale.expand(bs, kv_heads), "v_descale": v_scale.expand(bs, kv_heads),
+            "return_softmax_lse": False, "num_splits": 0, "out": None, "ver": 3, "scheduler_metadata": None}
+
+
+def test_fa3_decode_calls_over_an_fp8_pool_are_the_ones_flashrls_kernel_takes(monkeypatch):
+    """runtime/sglang/decode_attn.py (FLASHRL_DECODE_ATTN=1): inside fa3's forward_decode, a one-token-per-sequence
+    call over the FP8 E4M3 pool with per-tensor descales goes to flashrl's kernel; prefill (outside the decode step),
+    appended K / V, cascade LSE, windows, soft-cap, sinks, per-head descales, FA4, a BF16 query or pool keep FA3;
+    unset, SGLang keeps FA3 (its `auto` is off until the GPU test ran)."""
+    from flashrl_tools.runtime.core import decode_attn as core
+    from flashrl_tools.runtime.sglang import decode_attn, kv_store
+
+    monkeypatch.setattr(kv_store, "on_device", lambda t: True)  # the kernel is CUDA's: a stand-in here
+    kw = _fa3_decode_call()
+    monkeypatch.setattr(kv_store, "_decoding", 0)
+    assert not decode_attn.takes((), kw)  # a prefill's call
+    monkeypatch.setattr(kv_store, "_decoding", 1)
+    assert decode_attn.takes((), kw)
+    assert decode_attn._scalar(kw["k_descale"]).data_ptr() == kw["k_descale"].data_ptr()  # the layer's tensor
+    refused = [{"k": kw["q"]}, {"cu_seqlens_k_new": kw["cu_seqlens_q"]}, {"return_softmax_lse": True},
+               {"window_size": (127, 0)}, {"softcap": 30.0}, {"sinks": torch.zeros(8)}, {"max_seqlen_q": 2},
+               {"causal": False}, {"ver": 4}, {"q_descale": torch.ones(3, 2)},
+               {"k_descale": torch.tensor([[0.03, 0.04], [0.03, 0.04], [0.03, 0.04]])},
+               {"q": kw["q"].to(torch.bfloat16)}, {"k_cache": kw["k_cache"].to(torch.bfloat16)}]
+    for change in refused:
+        assert not decode_attn.takes((), {**kw, **change}), change
+    assert not decode_attn.takes((kw["q"],), {k: v for k, v in kw.items() if k != "q"})  # positional: FA3's own
+    calls = []
+    monkeypatch.setattr(core, "_state", {})
+    monkeypatch.delenv("FLASHRL_DECODE_ATTN", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert decode_attn.flash_attn_with_kvcache(lambda *a, **k: calls.append(k) or "fa3", **kw) == "fa3"
+    assert len(calls) == 1 and core._state["on"] is False
+
+
+def _sglang_decode_attn_check() -> None:
+    """Run inside a process started with TRITON_INTERPRET=1: fa3's decode call through the hook equals float32
+    attention over the pool's FP8 values (page sizes 1 and 16, SGLang's output buffer or a new BF16 one, its
+    deterministic `num_splits=1`), logged once."""
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+    from flashrl_tools.runtime.core import decode_attn as core
+    from flashrl_tools.runtime.sglang import decode_attn, kv_store
+
+    kv_store.on_device = lambda t: True
+    core._sm_count = lambda index: 132
+    core._state["on"] = True
+    kv_store._decoding = 1
+
+    def fail(*a, **k):
+        raise AssertionError("FA3 was called")
+
+    for page_size, num_splits, given_out in ((1, 0, False), (16, 0, True), (16, 1, False)):
+        kw = _fa3_decode_call(page_size)
+        if given_out:
+            kw["out"] = torch.full(kw["q"].shape, 7.0, dtype=torch.bfloat16)
+        kw["num_splits"] = num_splits
+        out = decode_attn.flash_attn_with_kvcache(fail, **kw)
+        assert out.dtype == torch.bfloat16 and out.shape == kw["q"].shape and (out is kw["out"] or not given_out)
+        ref = fp8_decode_attn.reference(kw["q"], kw["k_cache"], kw["v_cache"], kw["page_table"], kw["cache_seqlens"],
+                                        kw["cu_seqlens_q"], kw["softmax_scale"], kw["k_descale"][0, 0],
+                                        kw["v_descale"][0, 0], q_scale=1.0)
+        err = float((out.float() - ref).abs().max() / ref.abs().max())
+        assert err <= 2 ** -7, (page_size, num_splits, err)
+    assert core.ran()
+
+
+def test_fa3_decode_through_flashrls_kernel_equals_float32_attention():
+    """The hook's operands (SGLang's pool views, page table, lengths, descales, the unscaled FP8 query) reach the
+    kernel as it computes them: through Triton's interpreter on CPU, in a process of its own."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU: tests/gpu runs the hook in SGLang itself")
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_runtime_sglang import "
+            "_sglang_decode_attn_check; _sglang_decode_attn_check()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from flashrl_tools.runtime.vllm.decode_attn import LOG_LINE as DECODE_ATTN_LINE  # the kernel's line in a log
+from flashrl_tools.runtime.core.decode_attn import LOG_LINE as DECODE_ATTN_LINE  # the kernel's line in a log
 
 REPO = Path(__file__).resolve().parents[2]
 PROBES = REPO / "tests" / "probes"
@@ -100,22 +100,22 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
     return dst
 
 
-def decode_attn_expected() -> bool:
-    """Whether vLLM engines with an FP8 KV cache started here take flashrl's decode attention (FLASHRL_DECODE_ATTN:
-    1, or unset / auto on Hopper)."""
+def decode_attn_expected(auto: bool = True) -> bool:
+    """Whether engines with an FP8 KV cache started here take flashrl's decode attention (FLASHRL_DECODE_ATTN: 1, or
+    unset / auto on Hopper where the engine's `auto` is on: vLLM's is, SGLang's is not yet)."""
     from flashrl_tools.config.settings import settings
-    from flashrl_tools.runtime.vllm.decode_attn import resolve
+    from flashrl_tools.runtime.core.decode_attn import resolve
 
-    return resolve(settings().decode_attn, torch.cuda.get_device_capability())
+    return resolve(settings().decode_attn, torch.cuda.get_device_capability(), auto)
 
 
-def expect_decode_attn(row: dict, seen: list[bool]) -> None:
+def expect_decode_attn(row: dict, seen: list[bool], auto: bool = True) -> None:
     """An FP8 KV case's engines (`seen`: per probe process, whether its log says it decoded through flashrl's
     kernel): recorded, and a failure where that is not what FLASHRL_DECODE_ATTN resolves to here."""
     row["flashrl_decode_attn"] = seen
-    if seen != [decode_attn_expected()] * len(seen):
+    if seen != [decode_attn_expected(auto)] * len(seen):
         row.setdefault("failures", []).append(f"flashrl's FP8 decode attention {seen}, expected "
-                                              f"{decode_attn_expected()} in every engine (FLASHRL_DECODE_ATTN)")
+                                              f"{decode_attn_expected(auto)} in every engine (FLASHRL_DECODE_ATTN)")
 
 
 def async_scheduling(log: str) -> bool | None:

@@ -2,9 +2,10 @@
 requests streaming, `pause_generation(mode)`, the perturbed weights pushed per tensor through
 `update_weights_from_tensor` (flush_cache=True, SGLang's default; `@dist`: one flattened bucket through
 `update_weights_from_distributed`), `continue_generation`. Radix cache on.
-Cases: mode x config (`+kv`: FP8 KV cache; `moe-`: Qwen3-MoE). Asserted per case: the push succeeds, a
-request sent during the pause waits, kept (in_place) and retracted requests finish, aborted ones say
-so; a request after the drain equals a fresh engine on the new weights (same FLASHRL_CONFIG and KV
+Cases: mode x config (`+kv`: FP8 KV cache; `moe-`: Qwen3-MoE; `@fa3`: fa3 attention, `@fa3attn`: and its decode
+attention through flashrl's kernel, FLASHRL_DECODE_ATTN=1, asserted taken in both engines). Asserted per case: the
+push succeeds, a request sent during the pause waits, kept (in_place) and retracted requests finish, aborted ones
+say so; a request after the drain equals a fresh engine on the new weights (same FLASHRL_CONFIG and KV
 setting) bit for bit, as do the FP8 KV scales; abort: every resubmission (prompt + partial tokens) equals
 the fresh engine's continuation; retract: the retracted requests' tokens after the pause (recomputed by
 the engine on the new weights) equal the fresh engine's continuation of the same batch. In place: a
@@ -27,12 +28,13 @@ import sys
 import pytest
 
 import gpu_harness as h
+from flashrl_tools.runtime.core.decode_attn import LOG_LINE as DECODE_ATTN_LINE
 from flashrl_tools.runtime.sglang import kv_store
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8", "retract-int8", "retract-fp8",
          "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3",
-         "in_place-int8+kv@dist"]
+         "in_place-int8+kv@dist", "in_place-int8+kv@fa3attn"]
 PROBE = h.PROBES / "sglang_inflight_probe.py"
 TOKENS = 96
 
@@ -44,14 +46,17 @@ def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: s
                          capture_output=True, text=True, env=env, timeout=900)
     if res.returncode != 0 or not out.is_file():
         return f"exit {res.returncode}: {(res.stdout + res.stderr)[-4000:]}"
-    return {**json.loads(out.read_text()), "fused_kv_store": kv_store.LOG_LINE in res.stdout + res.stderr}
+    text = res.stdout + res.stderr
+    return {**json.loads(out.read_text()), "fused_kv_store": kv_store.LOG_LINE in text,
+            "flashrl_decode_attn": DECODE_ATTN_LINE in text}
 
 
 def run_case(case: str, work) -> dict:
-    # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors); `@dist`: the push as a flattened bucket
-    # through `update_weights_from_distributed` (a gloo group with the probe)
+    # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors); `@fa3attn`: and its decode attention through
+    # flashrl's kernel (FLASHRL_DECODE_ATTN=1, both engines); `@dist`: the push as a flattened bucket through
+    # `update_weights_from_distributed` (a gloo group with the probe)
     case, _, option = case.partition("@")
-    backend, how = ("fa3" if option == "fa3" else ""), ("distributed" if option == "dist" else "tensor")
+    backend, how = ("fa3" if option in ("fa3", "fa3attn") else ""), ("distributed" if option == "dist" else "tensor")
     mode, rest = case.split("-", 1)
     moe = rest.startswith("moe-")
     config = rest.removeprefix("moe-").removesuffix("+kv")
@@ -59,6 +64,8 @@ def run_case(case: str, work) -> dict:
     orig, pert = h.model_pair(work, "qwen3_moe" if moe else "qwen3")
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     env.update(FLASHRL_CONFIG=config, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}))
+    if option == "fa3attn":
+        env["FLASHRL_DECODE_ATTN"] = "1"
     tag = f"{case}@{option}" if option else case
     got = _probe(["run", str(orig), str(pert)], env, tag, work, "--mode", mode, "--tokens", str(TOKENS),
                  "--push", how, backend=backend)
@@ -97,6 +104,11 @@ def run_case(case: str, work) -> dict:
         if row["fused_kv_store"] != [settings().fused_kv_store] * 2:
             row["failures"].append(f"fused FP8 KV store {row['fused_kv_store']}, FLASHRL_FUSED_KV_STORE "
                                    f"{settings().fused_kv_store}")
+        # and attended as FLASHRL_DECODE_ATTN says (SGLang's `auto`: off)
+        want = option == "fa3attn" or h.decode_attn_expected(auto=False)
+        row["flashrl_decode_attn"] = [got["flashrl_decode_attn"], fresh["flashrl_decode_attn"]]
+        if row["flashrl_decode_attn"] != [want] * 2:
+            row["failures"].append(f"flashrl's FP8 decode attention {row['flashrl_decode_attn']}, expected {want}")
     if mode == "in_place" and kv:  # the FP8 cache's own effect: its decoded tokens recomputed with a BF16 KV cache
         decoded = [[f"tf-dec-{r}", prompt(int(r[1:])) + o["tokens"][:got["at_pause"][r]] + fresh["outputs"][f"dec-{r}"]["tokens"],
                     len(prompt(0)) + got["at_pause"][r]] for r, o in got["kept"].items()]

@@ -2,11 +2,15 @@
 
 Why: FA3's FP8 decode reads the cache at about half the bandwidth of its BF16 decode (RESULTS "The FP8 KV cache
 and the attention backend"), so halving the cache's bytes takes ~20 % off attention, not ~50 %. This kernel is
-shaped for decode only (one query token per sequence): one program per (sequence, KV head, split) holds the KV
-head's whole query group, streams the split's pages, and keeps the online softmax in float32 (split-KV
-"flash decoding"; the splits are merged by a second kernel when there is more than one). Measured on an H200
-(RESULTS "flashrl's FP8 decode attention"): FA3's FP8 speed from 64 sequences up (neither reaches BF16's
-bandwidth), 3-19 % faster with 16 (7B, 14B: 16-19 %), its error against float32 attention ~13x smaller than FA3's.
+shaped for decode only (one query token per sequence): one program per (KV head pair, sequence, split) holds the
+pair's query groups packed in one 16-row tile (one tensor-core dot per head, each row keeping its own head's
+scores), streams the split's pages, and keeps the online softmax in float32 (split-KV "flash decoding"; the splits
+are merged by a second kernel when there is more than one). A group too wide to pair (> 8 query heads) or an odd
+KV head count keeps one head a program. Measured (RESULTS "flashrl's FP8 decode attention", "What limits ...",
+"Two KV heads a program"): one head a program read the cache at ~2.4 TB/s (FA3's FP8 speed from 64 sequences up,
+3-19 % faster with 16); two heads a program, the KV heads the grid's fastest axis, read it at 2.8-2.9 TB/s on an
+H200 at 128-256 sequences (10-19 % faster; H100 8-9 %), per byte ~0.7 of FA3's BF16 decode. The error against
+float32 attention is ~13x smaller than FA3's.
 
 The math, per sequence and query head: `o = sum_j softmax_j(s) * v_scale * V_j` with
 `s_j = sm_scale * q_scale * k_scale * (q . K_j)`. FP8 operands are widened to FP16 (exact for E4M3), so
@@ -15,7 +19,8 @@ stay FP16 for the P.V product (FA3 rounds them to FP8 there). A BF16 query (no q
 BF16 with the keys widened to BF16 (also exact). Deterministic: no atomics; for a given split count a
 sequence's output does not depend on the other sequences of the batch.
 
-Operands: `q` [tokens, q_heads, D] (FP8 with `q_scale`, or BF16 / FP16 with `q_scale=None`); `k_cache`,
+Operands: `q` [tokens, q_heads, D] (FP8 with `q_scale` -- a tensor, or a number for a query cast to FP8 without
+one, as SGLang's fa3 does (1.0) --, or BF16 / FP16 with `q_scale=None`); `k_cache`,
 `v_cache` [blocks, page, kv_heads, D] FP8 views with any strides (vLLM's FA layout and SGLang's token pool
 viewed with page 1 are both such views); `block_table` [seqs, max_pages] int32; `seq_lens` [seqs] int32
 (0 = a padded request: nothing written); `query_start_loc` [seqs + 1] (the token of sequence i); scales float32
@@ -33,10 +38,16 @@ MAX_SPLITS = 16
 
 def splits_for(num_seqs: int, kv_heads: int, sm_count: int, max_splits: int = MAX_SPLITS) -> int:
     """Splits per sequence: the power of 2 that brings the programs nearest ~16 per SM from below (the best split
-    count of benchmarks/decode_attention.py's sweep on an H200 at 16 and 128 sequences, 4 and 8 KV heads). A
-    function of the batch's shape only (not of its lengths), so a captured CUDA graph holds one launch grid."""
+    count of benchmarks/decode_attention.py's sweep on an H200 at 16 and 128 sequences, 4 and 8 KV heads; `kv_heads`
+    is the programs per sequence and split). A function of the batch's shape only (not of its lengths), so a captured
+    CUDA graph holds one launch grid."""
     want = 16 * sm_count // max(1, num_seqs * kv_heads)
     return max(1, min(max_splits, 1 << max(0, want.bit_length() - 1)))
+
+
+def heads_per_program(q_heads: int, kv_heads: int) -> int:
+    """2 where a pair of KV heads' query groups fits the 16-row tile and the heads pair up, else 1."""
+    return 2 if kv_heads % 2 == 0 and 2 * (q_heads // kv_heads) <= 16 else 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,9 +60,10 @@ def _kernels():
                      lse_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                      stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_FP8: tl.constexpr):
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
+                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_FP8: tl.constexpr, Q_SCALED: tl.constexpr,
+                     HPP: tl.constexpr):
+        kvh = tl.program_id(0) * HPP  # the program's first KV head; it holds HPP of them
+        seq = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(lens_ptr + seq)
         tok = tl.load(qsl_ptr + seq)
@@ -64,11 +76,13 @@ def _kernels():
             rd = tl.arange(0, D)
             rn = tl.arange(0, BLOCK_N)
             heads = kvh * GROUP + rg
-            gmask = rg < GROUP
+            gmask = rg < GROUP * HPP
+            hid = rg // GROUP  # which of the program's KV heads a query row belongs to
             q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + rd[None, :],
                         mask=gmask[:, None], other=0.0)
             if Q_FP8:
                 q = q.to(tl.float16)
+            if Q_SCALED:
                 scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
             else:
                 scale = sm_scale * tl.load(ks_ptr) * 1.4426950408889634
@@ -83,17 +97,29 @@ def _kernels():
                 valid = t < end
                 blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
                 slot = t % PAGE
-                k = tl.load(k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :],
-                            mask=valid[:, None], other=0.0)
-                v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :],
-                            mask=valid[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
-                s = tl.where(valid[None, :], s, float("-inf"))
+                rows_k = blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :]
+                rows_v = blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :]
+                if HPP == 1:
+                    k = tl.load(k_head + rows_k, mask=valid[:, None], other=0.0)
+                    v = tl.load(v_head + rows_v, mask=valid[:, None], other=0.0)
+                    s = tl.dot(q, tl.trans(k.to(q.dtype)))
+                else:  # each row keeps the scores against its own KV head
+                    s = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+                    for h in tl.static_range(HPP):
+                        k = tl.load(k_head + h * stride_kh + rows_k, mask=valid[:, None], other=0.0)
+                        s = tl.where(hid[:, None] == h, tl.dot(q, tl.trans(k.to(q.dtype))), s)
+                s = tl.where(valid[None, :], s * scale, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
                 alpha = tl.exp2(m - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_sum = l_sum * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+                acc = acc * alpha[:, None]
+                if HPP == 1:
+                    acc += tl.dot(p.to(tl.float16), v.to(tl.float16))
+                else:  # each row's probabilities against its own KV head's values
+                    for h in tl.static_range(HPP):
+                        v = tl.load(v_head + h * stride_vh + rows_v, mask=valid[:, None], other=0.0)
+                        acc += tl.dot(tl.where(hid[:, None] == h, p, 0.0).to(tl.float16), v.to(tl.float16))
                 m = m_new
             if SPLITS == 1:
                 o = acc / l_sum[:, None] * tl.load(vs_ptr)
@@ -129,32 +155,46 @@ def _kernels():
 def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          sm_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                         q_scale: torch.Tensor | None = None, splits: int | None = None,
-                         block_n: int = 128, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring)."""
+                         q_scale: torch.Tensor | float | None = None, splits: int | None = None,
+                         block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                         heads: int | None = None, sm_count: int | None = None) -> torch.Tensor:
+    """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
+    heads a program holds, the keys it reads per iteration (64 for two heads, 128 for one: the sweep's best) and
+    the splits (`splits_for`, from `sm_count` or the device's) are the measured defaults."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
-    if q_heads % kv_heads or d & (d - 1) or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+    if q_heads % kv_heads or d & (d - 1) or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or num_seqs > 65535:
         raise ValueError(f"fp8_decode_attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
     group = q_heads // kv_heads
+    hpp = heads_per_program(q_heads, kv_heads) if heads is None else heads
+    group_pad = max(16, 1 << (hpp * group - 1).bit_length())
+    if hpp < 1 or kv_heads % hpp or (hpp > 1 and hpp * group > 16):
+        raise ValueError(f"fp8_decode_attention: {hpp} KV heads a program: {kv_heads} KV heads of {group} query heads "
+                         "each do not pack into a 16-row tile")
+    if block_n is None:
+        block_n = 64 if hpp > 1 else 128
     if splits is None:
-        splits = splits_for(num_seqs, kv_heads, torch.cuda.get_device_properties(q.device).multi_processor_count)
+        sm_count = sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = splits_for(num_seqs, kv_heads // hpp, sm_count)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"fp8_decode_attention: splits={splits}, a power of 2 is needed")
     q_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if q_fp8 != (q_scale is not None):
         raise ValueError("fp8_decode_attention: an FP8 query takes q_scale, a 16-bit one does not")
+    q_scaled = isinstance(q_scale, torch.Tensor)
+    if q_fp8 and not q_scaled:  # a number: folded into the softmax scale
+        sm_scale, q_scale = sm_scale * float(q_scale), None
     part = lse = out
     if splits > 1:
         part = torch.empty((num_seqs * q_heads * splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_seqs * q_heads * splits,), dtype=torch.float32, device=q.device)
-    split_kernel[(num_seqs, kv_heads, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, q_scale if q_fp8 else k_scale, k_scale, v_scale,
+    split_kernel[(kv_heads // hpp, num_seqs, splits)](
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, q_scale if q_scaled else k_scale, k_scale, v_scale,
         out, part, lse, sm_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
-        q_heads, GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=d, PAGE=page, BLOCK_N=block_n,
-        SPLITS=splits, Q_FP8=q_fp8, num_warps=num_warps, num_stages=num_stages)
+        q_heads, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits, Q_FP8=q_fp8,
+        Q_SCALED=q_scaled, HPP=hpp, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         merge_kernel[(num_seqs, q_heads)](part, lse, seq_lens, query_start_loc, v_scale, out, out.stride(0),
                                           out.stride(1), q_heads, D=d, SPLITS=splits, num_warps=4)
@@ -167,7 +207,7 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sm_sc
     q_heads = q.shape[1]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    qf = q.float() * (q_scale.float() if q_scale is not None else 1.0)
+    qf = q.float() * (torch.as_tensor(q_scale).float() if q_scale is not None else 1.0)
     for i in range(seq_lens.shape[0]):
         n, tok = int(seq_lens[i]), int(query_start_loc[i])
         if n == 0 or int(query_start_loc[i + 1]) == tok:

@@ -12,7 +12,8 @@ FLASHRL_KV_CACHE_DTYPE changed is refused there (`check_env`)."""
 from __future__ import annotations
 
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
-from flashrl_tools.runtime.sglang import kv_front, kv_store, pause, process, scheduler, server_args, weight_sync
+from flashrl_tools.runtime.sglang import (decode_attn, kv_front, kv_store, pause, process, scheduler, server_args,
+                                          weight_sync)
 
 _CT = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
 _TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -35,6 +36,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("kv_store_decode", "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend.forward_decode",
          kv_store.in_decode, HookKind.AROUND, "scheduler", "FP8 KV cache: marks fa3's decode step (it does not read "
          "K / V again after storing them)", optional=True),
+    Hook("decode_attn", "sglang.srt.layers.attention.flashattention_backend.flash_attn_with_kvcache",
+         decode_attn.flash_attn_with_kvcache, HookKind.AROUND, "scheduler", "FLASHRL_DECODE_ATTN=1, FP8 KV cache: "
+         "fa3's decode batches' attention through flashrl's Triton kernel", optional=True),
     Hook("kv_store", "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer", kv_store.set_kv_buffer,
          HookKind.AROUND, "scheduler", "FP8 KV cache, fa3's decode: K / V scaled, cast and stored in one kernel "
          "(SGLang's `fused_fp8_qkv_kv_cache`) instead of five (FLASHRL_FUSED_KV_STORE)"),

@@ -1,0 +1,70 @@
+"""SGLang's fa3 backend over an FP8 KV cache: decode steps through flashrl's FP8 decode kernel (issue 45;
+FLASHRL_DECODE_ATTN=1; unset / `auto`: off on SGLang until its GPU test has run, runtime/core/decode_attn.py).
+
+AROUND the `flash_attn_with_kvcache` that fa3's backend module calls: while fa3's `forward_decode` runs (marked by
+kv_store.in_decode), a call that is one query token per sequence over the paged FP8 E4M3 pool -- causal, no
+window, soft-cap, sinks, score_mod, appended K / V, cascade LSE, with per-tensor K / V descales -- runs
+`quant.kernels.fp8_decode_attn` on the same operands FA3 would get: the query as fa3 cast it to FP8 (unscaled:
+q_scale 1), the pool viewed [pages, page_size, kv_heads, D], SGLang's page table, cache lengths and query starts,
+the layer's scale tensors (read on the device: a recalibration needs no graph capture). SGLang's store, its
+metadata, its page-table choice (SWA, local attention) stay SGLang's; prefill (forward_extend) keeps FA3; SGLang's
+`num_splits=1` (deterministic inference) is kept. The choice depends only on the call's shape, so a synced engine
+and a fresh one started with the same settings take the same kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from flashrl_tools.runtime.core import decode_attn as core
+from flashrl_tools.runtime.sglang import kv_store
+
+_OFF = ("k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "cu_seqlens_k_new",
+        "rotary_seqlens", "q_descale", "sinks", "score_mod", "aux_tensors")  # what the kernel does not compute
+
+
+def _scalar(descale):
+    """The 1-element scale tensor behind fa3's `layer.k_scale.expand(batch, kv_heads)` (a view of its storage,
+    so a captured graph reads recalibrated values), or None for per-head descales."""
+    if not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32:
+        return None
+    if any(stride for stride, n in zip(descale.stride(), descale.shape) if n > 1):  # one value broadcast
+        return None
+    return descale.as_strided((1,), (1,))
+
+
+def takes(args, kw) -> bool:
+    """Whether this fa3 call is a decode batch the kernel computes exactly (module docstring)."""
+    if args or not kv_store._decoding:
+        return False
+    q, k_cache, v_cache = kw.get("q"), kw.get("k_cache"), kw.get("v_cache")
+    fp8 = torch.float8_e4m3fn
+    if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, kw.get("page_table"),
+                                                       kw.get("cache_seqlens"), kw.get("cu_seqlens_q"))):
+        return False
+    if q.dtype != fp8 or k_cache.dtype != fp8 or v_cache.dtype != fp8 or q.dim() != 3 or k_cache.dim() != 4:
+        return False
+    d = q.shape[-1]
+    if k_cache.shape[-1] != d or v_cache.shape[-1] != d or d & (d - 1) or q.shape[1] % k_cache.shape[2]:
+        return False
+    if any(kw.get(name) is not None for name in _OFF) or kw.get("max_seqlen_q") != 1 or kw.get("causal") is not True:
+        return False
+    if tuple(kw.get("window_size", (-1, -1))) != (-1, -1) or kw.get("softcap") or kw.get("attention_chunk"):
+        return False
+    if kw.get("return_softmax_lse") or kw.get("only_qv") or kw.get("ver", 3) != 3:
+        return False
+    return _scalar(kw.get("k_descale")) is not None and _scalar(kw.get("v_descale")) is not None and kv_store.on_device(q)
+
+
+def flash_attn_with_kvcache(original, *args, **kw):
+    """AROUND fa3's `flash_attn_with_kvcache`: its decode batches over the FP8 pool through flashrl's kernel."""
+    if not takes(args, kw) or not core.enabled(kw["q"].device, auto=False):
+        return original(*args, **kw)
+    q, v_cache = kw["q"], kw["v_cache"]
+    out = kw.get("out")
+    if out is None:  # FA3's output for an FP8 query is BF16
+        out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=torch.bfloat16, device=q.device)
+    scale = kw.get("softmax_scale")
+    return core.attend(q, kw["k_cache"], v_cache, out, kw["page_table"], kw["cache_seqlens"], kw["cu_seqlens_q"],
+                       q.shape[-1] ** -0.5 if scale is None else scale, _scalar(kw["k_descale"]),
+                       _scalar(kw["v_descale"]), q_scale=1.0,
+                       splits=1 if kw.get("num_splits") == 1 else None, via="SGLang's fa3 backend")
