@@ -109,13 +109,13 @@ def decode_attn_expected(auto: bool = True) -> bool:
     return resolve(settings().decode_attn, torch.cuda.get_device_capability(), auto)
 
 
-def expect_decode_attn(row: dict, seen: list[bool], auto: bool = True) -> None:
+def expect_decode_attn(row: dict, seen: list[bool]) -> None:
     """An FP8 KV case's engines (`seen`: per probe process, whether its log says it decoded through flashrl's
     kernel): recorded, and a failure where that is not what FLASHRL_DECODE_ATTN resolves to here."""
     row["flashrl_decode_attn"] = seen
-    if seen != [decode_attn_expected(auto)] * len(seen):
+    if seen != [decode_attn_expected()] * len(seen):
         row.setdefault("failures", []).append(f"flashrl's FP8 decode attention {seen}, expected "
-                                              f"{decode_attn_expected(auto)} in every engine (FLASHRL_DECODE_ATTN)")
+                                              f"{decode_attn_expected()} in every engine (FLASHRL_DECODE_ATTN)")
 
 
 def async_scheduling(log: str) -> bool | None:
