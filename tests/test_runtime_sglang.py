@@ -913,10 +913,10 @@ def _fa3_decode_call(page_size: int = 1, bs: int = 3, q_heads: int = 8, kv_heads
 
 
 def test_fa3_decode_calls_over_an_fp8_pool_are_the_ones_flashrls_kernel_takes(monkeypatch):
-    """runtime/sglang/decode_attn.py (FLASHRL_DECODE_ATTN=1): inside fa3's forward_decode, a one-token-per-sequence
-    call over the FP8 E4M3 pool with per-tensor descales goes to flashrl's kernel; prefill (outside the decode step),
-    appended K / V, cascade LSE, windows, soft-cap, sinks, per-head descales, FA4, a BF16 query or pool keep FA3;
-    unset, SGLang keeps FA3 (its `auto` is off until the GPU test ran)."""
+    """runtime/sglang/decode_attn.py: inside fa3's forward_decode, a one-token-per-sequence call over the FP8 E4M3
+    pool with per-tensor descales goes to flashrl's kernel; prefill (outside the decode step), appended K / V, cascade
+    LSE, windows, soft-cap, sinks, per-head descales, FA4, a BF16 query or pool keep FA3; FLASHRL_DECODE_ATTN unset
+    takes the kernel on Hopper only, 0 keeps FA3 there."""
     from flashrl_tools.runtime.core import decode_attn as core
     from flashrl_tools.runtime.sglang import decode_attn, kv_store
 
@@ -935,12 +935,17 @@ def test_fa3_decode_calls_over_an_fp8_pool_are_the_ones_flashrls_kernel_takes(mo
     for change in refused:
         assert not decode_attn.takes((), {**kw, **change}), change
     assert not decode_attn.takes((kw["q"],), {k: v for k, v in kw.items() if k != "q"})  # positional: FA3's own
-    calls = []
-    monkeypatch.setattr(core, "_state", {})
-    monkeypatch.delenv("FLASHRL_DECODE_ATTN", raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert decode_attn.flash_attn_with_kvcache(lambda *a, **k: calls.append(k) or "fa3", **kw) == "fa3"
-    assert len(calls) == 1 and core._state["on"] is False
+    monkeypatch.setattr(core, "attend", lambda *a, **k: "flashrl")
+    for value, capability, want in ((None, (9, 0), "flashrl"), (None, (8, 9), "fa3"), ("0", (9, 0), "fa3")):
+        calls = []
+        monkeypatch.setattr(core, "_state", {})
+        if value is None:
+            monkeypatch.delenv("FLASHRL_DECODE_ATTN", raising=False)
+        else:
+            monkeypatch.setenv("FLASHRL_DECODE_ATTN", value)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert decode_attn.flash_attn_with_kvcache(lambda *a, c=calls, **k: c.append(k) or "fa3", **kw) == want
+        assert len(calls) == (want == "fa3"), (value, capability)
 
 
 def _sglang_decode_attn_check() -> None:

@@ -100,13 +100,13 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
     return dst
 
 
-def decode_attn_expected(auto: bool = True) -> bool:
+def decode_attn_expected() -> bool:
     """Whether engines with an FP8 KV cache started here take flashrl's decode attention (FLASHRL_DECODE_ATTN: 1, or
-    unset / auto on Hopper where the engine's `auto` is on: vLLM's is, SGLang's is not yet)."""
+    unset / auto on Hopper; vLLM's FA3 and SGLang's fa3 alike)."""
     from flashrl_tools.config.settings import settings
     from flashrl_tools.runtime.core.decode_attn import resolve
 
-    return resolve(settings().decode_attn, torch.cuda.get_device_capability(), auto)
+    return resolve(settings().decode_attn, torch.cuda.get_device_capability())
 
 
 def expect_decode_attn(row: dict, seen: list[bool]) -> None:

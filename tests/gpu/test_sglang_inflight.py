@@ -2,20 +2,20 @@
 requests streaming, `pause_generation(mode)`, the perturbed weights pushed per tensor through
 `update_weights_from_tensor` (flush_cache=True, SGLang's default; `@dist`: one flattened bucket through
 `update_weights_from_distributed`), `continue_generation`. Radix cache on.
-Cases: mode x config (`+kv`: FP8 KV cache; `moe-`: Qwen3-MoE; `@fa3`: fa3 attention, `@fa3attn`: and its decode
-attention through flashrl's kernel, FLASHRL_DECODE_ATTN=1, asserted taken in both engines). Asserted per case: the
-push succeeds, a request sent during the pause waits, kept (in_place) and retracted requests finish, aborted ones
-say so; a request after the drain equals a fresh engine on the new weights (same FLASHRL_CONFIG and KV
-setting) bit for bit, as do the FP8 KV scales; abort: every resubmission (prompt + partial tokens) equals
-the fresh engine's continuation; retract: the retracted requests' tokens after the pause (recomputed by
-the engine on the new weights) equal the fresh engine's continuation of the same batch. In place: a
-continue before the sync completed aborts the held requests with the reason and refuses a new one; the
-sync completed, a request equals the fresh engine again. FP8 KV in place: no drain (the first token of a
-request sent after the continue comes while kept requests are in flight; their entries rescaled).
-Reported: requests admitted beside kept ones vs the fresh engine, the kept requests' stale-KV effect (in
-place), the first token after the continue. FP8 KV in place also: the kept tokens no further from a recompute
-than in_place-int8's stale-KV effect plus the FP8 cache's own effect (a fresh FP8-KV engine decoding on from
-each pause point, its tokens recomputed by a fresh engine with a BF16 KV cache: `fp8_floor`)."""
+Cases: mode x config (`+kv`: FP8 KV cache; `moe-`: Qwen3-MoE; `@fa3`: fa3 attention with its own decode
+(FLASHRL_DECODE_ATTN=0), `@fa3attn`: its decode attention through flashrl's kernel (=1); asserted in both engines).
+Asserted per case: the push succeeds, a request sent during the pause waits, kept (in_place) and retracted requests
+finish, aborted ones say so; a request after the drain equals a fresh engine on the new weights (same
+FLASHRL_CONFIG and KV setting) bit for bit, as do the FP8 KV scales; abort: every resubmission (prompt + partial
+tokens) equals the fresh engine's continuation; retract: the retracted requests' tokens after the pause (recomputed
+by the engine on the new weights) equal the fresh engine's continuation of the same batch. In place: a continue
+before the sync completed aborts the held requests with the reason and refuses a new one; the sync completed, a
+request equals the fresh engine again. FP8 KV in place: no drain (the first token of a request sent after the
+continue comes while kept requests are in flight; their entries rescaled). Reported: requests admitted beside kept
+ones vs the fresh engine, the kept requests' stale-KV effect (in place), the first token after the continue. FP8 KV
+in place also: the kept tokens no further from a recompute than in_place-int8's stale-KV effect plus the FP8
+cache's own effect (a fresh FP8-KV engine decoding on from each pause point, its tokens recomputed by a fresh
+engine with a BF16 KV cache: `fp8_floor`)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: s
 
 
 def run_case(case: str, work) -> dict:
-    # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors); `@fa3attn`: and its decode attention through
-    # flashrl's kernel (FLASHRL_DECODE_ATTN=1, both engines); `@dist`: the push as a flattened bucket through
-    # `update_weights_from_distributed` (a gloo group with the probe)
+    # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors), its own decode (FLASHRL_DECODE_ATTN=0);
+    # `@fa3attn`: its decode attention through flashrl's kernel (=1; both engines); `@dist`: the push as a
+    # flattened bucket through `update_weights_from_distributed` (a gloo group with the probe)
     case, _, option = case.partition("@")
     backend, how = ("fa3" if option in ("fa3", "fa3attn") else ""), ("distributed" if option == "dist" else "tensor")
     mode, rest = case.split("-", 1)
@@ -64,8 +64,8 @@ def run_case(case: str, work) -> dict:
     orig, pert = h.model_pair(work, "qwen3_moe" if moe else "qwen3")
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     env.update(FLASHRL_CONFIG=config, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}))
-    if option == "fa3attn":
-        env["FLASHRL_DECODE_ATTN"] = "1"
+    if backend == "fa3":  # both decode paths, whatever the environment and the GPU
+        env["FLASHRL_DECODE_ATTN"] = "1" if option == "fa3attn" else "0"
     tag = f"{case}@{option}" if option else case
     got = _probe(["run", str(orig), str(pert)], env, tag, work, "--mode", mode, "--tokens", str(TOKENS),
                  "--push", how, backend=backend)
@@ -104,8 +104,8 @@ def run_case(case: str, work) -> dict:
         if row["fused_kv_store"] != [settings().fused_kv_store] * 2:
             row["failures"].append(f"fused FP8 KV store {row['fused_kv_store']}, FLASHRL_FUSED_KV_STORE "
                                    f"{settings().fused_kv_store}")
-        # and attended as FLASHRL_DECODE_ATTN says (SGLang's `auto`: off)
-        want = option == "fa3attn" or h.decode_attn_expected(auto=False)
+        # and attended as FLASHRL_DECODE_ATTN says
+        want = option == "fa3attn"
         row["flashrl_decode_attn"] = [got["flashrl_decode_attn"], fresh["flashrl_decode_attn"]]
         if row["flashrl_decode_attn"] != [want] * 2:
             row["failures"].append(f"flashrl's FP8 decode attention {row['flashrl_decode_attn']}, expected {want}")

@@ -19,16 +19,16 @@ LOG_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # logged o
 _state: dict = {}  # "on": the switch, resolved once per process; "logged": a batch went through the kernel
 
 
-def resolve(value: str, capability: tuple[int, int], auto: bool = True) -> bool:
+def resolve(value: str, capability: tuple[int, int]) -> bool:
     """FLASHRL_DECODE_ATTN on a device of this capability: 1 on, 0 off, `auto` (unset) on Hopper (sm_90), where the
-    kernel's tiles were swept, for an engine whose adapter passed its GPU test there (`auto`)."""
-    return value == "1" or value == "auto" and auto and tuple(capability) == (9, 0)
+    kernel's tiles were swept and both adapters passed their GPU tests."""
+    return value == "1" or value == "auto" and tuple(capability) == (9, 0)
 
 
-def enabled(device: torch.device, auto: bool = True) -> bool:
+def enabled(device: torch.device) -> bool:
     """FLASHRL_DECODE_ATTN, resolved once per process on its first CUDA batch (`resolve`)."""
     if "on" not in _state:
-        _state["on"] = resolve(settings().decode_attn, torch.cuda.get_device_capability(device), auto)
+        _state["on"] = resolve(settings().decode_attn, torch.cuda.get_device_capability(device))
     return _state["on"]
 
 

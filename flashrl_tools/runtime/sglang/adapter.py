@@ -37,8 +37,9 @@ HOOKS: tuple[Hook, ...] = (
          kv_store.in_decode, HookKind.AROUND, "scheduler", "FP8 KV cache: marks fa3's decode step (it does not read "
          "K / V again after storing them)", optional=True),
     Hook("decode_attn", "sglang.srt.layers.attention.flashattention_backend.flash_attn_with_kvcache",
-         decode_attn.flash_attn_with_kvcache, HookKind.AROUND, "scheduler", "FLASHRL_DECODE_ATTN=1, FP8 KV cache: "
-         "fa3's decode batches' attention through flashrl's Triton kernel", optional=True),
+         decode_attn.flash_attn_with_kvcache, HookKind.AROUND, "scheduler", "FLASHRL_DECODE_ATTN (unset: on "
+         "Hopper): with an FP8 KV cache, fa3's decode batches' attention through flashrl's Triton kernel",
+         optional=True),
     Hook("kv_store", "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer", kv_store.set_kv_buffer,
          HookKind.AROUND, "scheduler", "FP8 KV cache, fa3's decode: K / V scaled, cast and stored in one kernel "
          "(SGLang's `fused_fp8_qkv_kv_cache`) instead of five (FLASHRL_FUSED_KV_STORE)"),

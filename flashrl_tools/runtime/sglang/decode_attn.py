@@ -1,5 +1,5 @@
 """SGLang's fa3 backend over an FP8 KV cache: decode steps through flashrl's FP8 decode kernel (issue 45;
-FLASHRL_DECODE_ATTN=1; unset / `auto`: off on SGLang until its GPU test has run, runtime/core/decode_attn.py).
+FLASHRL_DECODE_ATTN: unset / `auto` on Hopper, 1 on, 0 off; runtime/core/decode_attn.py).
 
 AROUND the `flash_attn_with_kvcache` that fa3's backend module calls: while fa3's `forward_decode` runs (marked by
 kv_store.in_decode), a call that is one query token per sequence over the paged FP8 E4M3 pool -- causal, no
@@ -57,7 +57,7 @@ def takes(args, kw) -> bool:
 
 def flash_attn_with_kvcache(original, *args, **kw):
     """AROUND fa3's `flash_attn_with_kvcache`: its decode batches over the FP8 pool through flashrl's kernel."""
-    if not takes(args, kw) or not core.enabled(kw["q"].device, auto=False):
+    if not takes(args, kw) or not core.enabled(kw["q"].device):
         return original(*args, **kw)
     q, v_cache = kw["q"], kw["v_cache"]
     out = kw.get("out")
