@@ -24,7 +24,7 @@ def preset_options(args, presets: dict, gpu_util: float) -> tuple[dict, float, P
 
 def run_worker(script: str, spec: dict, env: dict, scan=None) -> dict:
     """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": last stderr line};
-    `scan(output)` adds what it finds in the worker's stdout + stderr (e.g. `sync_log`) to the result.
+    `scan(output)` adds what it finds in the worker's stdout + stderr (e.g. `runtime_log`) to the result.
     With FLASHRL_BENCH_LOG=PATH in the environment the worker's whole output is appended there (the engines'
     own logs: SGLang's scheduler at --log-level info, the runtime's at FLASHRL_LOGGING_LEVEL=INFO)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,12 +46,16 @@ _SYNC_LINE = re.compile(r"\[flashrl pid=(\d+)\] INFO flashrl: weight sync (\d+) 
                         r"convert ([\d.]+) s, write ([\d.]+) s\)")
 
 
-def sync_log(output: str) -> dict:
-    """The runtime's FLASHRL_SYNC_TIMING line of each completed sync in an engine's log, in every process that
-    ran the runtime (vLLM's workers, SGLang's schedulers): {"sync_log": [{pid, sync, tensors, convert_s,
-    write_s}]} -- where a sync's time went: our conversion, then the engine's loading ("write")."""
+def runtime_log(output: str) -> dict:
+    """What the runtime logged in an engine's processes (vLLM's workers, SGLang's schedulers): "sync_log", the
+    FLASHRL_SYNC_TIMING line of each completed sync -- [{pid, sync, tensors, convert_s, write_s}], where a sync's
+    time went: our conversion, then the engine's loading ("write") --; "flashrl_decode_attn_ran", whether a decode
+    batch went through flashrl's FP8 attention kernel (FLASHRL_DECODE_ATTN; its once-per-process line)."""
+    from flashrl_tools.runtime.core.decode_attn import LOG_LINE
+
     return {"sync_log": [{"pid": int(pid), "sync": int(n), "tensors": int(t), "convert_s": float(c), "write_s": float(w)}
-                         for pid, n, t, c, w in _SYNC_LINE.findall(output)]}
+                         for pid, n, t, c, w in _SYNC_LINE.findall(output)],
+            "flashrl_decode_attn_ran": LOG_LINE in output}
 
 
 def serve_worker(worker) -> bool:

@@ -15,7 +15,8 @@ new prompts (for an FP8 KV cache it includes the scale recalibration). Same leng
 config. Reports rollout s (each), sync s, step s = rollout after the sync + sync, output tok/s,
 KV capacity (tokens; how many full-length sequences fit), peak device memory, ratios vs the
 `bf16` row of the same run; prints a table, writes JSON (`sync_log`: each sync's conversion and write as the
-runtime logged them, FLASHRL_SYNC_TIMING, in every engine process -- SGLang's schedulers included).
+runtime logged them, FLASHRL_SYNC_TIMING, in every engine process -- SGLang's schedulers included;
+`flashrl_decode_attn_ran`: whether decode batches went through flashrl's FP8 attention kernel).
 
     python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step_7b.json
     python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
@@ -38,15 +39,16 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, sglang_engine, sync_log,
-    vllm_settings)
+    bench_parser, config_env, output_args, preset_options, run_worker, runtime_log, serve_worker,
+    sglang_engine, vllm_settings)
 from shapes import model_dir  # noqa: E402
-from step_bands import StepClock, print_bands  # noqa: E402
+from step_bands import LoggedSteps, StepClock, print_bands  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
 
 PRESETS = {
@@ -185,6 +187,9 @@ def worker_sglang(spec: dict) -> dict:
 
     from rollout_throughput import sglang_sync_seconds
 
+    steps = Path(tempfile.mkdtemp()) / "steps"  # --step-bands: the scheduler's step log (step_bands.LoggedSteps)
+    if spec.get("step_bands"):
+        os.environ["FLASHRL_STEP_LOG"] = str(steps)  # read by the scheduler processes the engine starts
     t0 = time.perf_counter()
     engine = sglang_engine(spec, max(spec["prompt_lens"]) + spec["max_len"] + 8)
     try:
@@ -194,25 +199,27 @@ def worker_sglang(spec: dict) -> dict:
         vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
         logprobs = spec.get("logprobs", True)
 
-        def rollout(step: int, cap: int) -> dict:
+        def rollout(step: int, cap: int, bands: bool = False) -> dict:
             ids, lengths, seeds = sampled_requests(spec, step, cap, vocab)
             params = [{"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True,
                        **({} if seed is None else {"sampling_seed": seed})} for n, seed in zip(lengths, seeds)]
+            clock = LoggedSteps(steps)
             t0 = time.perf_counter()
-            outs = engine.generate(input_ids=ids, sampling_params=params, return_logprob=logprobs)
-            seconds = time.perf_counter() - t0
+            with clock if bands else contextlib.nullcontext():
+                outs = engine.generate(input_ids=ids, sampling_params=params, return_logprob=logprobs)
+                seconds = time.perf_counter() - t0  # before the clock reads the step log
             tokens = sum(len(o["output_ids"]) for o in outs)
             with_logprobs = sum(1 for o in outs if len((o.get("meta_info") or {}).get("output_token_logprobs") or [])
                                 == len(o["output_ids"]) > 0)
             return {"rollout_s": seconds, "output_tokens": tokens, "samples_with_logprobs": with_logprobs,
-                    "output_tok_per_s": tokens / seconds}
+                    "output_tok_per_s": tokens / seconds, **({"bands": clock.bands()} if bands else {})}
 
         engine.generate(input_ids=[[11] * 8], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
         first = rollout(0, spec.get("first_max_len") or spec["max_len"])
         bucket = spec.get("sync_bucket_mb") or 512
         first_sync = sglang_sync_seconds(engine, spec["model"], bucket)  # one-time costs (JIT): reported apart
         sync = sglang_sync_seconds(engine, spec["model"], bucket)
-        second = rollout(1, spec["max_len"])
+        second = rollout(1, spec["max_len"], bands=spec.get("step_bands", False))
         free, total = torch.cuda.mem_get_info()
         return {"engine": "sglang", "engine_start_s": start_s, "kv_cache_tokens": kv_tokens,
                 "full_length_seqs_in_kv": kv_tokens // (max(spec["prompt_lens"]) + spec["max_len"]),
@@ -233,7 +240,7 @@ def run_one(spec: dict, config: str) -> dict:
     if isinstance(env, str):
         return {"error": env}
     env["FLASHRL_SYNC_TIMING"] = "1"
-    return run_worker(__file__, spec, env, scan=sync_log)
+    return run_worker(__file__, spec, env, scan=runtime_log)
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -298,7 +305,7 @@ def main() -> None:
     ap.add_argument("--unseeded", action="store_true",
                     help="no per-request sampling seed (verl and TRL set none; the default seeds every request)")
     ap.add_argument("--step-bands", action="store_true",
-                    help="time the rollout after the sync by how many requests are unfinished (vLLM; step_bands.py)")
+                    help="time the rollout after the sync by how many requests are unfinished (step_bands.py)")
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                     help="sglang (GPU, SGLang 0.5.17): its offline Engine, the sync as flattened BF16 buckets")
     ap.add_argument("--attention-backend",
@@ -308,8 +315,6 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    if a.step_bands and a.engine != "vllm":
-        sys.exit("rl_step: --step-bands times vLLM's engine steps; run it without --engine sglang")
     opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
     lengths = output_lengths(opts["prompts"] * opts["samples"], opts["max_len"], fixed=a.fixed_len)
     try:

@@ -9,11 +9,16 @@ every request fits in the KV cache (with preemptions, waiting requests count too
 engine-core process `step()` returns each engine step's outputs as they arrive, so the intervals are the
 engine's step cadence; in-process they are the steps themselves. With an FP8 KV cache the rollout after a
 sync begins with the scales' recalibration: its prefills, one request each, are charged to band "1".
+SGLang's steps run in its scheduler's process: `LoggedSteps` reads the line its runtime appends per processed
+step (FLASHRL_STEP_LOG, core/logs.py `step_line`) and charges each the time since the one before (the first: since
+the generate began), filed under the unfinished requests the line records -- with the overlap scheduler, the
+cadence at which step results come back, as in vLLM's engine-core process.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 # (low, high) unfinished requests per band; None: no upper bound
 BANDS = ((1, 1), (2, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, None))
@@ -52,15 +57,52 @@ class StepClock:
             del self.engine.step
 
     def bands(self) -> list[dict]:
-        """Per band: engine steps, seconds, ms per step, share of the clocked time."""
-        total = sum(s for _, s in self.samples) or 1.0
-        rows = []
-        for low, high in BANDS:
-            times = [s for n, s in self.samples if n >= low and (high is None or n <= high)]
-            rows.append({"band": band_name(low, high), "steps": len(times), "seconds": sum(times),
-                         "ms_per_step": 1e3 * sum(times) / len(times) if times else None,
-                         "share": sum(times) / total})
-        return rows
+        return bands(self.samples)
+
+
+class LoggedSteps:
+    """with LoggedSteps(path): engine.generate(...); .bands() -- the steps an engine process logged to `path`
+    (FLASHRL_STEP_LOG) while the block ran (module docstring)."""
+
+    SETTLE_S = 0.2  # the last step's line is written just after its outputs went out: wait for it
+
+    def __init__(self, path: str | Path):
+        self.path, self.samples = Path(path), []
+
+    def __enter__(self) -> LoggedSteps:
+        self._offset = self.path.stat().st_size if self.path.exists() else 0
+        self._t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(self.SETTLE_S)
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self._offset)
+            lines = f.read().splitlines()
+        last = self._t0
+        for line in lines:
+            fields = line.split()
+            if len(fields) != 4 or float(fields[0]) <= last:
+                continue  # a line being written, or from before the block
+            self.samples.append((int(fields[3]), float(fields[0]) - last))
+            last = float(fields[0])
+
+    def bands(self) -> list[dict]:
+        return bands(self.samples)
+
+
+def bands(samples: list[tuple[int, float]]) -> list[dict]:
+    """(unfinished requests, seconds) per step -> per band: steps, seconds, ms per step, share of the clocked time."""
+    total = sum(s for _, s in samples) or 1.0
+    rows = []
+    for low, high in BANDS:
+        times = [s for n, s in samples if n >= low and (high is None or n <= high)]
+        rows.append({"band": band_name(low, high), "steps": len(times), "seconds": sum(times),
+                     "ms_per_step": 1e3 * sum(times) / len(times) if times else None,
+                     "share": sum(times) / total})
+    return rows
 
 
 def print_bands(rows: list[dict]) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 45's goal rows on both engines, after scripts/gpu_install.sh and gpu_install_sglang.sh (FA3 library staged):
-# each config its own process, every vLLM row with `rl_step.py --step-bands`, FLASHRL_DECODE_GEMM at its default
+# each config its own process, every row with `rl_step.py --step-bands`, FLASHRL_DECODE_GEMM at its default
 # (`auto`: 16 rows on Hopper). On a 4-GPU host (~20 minutes, the 14B queues the longest):
 #   GPU 0  vLLM 7B: bf16, int8 + FP8 KV, int8          GPU 1  vLLM 14B: the same
 #   GPU 2  SGLang 7B (fa3, overlap on): bf16, int8 + FP8 KV, int8      GPU 3  SGLang 14B: the same (never run before)
@@ -24,7 +24,8 @@ SGL="/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH"
 queue() {  # queue GPU ENGINE SHAPE [CONFIGS [SHARE [ENV]]]: the configs (bf16,int8+kv,int8) one after the other, each its own process
   local gpu=$1 engine=$2 shape=$3 configs=${4:-bf16,int8+kv,int8} share=${5:-} envs=${6:-} config extra path=$PYTHONPATH
   local tag=${share:+_$share}${envs:+_${envs//[ =]/-}} stem
-  if [ "$engine" = sglang ]; then extra=(--engine sglang --attention-backend fa3); path=$SGL; else extra=(--step-bands); fi
+  extra=(--step-bands)
+  if [ "$engine" = sglang ]; then extra+=(--engine sglang --attention-backend fa3); path=$SGL; fi
   [ -n "$share" ] && extra+=(--gpu-memory-utilization "$share")
   for config in ${configs//,/ }; do
     stem=$O/${engine}_${shape}_$config$tag

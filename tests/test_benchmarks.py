@@ -536,3 +536,53 @@ def test_decode_attention_variants_compute_the_same_attention():
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_attn_variants.py"), "--variants",
                           "shipped,tmaa"], capture_output=True, text=True)
     assert res.returncode != 0 and "--variants tmaa: unknown" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path, monkeypatch):
+    """`rl_step.py --engine sglang --step-bands`: SGLang's scheduler (its runtime hook after each processed batch,
+    TP rank 0) appends a line per step to FLASHRL_STEP_LOG; `step_bands.LoggedSteps` charges each step the time
+    since the one before, filed under the unfinished requests -- decode: the batch and the waiting queue; extend:
+    the requests running or in it, counted once (the overlap scheduler merged it already), and the waiting ones.
+    Other ranks write nothing; lines from before the block are not charged; the runtime's log scan says whether
+    flashrl's decode attention ran."""
+    import time
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from harness import runtime_log
+    from step_bands import LoggedSteps
+
+    from flashrl_tools.runtime.core import logs
+    from flashrl_tools.runtime.core.decode_attn import LOG_LINE
+    from flashrl_tools.runtime.sglang import scheduler
+
+    path = tmp_path / "steps"
+    monkeypatch.setenv("FLASHRL_STEP_LOG", str(path))
+    monkeypatch.setattr(logs, "_steps", {})
+
+    def mode(kind):
+        return SimpleNamespace(is_decode=lambda: kind == "d", is_extend=lambda: kind == "e")
+
+    reqs = [object() for _ in range(40)]
+    sched = SimpleNamespace(tp_rank=0, waiting_queue=reqs[30:], running_batch=SimpleNamespace(reqs=reqs[:20]))
+    scheduler.progress(None, sched, SimpleNamespace(forward_mode=mode("d"), reqs=reqs[:3]))  # before the block
+    with LoggedSteps(path) as clock:
+        time.sleep(0.02)
+        # a prefill of 12 (8 already merged into the running 20) with 10 waiting: 24 running or in it + 10
+        scheduler.progress(None, sched, SimpleNamespace(forward_mode=mode("e"), reqs=reqs[12:24]))
+        for n, pause in ((34, 0.01), (5, 0.03), (2, 0.01), (1, 0.01)):
+            sched.waiting_queue = []
+            time.sleep(pause)
+            scheduler.progress(None, sched, batch=SimpleNamespace(forward_mode=mode("d"), reqs=reqs[:n]))
+        scheduler.progress(None, SimpleNamespace(**{**vars(sched), "tp_rank": 1}),
+                           SimpleNamespace(forward_mode=mode("d"), reqs=reqs[:1]))  # rank 1: nothing
+    lines = path.read_text().splitlines()
+    assert [line.split()[1:] for line in lines] == [["d", "3", "13"], ["e", "12", "34"], ["d", "34", "34"],
+                                                  ["d", "5", "5"], ["d", "2", "2"], ["d", "1", "1"]]
+    bands = {b["band"]: b for b in clock.bands()}
+    assert [bands[k]["steps"] for k in ("1", "2-4", "5-16", "17-32", "33-64", "65-128")] == [1, 1, 1, 0, 2, 0]
+    assert bands["33-64"]["seconds"] >= 0.02 and bands["5-16"]["seconds"] >= 0.03  # the waits before each step
+    assert abs(sum(b["share"] for b in bands.values()) - 1) < 1e-9
+    assert runtime_log(f"[flashrl pid=7] INFO {LOG_LINE} (FLASHRL_DECODE_ATTN; SGLang's fa3 backend)\n") == {
+        "sync_log": [], "flashrl_decode_attn_ran": True}
+    assert runtime_log("")["flashrl_decode_attn_ran"] is False

@@ -23,6 +23,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_SYNC_DIGEST": ("sync_digest", ""),
     "FLASHRL_SYNC_TIMING": ("sync_timing", "0"),
     "FLASHRL_DEBUG_STACKS": ("debug_stacks", ""),
+    "FLASHRL_STEP_LOG": ("step_log", ""),
     "FLASHRL_TRITON": ("triton", "1"),
     "FLASHRL_DECODE_GEMM": ("decode_gemm", "auto"),
     "FLASHRL_FUSED_KV_STORE": ("fused_kv_store", "1"),
@@ -58,6 +59,7 @@ class Settings:
     sync_digest: str  # a directory: the engine's weight digest after every sync
     sync_timing: bool
     debug_stacks: str  # a directory: each engine process prints every thread's Python stack on SIGUSR1, its PID there
+    step_log: str  # a file: SGLang's scheduler (TP rank 0) appends a line per model step (core/logs.py step_line)
     triton: bool  # the fused Triton INT8 quantizer on CUDA
     decode_gemm: str  # "N": vLLM's INT8 linears at <= N rows (1..64) through flashrl's Triton GEMM; "0" off;
     # "auto" (unset): 16 rows on Hopper (sm_90), off elsewhere (issue 45)

@@ -74,9 +74,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("calibration_next", "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
          scheduler.next_calibration, HookKind.AFTER, "scheduler", "FP8 KV: the next calibration sequence goes "
          "to the queue once the one before is in the batch about to run (or finished)"),
-    Hook("stall_watch", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", scheduler.progress,
-         HookKind.AFTER, "scheduler", "FLASHRL_DEBUG_STACKS: a scheduler without a batch result for 30 s writes its "
-         "stacks (DIR/PID.stacks)"),
+    Hook("batch_done", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", scheduler.progress,
+         HookKind.AFTER, "scheduler", "FLASHRL_STEP_LOG: rank 0 logs the step; FLASHRL_DEBUG_STACKS: a scheduler "
+         "without a batch result for 30 s writes its stacks (DIR/PID.stacks)"),
     Hook("not_idle", "sglang.srt.managers.scheduler.Scheduler.is_fully_idle", pause.busy, HookKind.AROUND,
          "scheduler", "not idle while requests are set aside (SGLang's idle check would count their slots as "
          "leaked)"),

@@ -24,6 +24,8 @@ _SETTINGS = {
                                    "through flashrl's Triton kernel (16 % off a Qwen3-8B step, H200); 1: on any GPU; "
                                    "0: FA3's; other backends: no effect"),
     "FLASHRL_SYNC_DIGEST": Setting("each scheduler (TP rank) writes its weight digest after every complete sync"),
+    "FLASHRL_STEP_LOG": Setting("PATH: the scheduler of TP rank 0 appends a line per model step -- time, kind, its "
+                                "requests, the unfinished ones (`rl_step.py --engine sglang --step-bands`)"),
     "FLASHRL_ENGINE_ARGS": Setting("extra sglang.Engine arguments for the engines `flashrl verify --engine sglang` "
                                    "starts"),
 }

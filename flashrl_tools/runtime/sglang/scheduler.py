@@ -10,7 +10,7 @@ import logging
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import model_refusal
 from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index, calibration_token
-from flashrl_tools.runtime.core.logs import stall_watch
+from flashrl_tools.runtime.core.logs import stall_watch, step_line
 
 log = logging.getLogger("flashrl_tools.runtime")
 _warned: set[str] = set()
@@ -158,10 +158,24 @@ def direct_updates(updater, named_tensors=None, load_format=None, *args, **kwarg
                            "without re-quantizing them; push with load_format=None or 'flattened_bucket'")
 
 
-def progress(result, scheduler, *args, **kwargs):
-    """AFTER `Scheduler.process_batch_result`: FLASHRL_DEBUG_STACKS -- a batch finished, the stall dump moves on
-    (core/logs.py stall_watch)."""
+def progress(result, scheduler, batch=None, *args, **kwargs):
+    """AFTER `Scheduler.process_batch_result`: a batch's result was processed. FLASHRL_DEBUG_STACKS: the stall dump
+    moves on (core/logs.py stall_watch). FLASHRL_STEP_LOG: TP rank 0 logs the step (`step_line`): decode, its
+    requests and the requests waiting; extend (prefill), the requests running or in it (the overlap scheduler has
+    merged it into the running batch already, the normal one not yet) and the waiting ones."""
     stall_watch()
+    batch = kwargs.get("batch", batch)
+    if batch is None or getattr(scheduler, "tp_rank", 0) != 0:
+        return None
+    mode, reqs = batch.forward_mode, batch.reqs
+    waiting = len(getattr(scheduler, "waiting_queue", None) or ())
+    if mode.is_decode():
+        step_line("d", len(reqs), len(reqs) + waiting)
+    elif mode.is_extend():
+        running = getattr(getattr(scheduler, "running_batch", None), "reqs", None) or []
+        step_line("e", len(reqs), len({id(r) for r in running} | {id(r) for r in reqs}) + waiting)
+    else:
+        step_line("o", len(reqs), waiting)
     return None
 
 

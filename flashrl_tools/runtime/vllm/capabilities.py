@@ -15,6 +15,8 @@ _SETTINGS = {
     "FLASHRL_INPLACE_SYNC": Setting("1: 8-bit linears of a known kernel layout written in place; tp: tensor-parallel "
                                     "ones too; 0: vLLM's layerwise reload for every layer", ("1", "0", "tp")),
     "FLASHRL_SYNC_DIGEST": Setting("each worker writes its weight digest after every complete sync"),
+    "FLASHRL_STEP_LOG": Setting("no effect: vLLM's engine steps are timed from the caller's process "
+                                "(benchmarks/step_bands.py StepClock; the switch is SGLang's)"),
     "FLASHRL_FUSED_KV_STORE": Setting("no effect: vLLM's cache write scales, casts and stores K / V in one kernel "
                                       "(the switch is SGLang's)"),
     "FLASHRL_DECODE_ATTN": Setting("with an FP8 KV cache, decode batches' attention through flashrl's Triton kernel "
