@@ -59,15 +59,20 @@ def watch_stacks(directory: Path) -> None:
 _steps: dict = {}  # FLASHRL_STEP_LOG: "file", this process's open log (None: off), resolved on the first step
 
 
+def stepping() -> bool:
+    """Whether this process logs its steps (FLASHRL_STEP_LOG, resolved once; then a dictionary lookup)."""
+    if "file" not in _steps:
+        path = settings().step_log
+        _steps["file"] = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (line-buffered, process life)
+    return _steps["file"] is not None
+
+
 def step_line(mode: str, requests: int, unfinished: int) -> None:
     """FLASHRL_STEP_LOG=PATH: one line per model step of this process, appended when its result was processed --
     monotonic seconds (the clock every process of a host shares), the step's kind (d decode, e extend, o other), its
     requests, the requests unfinished -- for `benchmarks/step_bands.py` (an engine whose steps run in another process
-    than the caller's). Off: one dictionary lookup a step."""
-    if "file" not in _steps:
-        path = settings().step_log
-        _steps["file"] = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (line-buffered, process life)
-    if _steps["file"] is not None:
+    than the caller's)."""
+    if stepping():
         import time
 
         _steps["file"].write(f"{time.monotonic():.6f} {mode} {requests} {unfinished}\n")

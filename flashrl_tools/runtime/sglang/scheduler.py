@@ -10,7 +10,7 @@ import logging
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import model_refusal
 from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index, calibration_token
-from flashrl_tools.runtime.core.logs import stall_watch, step_line
+from flashrl_tools.runtime.core.logs import stall_watch, step_line, stepping
 
 log = logging.getLogger("flashrl_tools.runtime")
 _warned: set[str] = set()
@@ -165,7 +165,7 @@ def progress(result, scheduler, batch=None, *args, **kwargs):
     merged it into the running batch already, the normal one not yet) and the waiting ones."""
     stall_watch()
     batch = kwargs.get("batch", batch)
-    if batch is None or getattr(scheduler, "tp_rank", 0) != 0:
+    if batch is None or getattr(scheduler, "tp_rank", 0) != 0 or not stepping():
         return None
     mode, reqs = batch.forward_mode, batch.reqs
     waiting = len(getattr(scheduler, "waiting_queue", None) or ())
