@@ -1,4 +1,4 @@
-"""Where a decode step's time goes (issue 45): a torch-profiler trace of vLLM decoding, per config, in the bulk
+"""Where a decode step's time goes (issue 45): a torch-profiler trace of vLLM or SGLang decoding, per config, in the bulk
 (many sequences at once) and in the tail (a few: the end of an RL rollout), split into linear layers, attention,
 sampling + logprobs, other kernels and idle (the device waiting: scheduling, Python, launches).
 
@@ -13,12 +13,16 @@ per config, a second process (vLLM's default engine-core process, no profiler) t
 `plain` ms per step, and `gap` = plain - the profiled kernels' busy time = what the device waits per step at full
 speed (scheduling, Python, sampling output, launches). `--cached-prompts` turns prefix caching on, so the phase's
 warm-up `generate` leaves its prompts' KV cached and the timed steps are decode only (long prompts: their prefill
-would otherwise be counted in the decode steps).
+would otherwise be counted in the decode steps). `--engine sglang` (GPU): SGLang's offline Engine (overlap scheduler
+on, CUDA graphs, `--attention-backend`, default triton), traced by its own profiler in its scheduler's process
+(`Engine.start_profile` / `stop_profile`, GPU activity); its radix cache stands for prefix caching.
 
     python benchmarks/step_profile.py --shapes 7b --configs bf16,int8,int8+kv --json benchmarks/results/step_profile_7b.json
     python benchmarks/step_profile.py --preset gpu --shapes 7b --configs bf16,int8+kv --plain --json prof.json
     python benchmarks/step_profile.py --preset gpu --shapes 7b --configs bf16,int8+kv --plain --cached-prompts \
         --prompt-len 4096 --bulk 64 --json prof_long.json      # decode at long contexts
+    python benchmarks/step_profile.py --preset gpu --shapes 14b --configs bf16,int8+kv --plain --engine sglang \
+        --attention-backend fa3 --json prof_sglang.json      # the same on SGLang
     python benchmarks/step_profile.py --preset smoke     # CPU, the embedded model
 """
 
@@ -34,7 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, vllm_settings  # noqa: E402
+from harness import (  # noqa: E402
+    bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, sglang_engine, vllm_settings)
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {
@@ -120,7 +125,14 @@ def read_trace(directory: Path) -> dict:
         return json.load(fh)
 
 
+def phase_requests(spec: dict, phase: str) -> list[list[int]]:
+    """The phase's prompts (token ids; the same for every config and engine)."""
+    return [[11 + (i * 7 + j) % 200 for j in range(spec["prompt_len"])] for i in range(spec[phase])]
+
+
 def worker(spec: dict) -> dict:
+    if spec.get("engine") == "sglang":
+        return worker_sglang(spec)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function, engine-core process
     import torch
     from vllm import LLM, SamplingParams
@@ -138,7 +150,7 @@ def worker(spec: dict) -> dict:
     rows = {}
     for phase in ("bulk", "tail"):
         n = spec[phase]
-        reqs = [{"prompt_token_ids": [11 + (i * 7 + j) % 200 for j in range(spec["prompt_len"])]} for i in range(n)]
+        reqs = [{"prompt_token_ids": p} for p in phase_requests(spec, phase)]
         params = SamplingParams(temperature=1.0, max_tokens=spec["tokens"], ignore_eos=True, logprobs=0, seed=0,
                                 detokenize=False)
         llm.generate(reqs, params, use_tqdm=False)  # warm-up of this batch size
@@ -161,6 +173,45 @@ def worker(spec: dict) -> dict:
             f.unlink()
     cached = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)  # what the engine runs with
     return {"phases": rows, "cached_prompts": cached, **vllm_settings(llm)}
+
+
+def worker_sglang(spec: dict) -> dict:
+    """The same phases on SGLang (module docstring): T=1 with each token's logprob, ignore_eos; profiled by the
+    scheduler's torch profiler (GPU activity: its device kernels), or timed plain (best of three)."""
+    out_dir = Path(spec["trace_dir"])
+    engine = sglang_engine(spec, spec["prompt_len"] + spec["tokens"] + 8,
+                           disable_radix_cache=not spec.get("cached_prompts"))
+    try:
+        rows = {}
+        params = {"temperature": 1.0, "max_new_tokens": spec["tokens"], "ignore_eos": True}
+        for phase in ("bulk", "tail"):
+            ids = phase_requests(spec, phase)
+
+            def generate(ids=ids):
+                engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+
+            generate()  # warm-up of this batch size
+            if spec.get("plain"):
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    generate()
+                    times.append(time.perf_counter() - t0)
+                rows[phase] = {"plain_ms_per_step": min(times) * 1e3 / spec["tokens"]}
+                continue
+            traces = out_dir / phase
+            t0 = time.perf_counter()
+            engine.start_profile(output_dir=str(traces), activities=["GPU"], profile_prefix=phase)
+            generate()
+            engine.stop_profile()
+            wall = time.perf_counter() - t0
+            rows[phase] = {"sequences": spec[phase], "wall_ms_per_step": wall * 1e3 / spec["tokens"],
+                           **breakdown(read_trace(traces), spec["tokens"])}
+        return {"phases": rows, "engine": "sglang", "cached_prompts": bool(spec.get("cached_prompts")),
+                "attention_backend": spec.get("attention_backend") or "triton",
+                "async_scheduling": not getattr(engine.server_args, "disable_overlap_schedule", False)}
+    finally:
+        engine.shutdown()
 
 
 def add_plain(row: dict, plain: dict) -> None:
@@ -189,12 +240,17 @@ def main() -> None:
                     help="also time each phase without the profiler (a second process per config): plain, gap")
     ap.add_argument("--cached-prompts", action="store_true",
                     help="prefix caching on: the prompts' KV cached by each phase's warm-up, the timed steps decode only")
-    ap.add_argument("--attention-backend", help="vLLM's attention backend (FLASH_ATTN, FLASHINFER, ...; default its own)")
+    ap.add_argument("--attention-backend", help="the engine's attention backend (vLLM: FLASH_ATTN, FLASHINFER, ...; "
+                    "default its own; SGLang: triton unless set)")
+    ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                    help="sglang (GPU, SGLang 0.5.17): its offline Engine, traced by its own profiler")
     output_args(ap)
     a = ap.parse_args()
     import torch
 
     opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
+    if a.engine == "sglang" and not torch.cuda.is_available():
+        sys.exit("step_profile: --engine sglang needs a CUDA GPU (SGLang's engine)")
     rows = []
     for shape in opts["shapes"].split(","):
         path, dummy = model_dir(shape, work)
@@ -205,7 +261,7 @@ def main() -> None:
                 continue
             spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util,
                     "trace_dir": tempfile.mkdtemp(prefix="flashrl-trace-"),
-                    "cached_prompts": a.cached_prompts, "attention_backend": a.attention_backend,
+                    "cached_prompts": a.cached_prompts, "attention_backend": a.attention_backend, "engine": a.engine,
                     **{k: opts[k] for k in ("bulk", "tail", "tokens", "prompt_len")}}
             row = {"shape": shape, "config": config,
                    **run_worker(__file__, spec, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})}  # traced in-process
