@@ -994,3 +994,17 @@ def test_fa3_decode_through_flashrls_kernel_equals_float32_attention():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_step_log_whose_directory_is_missing_is_refused_at_start(tmp_path):
+    """FLASHRL_STEP_LOG=PATH: refused at start, in one line, where PATH's directory does not exist (the scheduler
+    would otherwise fail on its first batch); a path in an existing directory is taken."""
+    from flashrl_tools.config.settings import Settings
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.core.adapter import check_settings
+    from flashrl_tools.runtime.sglang.capabilities import CAPABILITIES
+
+    check_settings(CAPABILITIES, Settings.read({"FLASHRL_STEP_LOG": str(tmp_path / "steps")}), "env")
+    with pytest.raises(FlashRLError, match="FLASHRL_STEP_LOG=.*its directory does not exist") as e:
+        check_settings(CAPABILITIES, Settings.read({"FLASHRL_STEP_LOG": str(tmp_path / "no" / "steps")}), "env")
+    assert "\n" not in str(e.value)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from flashrl_tools.config.settings import VARIABLES, Settings
 from flashrl_tools.errors import FlashRLError
@@ -116,6 +117,9 @@ def check_settings(caps: Capabilities, s: Settings, source: str) -> None:
         raise FlashRLError(f"invalid FLASHRL_DECODE_GEMM={s.decode_gemm!r}", source,
                            f"allowed: a row count 1..{DECODE_GEMM_MAX} (on: {DECODE_GEMM_MAX}), 0 / off, or unset / auto "
                            "(16 on Hopper GPUs)")
+    if s.step_log and not Path(s.step_log).expanduser().parent.is_dir():
+        raise FlashRLError(f"FLASHRL_STEP_LOG={s.step_log}: its directory does not exist", source,
+                           "create the directory, or unset FLASHRL_STEP_LOG")
     if s.decode_attn not in ("auto", "1", "0"):
         raise FlashRLError(f"invalid FLASHRL_DECODE_ATTN={s.decode_attn!r}", source,
                            "allowed: 1 / on, 0 / off, or unset / auto (on Hopper GPUs)")

@@ -63,7 +63,7 @@ def stepping() -> bool:
     """Whether this process logs its steps (FLASHRL_STEP_LOG, resolved once; then a dictionary lookup)."""
     if "file" not in _steps:
         path = settings().step_log
-        _steps["file"] = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (line-buffered, process life)
+        _steps["file"] = open(Path(path).expanduser(), "a", buffering=1) if path else None  # noqa: SIM115 (line-buffered, process life)
     return _steps["file"] is not None
 
 
