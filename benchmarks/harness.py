@@ -50,12 +50,14 @@ def runtime_log(output: str) -> dict:
     """What the runtime logged in an engine's processes (vLLM's workers, SGLang's schedulers): "sync_log", the
     FLASHRL_SYNC_TIMING line of each completed sync -- [{pid, sync, tensors, convert_s, write_s}], where a sync's
     time went: our conversion, then the engine's loading ("write") --; "flashrl_decode_attn_ran", whether a decode
-    batch went through flashrl's FP8 attention kernel (FLASHRL_DECODE_ATTN; its once-per-process line)."""
-    from flashrl_tools.runtime.core.decode_attn import LOG_LINE
+    batch went through flashrl's FP8 attention kernel (FLASHRL_DECODE_ATTN), "flashrl_decode_gemm_ran", whether an
+    INT8 linear went through flashrl's few-rows GEMM (FLASHRL_DECODE_GEMM; both: their once-per-process lines)."""
+    from flashrl_tools.runtime.core import decode_attn, decode_gemm
 
     return {"sync_log": [{"pid": int(pid), "sync": int(n), "tensors": int(t), "convert_s": float(c), "write_s": float(w)}
                          for pid, n, t, c, w in _SYNC_LINE.findall(output)],
-            "flashrl_decode_attn_ran": LOG_LINE in output}
+            "flashrl_decode_attn_ran": decode_attn.LOG_LINE in output,
+            "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output}
 
 
 def serve_worker(worker) -> bool:

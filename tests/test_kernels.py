@@ -67,6 +67,29 @@ def test_w8a8_few_rows_bit_identical_to_cutlass(rows, n, k, bias):
         assert torch.equal(w8a8_gemm.w8a8_mm(x_q, b, sa, sb, torch.bfloat16, bias_t), ref)
 
 
+@cuda
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("n,k,bias", [(7168, 5120, True), (5120, 13824, False), (27648, 5120, False),
+                                      (4608, 3584, True)])
+def test_w8a8_few_rows_bit_identical_to_sgl_kernel(rows, n, k, bias):
+    """The same kernel equals sgl-kernel's `int8_scaled_mm` (SGLang's INT8 linears; its sm90 CUTLASS epilogue)
+    bit for bit on the 14B and 7B layers' shapes: SGLang's FLASHRL_DECODE_GEMM path changes no token."""
+    sgl_kernel = pytest.importorskip("sgl_kernel")
+    from flashrl_tools.quant.kernels import w8a8_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = (torch.randn((n, k), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    w_s = (w.float().abs().amax(dim=1, keepdim=True) / 127.0).contiguous()
+    b = (w.float() / w_s).round().clamp(-128, 127).to(torch.int8).t()
+    x = torch.randn((rows, k), generator=g, device="cuda").to(torch.bfloat16)
+    x_s = (x.float().abs().amax(dim=1, keepdim=True) / 127.0).contiguous()
+    x_q = (x.float() / x_s).round().clamp(-128, 127).to(torch.int8)
+    bias_t = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16) if bias else None
+    assert w8a8_gemm.served(x_q, b, torch.bfloat16)
+    ref = sgl_kernel.int8_scaled_mm(x_q, b, x_s, w_s, out_dtype=torch.bfloat16, bias=bias_t)
+    assert torch.equal(w8a8_gemm.w8a8_mm(x_q, b, x_s, w_s, torch.bfloat16, bias_t), ref)
+
+
 def test_w8a8_few_rows_takes_only_its_shapes():
     from flashrl_tools.quant.kernels import w8a8_gemm
 
@@ -80,6 +103,7 @@ def test_w8a8_few_rows_takes_only_its_shapes():
 
 
 def test_decode_gemm_hook_keeps_vllms_path_unless_switched_on_for_cuda_dynamic_int8(monkeypatch):
+    from flashrl_tools.runtime.core import decode_gemm as core
     from flashrl_tools.runtime.vllm import decode_gemm
 
     class Kernel:
@@ -96,9 +120,10 @@ def test_decode_gemm_hook_keeps_vllms_path_unless_switched_on_for_cuda_dynamic_i
         return "vllm"
 
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
-    monkeypatch.setattr(decode_gemm, "max_rows", 0)
+    monkeypatch.setattr(core, "_auto", False)
+    monkeypatch.setattr(core, "max_rows", 0)
     assert decode_gemm.apply_weights(original, Kernel(), None, x) == "vllm"
-    monkeypatch.setattr(decode_gemm, "max_rows", 64)
+    monkeypatch.setattr(core, "max_rows", 64)
     assert decode_gemm.apply_weights(original, Kernel(), None, x) == "vllm"  # CPU activations
     for kernel in (Kernel(i_s=torch.ones(1)), Kernel(azp_adj=torch.ones(1, 4))):  # static / asymmetric scales
         assert decode_gemm.apply_weights(original, kernel, None, x) == "vllm"
@@ -110,38 +135,89 @@ def test_decode_gemm_hook_keeps_vllms_path_unless_switched_on_for_cuda_dynamic_i
     assert out.shape == (3, 2, 4) and out.dtype == torch.bfloat16
 
 
+class _CudaLike(torch.Tensor):  # a CPU tensor that says it is on CUDA: the routes, not the kernels
+    is_cuda = True
+
+
 def test_decode_gemm_auto_is_resolved_inside_the_op(monkeypatch):
     """Under `auto` a CUDA INT8 linear is always `flashrl::int8_linear` (the traced graph does not depend on the
     chip) and the op itself resolves `auto` on its first run: a graph that vLLM's AOT compile cache loads without
     tracing apply_weights still takes the Triton path on Hopper (the engine test's `default` case)."""
     from vllm import _custom_ops as ops
 
+    from flashrl_tools.runtime.core import decode_gemm as core
     from flashrl_tools.runtime.vllm import decode_gemm
 
     class Kernel:
         def _get_layer_params(self, layer):
             return torch.zeros(8, 4, dtype=torch.int8), torch.ones(4, 1), None, None, None
 
-    class CudaLike(torch.Tensor):  # a CPU tensor that says it is on CUDA: the routes, not the kernels
-        is_cuda = True
-
     for name in ("max_rows", "_auto"):
-        monkeypatch.setattr(decode_gemm, name, getattr(decode_gemm, name))
+        monkeypatch.setattr(core, name, getattr(core, name))
     routed = []
     monkeypatch.setattr(torch.ops.flashrl, "int8_linear", lambda *a: routed.append(a) or "op", raising=False)
-    x = torch.zeros(2, 8, dtype=torch.bfloat16).as_subclass(CudaLike)
-    decode_gemm.configure("auto")
+    x = torch.zeros(2, 8, dtype=torch.bfloat16).as_subclass(_CudaLike)
+    core.configure("auto")
     assert decode_gemm.apply_weights(lambda *a: "vllm", Kernel(), None, x) == "op" and len(routed) == 1
-    decode_gemm.configure("0")
+    core.configure("0")
     assert decode_gemm.apply_weights(lambda *a: "vllm", Kernel(), None, x) == "vllm"
     resolved = []
-    monkeypatch.setattr(decode_gemm, "_resolve", lambda device: resolved.append(device))
-    monkeypatch.setattr(ops, "scaled_int8_quant", lambda x2, *a, **k: (x2.to(torch.int8).as_subclass(CudaLike),
+    monkeypatch.setattr(core, "_resolve", lambda device: resolved.append(device))
+    monkeypatch.setattr(ops, "scaled_int8_quant", lambda x2, *a, **k: (x2.to(torch.int8).as_subclass(_CudaLike),
                                                                       torch.ones(x2.shape[0], 1), None))
     monkeypatch.setattr(ops, "cutlass_scaled_mm", lambda a, b, **k: torch.zeros(a.shape[0], b.shape[1]))
-    decode_gemm.configure("auto")
+    core.configure("auto")
     out = decode_gemm.int8_linear(torch.zeros(3, 2, 8), torch.zeros(8, 4, dtype=torch.int8), torch.ones(4, 1), None)
     assert out.shape == (3, 2, 4) and len(resolved) == 1
+
+
+def test_decode_gemm_sglang_hook_routes_dynamic_int8_and_keeps_sglangs_path_otherwise(monkeypatch):
+    """SGLang's compressed-tensors INT8 linears: off, CPU activations, static or asymmetric activation scales keep
+    SGLang's `apply_weights`; on, SGLang's activation quantization feeds `core.linear`, whose fallback is
+    sgl-kernel's `int8_scaled_mm` on the same operands (the Triton path only for rows it serves)."""
+    import sys
+    import types
+
+    from flashrl_tools.runtime.core import decode_gemm as core
+    from flashrl_tools.runtime.sglang import decode_gemm
+
+    class Scheme:
+        def __init__(self, static=False, symmetric=True):
+            self.is_static_input_scheme, self.input_symmetric = static, symmetric
+
+    layer = types.SimpleNamespace(weight=torch.zeros(8, 4, dtype=torch.int8), weight_scale=torch.ones(4, 1))
+    seen = []
+    quant = types.ModuleType("int8_kernel")
+    quant.per_token_quant_int8 = lambda x: (seen.append("quant") or x.to(torch.int8).as_subclass(_CudaLike),
+                                            torch.ones(x.shape[0], 1))
+    kernel = types.ModuleType("sgl_kernel")
+    kernel.int8_scaled_mm = lambda a, b, sa, sb, out_dtype, bias: seen.append(("sgl", a.shape[0])) or \
+        torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+    monkeypatch.setitem(sys.modules, "sgl_kernel", kernel)
+    monkeypatch.setitem(sys.modules, "sglang.kernels.ops.quantization.int8_kernel", quant)
+    for name in ("max_rows", "_auto"):
+        monkeypatch.setattr(core, name, getattr(core, name))
+
+    def original(scheme, layer, x, bias=None):
+        return "sglang"
+
+    x = torch.zeros(3, 8, dtype=torch.bfloat16).as_subclass(_CudaLike)
+    core.configure("0")
+    assert decode_gemm.scheme_apply_weights(original, Scheme(), layer, x) == "sglang"
+    core.configure("16")
+    assert decode_gemm.scheme_apply_weights(original, Scheme(), layer, torch.zeros(3, 8)) == "sglang"  # CPU
+    for scheme in (Scheme(static=True), Scheme(symmetric=False)):
+        assert decode_gemm.scheme_apply_weights(original, scheme, layer, x) == "sglang"
+    assert seen == []
+    monkeypatch.setattr(core, "_warmed", {(True, True, torch.bfloat16, (8, 4))})  # its tiles compiled
+    monkeypatch.setattr(core.w8a8_gemm, "served", lambda x_q, w_q, dtype, rows: False)  # e.g. more rows than N
+    out = decode_gemm.scheme_apply_weights(original, Scheme(), layer, x)
+    assert out.shape == (3, 4) and out.dtype == torch.bfloat16 and seen == ["quant", ("sgl", 3)]
+    monkeypatch.setattr(core.w8a8_gemm, "served", lambda x_q, w_q, dtype, rows: rows == 16)
+    monkeypatch.setattr(core.w8a8_gemm, "w8a8_mm", lambda *a: seen.append("triton") or torch.ones(3, 4))
+    monkeypatch.setattr(core, "_used", set())
+    assert torch.equal(decode_gemm.scheme_apply_weights(original, Scheme(), layer, x), torch.ones(3, 4))
+    assert seen[-2:] == ["quant", "triton"] and core.ran()
 
 
 def test_decode_gemm_rows_are_read_and_checked_at_start():
@@ -180,7 +256,7 @@ def test_decode_gemm_auto_is_16_rows_on_hopper_only_and_falls_back_if_triton_fai
     sm_90, off on any other chip --; a tile that does not compile under `auto` leaves CUTLASS (one warning),
     under an explicit N it raises."""
     from flashrl_tools.config import settings as settings_mod
-    from flashrl_tools.runtime.vllm import decode_gemm
+    from flashrl_tools.runtime.core import decode_gemm
 
     monkeypatch.setattr(decode_gemm, "max_rows", decode_gemm.max_rows)
     monkeypatch.setattr(decode_gemm, "_auto", decode_gemm._auto)
@@ -207,7 +283,7 @@ def test_decode_gemm_auto_is_16_rows_on_hopper_only_and_falls_back_if_triton_fai
         else:
             with caplog.at_level("WARNING", logger="flashrl_tools.runtime"):
                 decode_gemm._warm(None, None, None, None, torch.bfloat16, None)
-            assert decode_gemm.max_rows == 0 and "CUTLASS for every batch" in caplog.text
+            assert decode_gemm.max_rows == 0 and "the engine's kernel for every batch" in caplog.text
 
 
 def _paged_batch(lens, q_heads, kv_heads, d=128, page=16, fp8_query=True, device="cpu", seed=0,

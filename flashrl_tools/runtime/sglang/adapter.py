@@ -12,10 +12,11 @@ FLASHRL_KV_CACHE_DTYPE changed is refused there (`check_env`)."""
 from __future__ import annotations
 
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
-from flashrl_tools.runtime.sglang import (decode_attn, kv_front, kv_store, pause, process, scheduler, server_args,
-                                          weight_sync)
+from flashrl_tools.runtime.sglang import (decode_attn, decode_gemm, kv_front, kv_store, pause, process, scheduler,
+                                          server_args, weight_sync)
 
 _CT = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
+_CT_INT8 = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_int8"
 _TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _CONTROL = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin"
 _UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
@@ -36,6 +37,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("kv_store_decode", "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend.forward_decode",
          kv_store.in_decode, HookKind.AROUND, "scheduler", "FP8 KV cache: marks fa3's decode step (it does not read "
          "K / V again after storing them)", optional=True),
+    Hook("decode_gemm", f"{_CT_INT8}.CompressedTensorsW8A8Int8.apply_weights", decode_gemm.scheme_apply_weights,
+         HookKind.AROUND, "scheduler", "FLASHRL_DECODE_GEMM=N (unset: 16 on Hopper): INT8 W8A8 linears at <= N rows "
+         "through flashrl's Triton GEMM (bit-equal to sgl-kernel's)", optional=True),
     Hook("decode_attn", "sglang.srt.layers.attention.flashattention_backend.flash_attn_with_kvcache",
          decode_attn.flash_attn_with_kvcache, HookKind.AROUND, "scheduler", "FLASHRL_DECODE_ATTN (unset: on "
          "Hopper): with an FP8 KV cache, fa3's decode batches' attention through flashrl's Triton kernel",
@@ -100,7 +104,8 @@ def register(registry=None, hook_type=None) -> None:
     engine whose config differs from the one read here."""
     from flashrl_tools.config.resolve import from_env
     from flashrl_tools.errors import FlashRLError
-    from flashrl_tools.runtime.core import process as core_process
+    from flashrl_tools.config.settings import settings
+    from flashrl_tools.runtime.core import decode_gemm as core_decode_gemm, process as core_process
     from flashrl_tools.runtime.core.hooks import install
     from flashrl_tools.runtime.core.logs import configure_logging
 
@@ -117,4 +122,5 @@ def register(registry=None, hook_type=None) -> None:
         install([h for h in HOOKS if h.always], registry, hook_type)
         return
     configure_logging()
+    core_decode_gemm.configure(settings().decode_gemm)  # validated by the plan (core/adapter.check_settings)
     install(HOOKS, registry, hook_type)

@@ -15,8 +15,9 @@ _SETTINGS = {
                                     "(learned by probing the loaders at start, checked against them over the "
                                     "first sync; TP ranks included); 0: SGLang's own loaders for every tensor",
                                     ("1", "0")),
-    "FLASHRL_DECODE_GEMM": Setting("no effect: SGLang's INT8 linears run sgl-kernel's GEMM at every batch size "
-                                   "(the switch is vLLM's)"),
+    "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
+                                   "(bit-equal to sgl-kernel's int8_scaled_mm; GPU); unset / auto: 16 on Hopper "
+                                   "(sm_90), else off; 0: sgl-kernel's for every batch"),
     "FLASHRL_FUSED_KV_STORE": Setting("1 (default): with an FP8 KV cache, fa3's decode stores K / V in one kernel "
                                       "(SGLang's fused_fp8_qkv_kv_cache) instead of five (4 % off a Qwen3-8B step, "
                                       "H200); 0: SGLang's store"),

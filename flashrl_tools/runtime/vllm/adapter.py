@@ -73,9 +73,9 @@ def install_always() -> None:
 def install(rc: RuntimeConfig) -> None:
     """Install every hook of `HOOKS` in this process (once), serving `rc`."""
     from flashrl_tools.config.settings import settings
-    from flashrl_tools.runtime.core import process
+    from flashrl_tools.runtime.core import decode_gemm as core_decode_gemm, process
     from flashrl_tools.runtime.core.hooks import install as install_hooks
 
     process.serve(rc)
-    decode_gemm.configure(settings().decode_gemm)  # validated by the plan (core/adapter.check_settings)
+    core_decode_gemm.configure(settings().decode_gemm)  # validated by the plan (core/adapter.check_settings)
     install_hooks(HOOKS)
