@@ -89,14 +89,15 @@ def output_args(ap) -> None:
 def sglang_engine(spec: dict, context_length: int, **kwargs):
     """The engine benchmarks' SGLang offline Engine: the spec's model (dummy weights for config-only shapes), BF16,
     seed 0, no tokenizer, `spec["attention_backend"]` (triton), `spec["log_level"]` (error), the spec's memory
-    fraction; `kwargs` add to or override those."""
+    fraction and `spec["page_size"]` (SGLang's own, 1, unless set); `kwargs` add to or override those."""
     import sglang
 
     return sglang.Engine(**{"model_path": spec["model"], "load_format": "dummy" if spec["dummy"] else "auto",
                             "skip_tokenizer_init": True, "dtype": "bfloat16", "random_seed": 0,
                             "attention_backend": spec.get("attention_backend") or "triton",
                             "context_length": context_length, "log_level": spec.get("log_level") or "error",
-                            "mem_fraction_static": spec["gpu_memory_utilization"], **kwargs})
+                            "mem_fraction_static": spec["gpu_memory_utilization"],
+                            **({"page_size": spec["page_size"]} if spec.get("page_size") else {}), **kwargs})
 
 
 def config_env(config: str) -> dict | str:

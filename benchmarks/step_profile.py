@@ -208,7 +208,7 @@ def worker_sglang(spec: dict) -> dict:
             rows[phase] = {"sequences": spec[phase], "wall_ms_per_step": wall * 1e3 / spec["tokens"],
                            **breakdown(read_trace(traces), spec["tokens"])}
         return {"phases": rows, "engine": "sglang", "cached_prompts": bool(spec.get("cached_prompts")),
-                "attention_backend": spec.get("attention_backend") or "triton",
+                "attention_backend": spec.get("attention_backend") or "triton", "page_size": engine.server_args.page_size,
                 "async_scheduling": not getattr(engine.server_args, "disable_overlap_schedule", False)}
     finally:
         engine.shutdown()
@@ -244,6 +244,7 @@ def main() -> None:
                     "default its own; SGLang: triton unless set)")
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                     help="sglang (GPU, SGLang 0.5.17): its offline Engine, traced by its own profiler")
+    ap.add_argument("--page-size", type=int, help="SGLang's page_size: KV slots per page (default SGLang's, 1)")
     output_args(ap)
     a = ap.parse_args()
     import torch
@@ -262,7 +263,7 @@ def main() -> None:
             spec = {"model": str(path), "dummy": dummy, "gpu_memory_utilization": util,
                     "trace_dir": tempfile.mkdtemp(prefix="flashrl-trace-"),
                     "cached_prompts": a.cached_prompts, "attention_backend": a.attention_backend, "engine": a.engine,
-                    **{k: opts[k] for k in ("bulk", "tail", "tokens", "prompt_len")}}
+                    "page_size": a.page_size, **{k: opts[k] for k in ("bulk", "tail", "tokens", "prompt_len")}}
             row = {"shape": shape, "config": config,
                    **run_worker(__file__, spec, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})}  # traced in-process
             if a.plain and "error" not in row:

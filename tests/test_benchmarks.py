@@ -191,7 +191,8 @@ def test_rl_step_on_sglang_sends_the_vllm_rows_requests_and_times_the_rollout_af
 
     class Engine:
         def __init__(self, **kwargs):
-            self.server_args = types.SimpleNamespace(kv_cache_dtype="fp8_e4m3", disable_overlap_schedule=False)
+            self.server_args = types.SimpleNamespace(kv_cache_dtype="fp8_e4m3", disable_overlap_schedule=False,
+                                                     page_size=kwargs.get("page_size", 1))
             events.append(("start", kwargs["context_length"], kwargs["attention_backend"]))
 
         def get_server_info(self):
@@ -237,7 +238,8 @@ def test_rl_step_on_sglang_sends_the_vllm_rows_requests_and_times_the_rollout_af
     row = rl_step.worker_sglang({**spec, "logprobs": False, "seeded": False})
     last = [e for e in events if e[0] == "generate"][-1]
     assert last[3] is False and all("sampling_seed" not in p for p in last[2])
-    assert row["rollout_2"]["samples_with_logprobs"] == 0
+    assert row["rollout_2"]["samples_with_logprobs"] == 0 and row["page_size"] == 1
+    assert rl_step.worker_sglang({**spec, "page_size": 16})["page_size"] == 16  # --page-size reaches the engine
     rows = [{"shape": "7b", "config": "bf16", **row}, {"shape": "7b", "config": "int8+kv", **row, "step_s": 1.0}]
     rl_step.add_ratios(rows)
     rl_step.print_table(rows, "header")

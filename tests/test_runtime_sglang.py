@@ -415,6 +415,20 @@ def test_an_aborted_calibration_is_tried_again(monkeypatch, caplog):
     assert [rid for rid, _ in plain.sent] == ["a"]  # no FP8 KV cache: nothing to calibrate
 
 
+def test_the_calibration_fits_the_schedulers_prompt_limit(monkeypatch):
+    """SGLang's schedulers abort a prompt of max_req_input_len tokens or more (its context length - 6): on an engine
+    with a short context the calibration's sequences stay under that limit, not just under the context (a
+    136-token engine had every calibration aborted and its rollouts refused, GPU 2026-11-28)."""
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct",
+                        SimpleNamespace(GenerateReqInput=lambda **kw: SimpleNamespace(**kw)))
+    m = Manager()
+    m.context_len, m.max_req_input_len = 136, 130
+    generate(m, "a")
+    sent = [ids for rid, ids in m.sent if rid not in ("<flush>", "a")]
+    assert sent and max(len(ids) for ids in sent) < 130 and max(len(ids) for ids in sent) == 129
+    assert m.sent[-1][0] == "a"
+
+
 def test_the_calibration_sent_at_once_is_prefilled_one_sequence_per_batch():
     """kv_front.prefill_all sends every calibration sequence in one request; the schedulers let them into the
     waiting queue one at a time, each once the one before has been prefilled or is in the batch about to run (a

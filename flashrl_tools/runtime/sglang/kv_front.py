@@ -63,8 +63,11 @@ class TokenizerFront:
         return False
 
     def sequences(self) -> list[list[int]]:
-        out = calibration_inputs(getattr(self.manager, "tokenizer", None), self.manager.model_config.vocab_size,
-                                 int(self.manager.context_len))
+        limit = int(self.manager.context_len)
+        cap = getattr(self.manager, "max_req_input_len", None)  # SGLang's schedulers abort prompts this long or
+        if cap:  # longer (its context length - 6): a calibration clipped to the context alone never ran there
+            limit = min(limit, int(cap))
+        out = calibration_inputs(getattr(self.manager, "tokenizer", None), self.manager.model_config.vocab_size, limit)
         self._first = out[0][:2]
         return out
 
