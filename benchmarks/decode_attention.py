@@ -8,9 +8,12 @@ kv_heads, K|V]; `--layout hnd`: [blocks, kv_heads, page, K|V]), with random bloc
 uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV bytes the step must read / its time. Each kernel's output is
 checked against a float32 reference on the same FP8 values (`fp8_decode_attn.reference`, the first 16
 sequences). Prints a table and writes JSON; `--sweep B,..` also times flashrl's kernel at every split count and
-tile at those batch sizes.
+tile at those batch sizes. `--shared-prompt P`: each group of `--group` sequences (a GRPO group) reads the same
+physical pages for its first P tokens' full pages, as a prefix cache gives them (the bandwidth column still counts
+every sequence's reads): whether a group's prompt is read from DRAM once per sequence or hits L2.
 
     python benchmarks/decode_attention.py --shapes qwen3-8b,7b,14b --batches 256,128,64,16,4 --sweep 128,16 --json da.json
+    python benchmarks/decode_attention.py --shapes 14b --batches 256,128 --shared-prompt 1024 --json da_shared.json
 """
 
 from __future__ import annotations
@@ -38,27 +41,31 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1000.0
 
 
-def make_batch(q_heads: int, kv_heads: int, batch: int, ctx: int, gen: torch.Generator, layout: str = "nhd") -> dict:
-    lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+def make_batch(q_heads: int, kv_heads: int, batch: int, ctx: int, gen: torch.Generator, layout: str = "nhd",
+               shared: int = 0, group: int = 8, device: str = "cuda") -> dict:
+    lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (batch,), generator=gen, device=device, dtype=torch.int32)
+    lens = lens.clamp(min=shared + 1)  # a group's sequences all hold its prompt
     pages = [(int(n) + PAGE - 1) // PAGE for n in lens]
     total = sum(pages)
-    perm = torch.randperm(total + 1, generator=gen, device="cuda").to(torch.int32)[:total]
-    bt = torch.zeros(batch, max(pages), dtype=torch.int32, device="cuda")
+    perm = torch.randperm(total + 1, generator=gen, device=device).to(torch.int32)[:total]
+    bt = torch.zeros(batch, max(pages), dtype=torch.int32, device=device)
     off = 0
     for i, p in enumerate(pages):
         bt[i, :p] = perm[off:off + p]
         off += p
+    for i in range(batch):  # the prompt's full pages: the group's first sequence's (its others' go unread)
+        bt[i, :shared // PAGE] = bt[i - i % group, :shared // PAGE]
     if layout == "hnd":  # vLLM's HND cache layout (VLLM_KV_CACHE_LAYOUT=HND): a KV head's page contiguous
-        raw = (torch.randn(total + 1, kv_heads, PAGE, 2 * D, generator=gen, device="cuda") * 2).to(
+        raw = (torch.randn(total + 1, kv_heads, PAGE, 2 * D, generator=gen, device=device) * 2).to(
             torch.float8_e4m3fn).transpose(1, 2)
     else:
-        raw = (torch.randn(total + 1, PAGE, kv_heads, 2 * D, generator=gen, device="cuda") * 2).to(torch.float8_e4m3fn)
-    q16 = (torch.randn(batch, q_heads, D, generator=gen, device="cuda") * 2).to(torch.bfloat16)
-    q_scale = torch.tensor([0.05], device="cuda")
+        raw = (torch.randn(total + 1, PAGE, kv_heads, 2 * D, generator=gen, device=device) * 2).to(torch.float8_e4m3fn)
+    q16 = (torch.randn(batch, q_heads, D, generator=gen, device=device) * 2).to(torch.bfloat16)
+    q_scale = torch.tensor([0.05], device=device)
     return {"lens": lens, "bt": bt, "raw": raw, "q16": q16, "q8": (q16.float() / q_scale).to(torch.float8_e4m3fn),
-            "q_scale": q_scale, "k_scale": torch.tensor([0.03], device="cuda"),
-            "v_scale": torch.tensor([0.02], device="cuda"),
-            "qsl": torch.arange(batch + 1, dtype=torch.int32, device="cuda"), "kv_bytes": int(lens.sum()) * kv_heads * 2 * D}
+            "q_scale": q_scale, "k_scale": torch.tensor([0.03], device=device),
+            "v_scale": torch.tensor([0.02], device=device),
+            "qsl": torch.arange(batch + 1, dtype=torch.int32, device=device), "kv_bytes": int(lens.sum()) * kv_heads * 2 * D}
 
 
 def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
@@ -118,6 +125,9 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="batch sizes (e.g. 128,16) at which flashrl's kernel is timed at every "
                     "split count and tile")
     ap.add_argument("--layout", default="nhd", choices=("nhd", "hnd"), help="vLLM's KV cache layout (default NHD)")
+    ap.add_argument("--shared-prompt", type=int, default=0,
+                    help="tokens of prompt each group of --group sequences reads from the same pages (prefix cache)")
+    ap.add_argument("--group", type=int, default=8, help="sequences per group sharing a prompt (GRPO's samples)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -128,14 +138,14 @@ def main() -> None:
         cfg = {**QWEN25, **QWEN3}[shape]
         q_heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         for batch in (int(x) for x in args.batches.split(",")):
-            b = make_batch(q_heads, kv_heads, batch, args.ctx, gen, args.layout)
+            b = make_batch(q_heads, kv_heads, batch, args.ctx, gen, args.layout, args.shared_prompt, args.group)
             cands = candidates(b, q_heads, kv_heads)
             n_ref = min(batch, 16)
             ref = fp8_decode_attn.reference(b["q8"][:n_ref], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n_ref],
                                             b["lens"][:n_ref], b["qsl"][:n_ref + 1], D ** -0.5, b["k_scale"],
                                             b["v_scale"], q_scale=b["q_scale"])
             row = {"layout": args.layout, "shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "batch": batch,
-                   "ctx": args.ctx,
+                   "ctx": args.ctx, "shared_prompt": args.shared_prompt, "group": args.group,
                    "kv_tokens": int(b["lens"].sum()),
                    "default_splits": fp8_decode_attn.splits_for(batch, kv_heads,
                                                                 torch.cuda.get_device_properties(0).multi_processor_count)}
@@ -171,7 +181,8 @@ def main() -> None:
     dev = torch.cuda.get_device_name()
     names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8")
     print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); contexts ~{args.ctx}, "
-          f"{args.layout.upper()} layout")
+          f"{args.layout.upper()} layout" + (f"; groups of {args.group} share a {args.shared_prompt}-token prompt's pages"
+                                             if args.shared_prompt else ""))
     print("| shape | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |")
     for r in rows:

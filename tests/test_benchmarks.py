@@ -521,6 +521,25 @@ def _variants_check() -> None:
             assert torch.equal(out, package[1 if name == "shipped" else None]), name
 
 
+def test_decode_attention_shared_prompt_gives_each_group_the_same_prompt_pages():
+    """decode_attention.py --shared-prompt: a GRPO group's sequences read the same physical pages for the prompt's
+    full pages (as a prefix cache gives them), every other page is a sequence's own."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import decode_attention as da
+
+    gen = torch.Generator().manual_seed(0)
+    b = da.make_batch(8, 2, 16, 200, gen, shared=40, group=4, device="cpu")
+    bt, lens, full = b["bt"], b["lens"], 40 // da.PAGE
+    assert int(lens.min()) > 40
+    for i in range(16):
+        assert torch.equal(bt[i, :full], bt[i - i % 4, :full])
+    own = [int(p) for i in range(16) for p in bt[i, full if i % 4 else 0:(int(lens[i]) + da.PAGE - 1) // da.PAGE]]
+    assert len(own) == len(set(own))  # no page read by two sequences but the group's prompt
+    assert not torch.equal(bt[0, :full], bt[4, :full])
+    plain = da.make_batch(8, 2, 16, 200, torch.Generator().manual_seed(0), device="cpu")["bt"]
+    assert len({int(p) for i in range(16) for p in plain[i, :full]}) == 16 * full
+
+
 def test_decode_attention_variants_compute_the_same_attention():
     """The diagnostic's variants (benchmarks/decode_attn_variants.py) time the same attention as the shipped kernel:
     through Triton's interpreter on CPU, in a process of its own (Triton reads TRITON_INTERPRET at import)."""
