@@ -3,7 +3,8 @@ requests streaming, `pause_generation(mode)`, the perturbed weights pushed per t
 `update_weights_from_tensor` (flush_cache=True, SGLang's default; `@dist`: one flattened bucket through
 `update_weights_from_distributed`), `continue_generation`. Radix cache on.
 Cases: mode x config (`+kv`: FP8 KV cache; `moe-`: Qwen3-MoE; `@fa3`: fa3 attention with its own decode
-(FLASHRL_DECODE_ATTN=0), `@fa3attn`: its decode attention through flashrl's kernel (=1); asserted in both engines).
+(FLASHRL_DECODE_ATTN=0), `@fa3attn`: its decode attention through flashrl's kernel (=1; asserted in both engines),
+`@fa3attn16`: the same over SGLang's pool by 16-token pages (`page_size=16`, both engines)).
 Asserted per case: the push succeeds, a request sent during the pause waits, kept (in_place) and retracted requests
 finish, aborted ones say so; a request after the drain equals a fresh engine on the new weights (same
 FLASHRL_CONFIG and KV setting) bit for bit, as do the FP8 KV scales; abort: every resubmission (prompt + partial
@@ -34,14 +35,15 @@ from flashrl_tools.runtime.sglang import kv_store
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8", "retract-int8", "retract-fp8",
          "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3",
-         "in_place-int8+kv@dist", "in_place-int8+kv@fa3attn"]
+         "in_place-int8+kv@dist", "in_place-int8+kv@fa3attn", "in_place-int8+kv@fa3attn16"]
 PROBE = h.PROBES / "sglang_inflight_probe.py"
 TOKENS = 96
 
 
-def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: str = "") -> dict | str:
+def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: str = "", page: int = 0) -> dict | str:
     out = work / f"sgl-inflight-{tag}.json"
-    engine = {"cuda_graph_max_bs_decode": 16, **({"attention_backend": backend} if backend else {})}
+    engine = {"cuda_graph_max_bs_decode": 16, **({"attention_backend": backend} if backend else {}),
+              **({"page_size": page} if page else {})}
     res = subprocess.run([sys.executable, str(PROBE), *args, str(out), *options, "--engine-args", json.dumps(engine)],
                          capture_output=True, text=True, env=env, timeout=900)
     if res.returncode != 0 or not out.is_file():
@@ -54,9 +56,11 @@ def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: s
 def run_case(case: str, work) -> dict:
     # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors), its own decode (FLASHRL_DECODE_ATTN=0);
     # `@fa3attn`: its decode attention through flashrl's kernel (=1; both engines); `@dist`: the push as a
-    # flattened bucket through `update_weights_from_distributed` (a gloo group with the probe)
+    # flattened bucket through `update_weights_from_distributed` (a gloo group with the probe); `@fa3attn16`: the
+    # kernel over 16-token pages
     case, _, option = case.partition("@")
-    backend, how = ("fa3" if option in ("fa3", "fa3attn") else ""), ("distributed" if option == "dist" else "tensor")
+    backend, how = ("fa3" if option.startswith("fa3") else ""), ("distributed" if option == "dist" else "tensor")
+    page = 16 if option == "fa3attn16" else 0
     mode, rest = case.split("-", 1)
     moe = rest.startswith("moe-")
     config = rest.removeprefix("moe-").removesuffix("+kv")
@@ -65,10 +69,10 @@ def run_case(case: str, work) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     env.update(FLASHRL_CONFIG=config, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}))
     if backend == "fa3":  # both decode paths, whatever the environment and the GPU
-        env["FLASHRL_DECODE_ATTN"] = "1" if option == "fa3attn" else "0"
+        env["FLASHRL_DECODE_ATTN"] = "1" if option.startswith("fa3attn") else "0"
     tag = f"{case}@{option}" if option else case
     got = _probe(["run", str(orig), str(pert)], env, tag, work, "--mode", mode, "--tokens", str(TOKENS),
-                 "--push", how, backend=backend)
+                 "--push", how, backend=backend, page=page)
     if isinstance(got, str):
         return {"error": got}
     probe = __import__("sglang_inflight_probe")
@@ -93,7 +97,7 @@ def run_case(case: str, work) -> dict:
              for r, o in got["kept"].items()] if mode == "in_place" else []
     req = work / f"sgl-inflight-{tag}-fresh-req.json"
     req.write_text(json.dumps({"batches": batches, "score": score}))
-    fresh = _probe(["serve", str(pert), str(req)], env, f"{tag}-fresh", work, backend=backend)
+    fresh = _probe(["serve", str(pert), str(req)], env, f"{tag}-fresh", work, backend=backend, page=page)
     if isinstance(fresh, str):
         return {"error": f"fresh engine: {fresh}"}
     row = verdict(mode, got, fresh)
@@ -105,7 +109,7 @@ def run_case(case: str, work) -> dict:
             row["failures"].append(f"fused FP8 KV store {row['fused_kv_store']}, FLASHRL_FUSED_KV_STORE "
                                    f"{settings().fused_kv_store}")
         # and attended as FLASHRL_DECODE_ATTN says
-        want = option == "fa3attn"
+        want = option.startswith("fa3attn")
         row["flashrl_decode_attn"] = [got["flashrl_decode_attn"], fresh["flashrl_decode_attn"]]
         if row["flashrl_decode_attn"] != [want] * 2:
             row["failures"].append(f"flashrl's FP8 decode attention {row['flashrl_decode_attn']}, expected {want}")
@@ -116,7 +120,7 @@ def run_case(case: str, work) -> dict:
         floor_req.write_text(json.dumps({"batches": [], "score": score + decoded}))
         plain = _probe(["serve", str(pert), str(floor_req)], {k: v for k, v in env.items()
                                                               if k != "FLASHRL_KV_CACHE_DTYPE"},
-                       f"{tag}-floor", work, backend=backend)
+                       f"{tag}-floor", work, backend=backend, page=page)
         if isinstance(plain, str):
             return {"error": f"BF16-KV engine: {plain}"}
         row["fp8_kv_floor_mean"] = fp8_floor({r: o["logprobs"] for r, o in fresh["outputs"].items()
