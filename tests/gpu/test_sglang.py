@@ -8,8 +8,9 @@ a bucket (GPU tensors, as verl's SGLang path sends). All exact (0.0). The sample
 hand computation from the engine's own distributions (tempered; with top-k / top-p and `return_sampling_mask`,
 renormalised). `@fa3`: SGLang's fa3 attention instead of triton (its decode kernels read the KV scales from
 the tensors the runtime writes in place: the decode graphs are not captured again after a recalibration, so
-equality with the fresh engines checks that too). `+kv`: FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines run the
-runtime too, FLASHRL_CONFIG=bf16 on the quantized checkpoint: they calibrate once at start); the scales must
+equality with the fresh engines checks that too; `@fa3p16` with SGLang's pool by 16-token pages). `+kv`:
+FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines run the runtime too, FLASHRL_CONFIG=bf16 on the quantized
+checkpoint: they calibrate once at start); the scales must
 be bit-equal to theirs, and the greedy tokens' logprobs (decode: they read the FP8 cache) are compared too.
 `moe-int8` must be refused at start (SGLang's compressed-tensors INT8 MoE is NPU-only)."""
 
@@ -23,7 +24,8 @@ import gpu_harness as h
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8",
-         "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv", "dense-int8+kv@fa3"]
+         "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv", "dense-int8+kv@fa3", "dense-int8+kv@fa3p16"]
+OPTIONS = {"": {}, "fa3": {"attention_backend": "fa3"}, "fa3p16": {"attention_backend": "fa3", "page_size": 16}}
 ARCH = {"dense": "qwen3", "moe": "qwen3_moe"}
 FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel"}  # what the SGLang adapter serves
 PROMPTS = [[5, 70, 75, 82, 3], [7, 8, 9, 10, 11, 200], [30, 31, 32], [100, 120, 140, 160]]
@@ -63,8 +65,8 @@ def hand_checks(plain: dict, scored: dict, trunc: dict) -> dict:
 
 
 def run_case(case: str, work) -> dict:
-    case, _, backend = case.partition("@")  # `@fa3`: SGLang's fa3 attention (it reads the KV scales from tensors:
-    extra = {"attention_backend": backend} if backend else {}  # new scales, no decode-graph capture)
+    case, _, option = case.partition("@")  # `@fa3`: SGLang's fa3 attention (it reads the KV scales from tensors:
+    extra = OPTIONS[option]  # new scales, no decode-graph capture); `@fa3p16`: over 16-token pages
     arch, rest = case.split("-", 1)
     config, kv = rest.removesuffix("+kv"), "fp8" if rest.endswith("+kv") else None
     orig, pert = h.model_pair(work, ARCH[arch])
