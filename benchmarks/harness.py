@@ -100,6 +100,17 @@ def sglang_engine(spec: dict, context_length: int, **kwargs):
                             **({"page_size": spec["page_size"]} if spec.get("page_size") else {}), **kwargs})
 
 
+def page_size_error(engine: str, page_size: int | None) -> str | None:
+    """What is wrong with a benchmark's --page-size for this engine (None: nothing): SGLang's page_size, >= 1."""
+    if page_size is None:
+        return None
+    if engine != "sglang":
+        return "--page-size is SGLang's page_size (vLLM's KV blocks keep their own size): add --engine sglang"
+    if page_size < 1:
+        return f"--page-size {page_size}: a page holds 1 token or more (SGLang's default: 1)"
+    return None
+
+
 def config_env(config: str) -> dict | str:
     """This environment running `config` (NAME, or NAME+kv for an FP8 KV cache), or why it cannot."""
     import os

@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    bench_parser, config_env, output_args, preset_options, run_worker, runtime_log, serve_worker,
+    bench_parser, config_env, output_args, page_size_error, preset_options, run_worker, runtime_log, serve_worker,
     sglang_engine, vllm_settings)
 from shapes import model_dir  # noqa: E402
 from step_bands import LoggedSteps, StepClock, print_bands  # noqa: E402
@@ -318,6 +318,8 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
+    if error := page_size_error(a.engine, a.page_size):
+        sys.exit(f"rl_step: {error}")
     opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
     lengths = output_lengths(opts["prompts"] * opts["samples"], opts["max_len"], fixed=a.fixed_len)
     try:

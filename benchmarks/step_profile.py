@@ -39,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    bench_parser, config_env, output_args, preset_options, run_worker, serve_worker, sglang_engine, vllm_settings)
+    bench_parser, config_env, output_args, page_size_error, preset_options, run_worker, serve_worker, sglang_engine,
+    vllm_settings)
 from shapes import model_dir  # noqa: E402
 
 PRESETS = {
@@ -250,6 +251,8 @@ def main() -> None:
     import torch
 
     opts, util, work = preset_options(a, PRESETS, gpu_util=0.85)
+    if error := page_size_error(a.engine, a.page_size):
+        sys.exit(f"step_profile: {error}")
     if a.engine == "sglang" and not torch.cuda.is_available():
         sys.exit("step_profile: --engine sglang needs a CUDA GPU (SGLang's engine)")
     rows = []

@@ -134,7 +134,8 @@ def test_rl_step_fixed_lengths_are_the_cap():
 
 def test_rl_step_dapo_workload_prompt_lengths_and_the_qwen3_8b_shape(tmp_path):
     """Issue 45's anchor workload: prompt lengths drawn in 1024-2048 (seeded: the same for every config), the
-    Qwen3-8B shape as a config-only model transformers reads; a malformed --prompt-len refused in one line."""
+    Qwen3-8B shape as a config-only model transformers reads; a malformed --prompt-len, and --page-size off SGLang
+    or under 1, refused in one line."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rl_step import PRESETS, prompt_lengths
     from shapes import model_dir
@@ -152,6 +153,11 @@ def test_rl_step_dapo_workload_prompt_lengths_and_the_qwen3_8b_shape(tmp_path):
                           "--prompt-len", "16-x"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr.strip().endswith("use N or LO-HI tokens (e.g. 1024 or 1024-2048)")
     assert "Traceback" not in bad.stderr
+    for flags, says in ((["--page-size", "16"], "add --engine sglang"),
+                        (["--engine", "sglang", "--page-size", "0"], "a page holds 1 token or more")):
+        bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rl_step.py"), "--preset", "smoke", *flags],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and says in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_rl_step_colocated_preset_gives_the_engine_verls_share_of_the_gpu(tmp_path):
