@@ -14,6 +14,8 @@ counts around its default (`splits_for` of its programs per sequence):
   tma, *_tma      one page per iteration through a tensor descriptor (TMA on Hopper; BLOCK_N is PAGE there)
   heads_fast, *_hf  the launch grid's fastest axis is the KV head (programs running together read whole token rows)
   hpp2, hpp4      2 or 4 KV heads per program, their query groups packed in the 16-row tile (one dot per head)
+  hpp2_hf_up      hpp2_hf with a tile's four K / V loads issued first (shipped: each load waits on the dot before it)
+  hpp2_hf_pf      also the next tile's four loads issued before this tile's attention (registers double-buffered)
 --tiles BLOCK_N:WARPS:STAGES,.. times each variant at those tiles too (default the shipped 128:4:2).
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
@@ -42,7 +44,7 @@ from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
 VARIANTS = ("package", "shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16",
             "shipped_paged", "read_only_paged", "tma", "read_only_tma", "tma_bf16", "heads_fast", "read_only_hf",
-            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf")
+            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf", "hpp2_hf_up", "hpp2_hf_pf")
 SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
@@ -55,9 +57,12 @@ def _kernel():
                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                      q_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, BF16: tl.constexpr,
-                     STREAM: tl.constexpr, PAGED: tl.constexpr, HF: tl.constexpr, HPP: tl.constexpr):
+                     STREAM: tl.constexpr, PAGED: tl.constexpr, HF: tl.constexpr, HPP: tl.constexpr,
+                     LOADS: tl.constexpr = 0):
         # MODE 0: shipped math (FP16 products; BF16: a BF16 cache, BF16 products), 1: Q.K in FP8, 2: Q.K and P.V in
-        # FP8, 3: loads only. HF: grid (kv head groups, seqs, splits). HPP > 1: KV heads kvh..kvh+HPP-1 (MODE 0, FP8)
+        # FP8, 3: loads only. HF: grid (kv head groups, seqs, splits). HPP > 1: KV heads kvh..kvh+HPP-1 (MODE 0, FP8).
+        # LOADS (HPP 2): 0 each head's K / V load just before its dot (as shipped), 1 the tile's four loads first, 2
+        # also the next tile's four loads issued before this tile's attention (kept in registers across the iteration)
         if HF:
             seq = tl.program_id(1)
             kvh = tl.program_id(0) * HPP
@@ -84,7 +89,52 @@ def _kernel():
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
-        for n in range(start, end, BLOCK_N):
+        if LOADS > 0:  # two KV heads a program, the loads issued before the dots (the LOADS note above)
+            q16 = q.to(tl.float16)
+            t = start + rn
+            ok = t < end
+            bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
+            rk = (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + rd[None, :]
+            rv = (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + rd[None, :]
+            k0 = tl.load(k_head + rk, mask=ok[:, None], other=0.0)
+            k1 = tl.load(k_head + stride_kh + rk, mask=ok[:, None], other=0.0)
+            v0 = tl.load(v_head + rv, mask=ok[:, None], other=0.0)
+            v1 = tl.load(v_head + stride_vh + rv, mask=ok[:, None], other=0.0)
+            for n in range(start, end, BLOCK_N):
+                ok = n + rn < end
+                if LOADS == 1:
+                    t = n + rn
+                    bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
+                    rk = (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + rd[None, :]
+                    rv = (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + rd[None, :]
+                    k0 = tl.load(k_head + rk, mask=ok[:, None], other=0.0)
+                    k1 = tl.load(k_head + stride_kh + rk, mask=ok[:, None], other=0.0)
+                    v0 = tl.load(v_head + rv, mask=ok[:, None], other=0.0)
+                    v1 = tl.load(v_head + stride_vh + rv, mask=ok[:, None], other=0.0)
+                    k0n, k1n, v0n, v1n = k0, k1, v0, v1
+                else:  # the next tile's loads in flight during this tile's attention
+                    t = n + BLOCK_N + rn
+                    nxt = t < end
+                    bk = tl.load(bt_row + t // PAGE, mask=nxt, other=0).to(tl.int64)
+                    rk = (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + rd[None, :]
+                    rv = (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + rd[None, :]
+                    k0n = tl.load(k_head + rk, mask=nxt[:, None], other=0.0)
+                    k1n = tl.load(k_head + stride_kh + rk, mask=nxt[:, None], other=0.0)
+                    v0n = tl.load(v_head + rv, mask=nxt[:, None], other=0.0)
+                    v1n = tl.load(v_head + stride_vh + rv, mask=nxt[:, None], other=0.0)
+                s = tl.where(hid[:, None] == 0, tl.dot(q16, tl.trans(k0.to(tl.float16))),
+                             tl.dot(q16, tl.trans(k1.to(tl.float16))))
+                s = tl.where(ok[None, :], s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None]
+                acc += tl.dot(tl.where(hid[:, None] == 0, p, 0.0).to(tl.float16), v0.to(tl.float16))
+                acc += tl.dot(tl.where(hid[:, None] == 1, p, 0.0).to(tl.float16), v1.to(tl.float16))
+                m = m_new
+                k0, k1, v0, v1 = k0n, k1n, v0n, v1n
+        for n in range(start, end if LOADS == 0 else start, BLOCK_N):
             t = n + rn
             valid = t < end
             if PAGED:  # one block-table entry per page, its PAGE rows affine in it
@@ -263,7 +313,7 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
     hpp = programs_heads(name, q_heads, kv_heads)
     if kv_heads % hpp or group * hpp > max(16, 1 << (group - 1).bit_length()):
         raise ValueError(f"{name}: {kv_heads} KV heads of {group} query heads do not pack {hpp} to a 16-row tile")
-    hf = name == "heads_fast" or name.endswith("_hf")
+    hf = name == "heads_fast" or name.endswith("_hf") or "_hf_" in name
     grid = (kv_heads // hpp, batch, splits) if hf else (batch, kv_heads // hpp, splits)
     part = torch.empty((batch * q_heads * splits, D), dtype=torch.float32, device=b["lens"].device)
     lse = torch.empty((batch * q_heads * splits,), dtype=torch.float32, device=b["lens"].device)
@@ -279,7 +329,8 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), b["bt"].stride(0), q_heads,
             GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=D, PAGE=PAGE, BLOCK_N=block_n,
             SPLITS=splits, MODE=mode, BF16=bf16, STREAM=name.endswith("_cg"),
-            PAGED="paged" in name, HF=hf, HPP=hpp, num_warps=num_warps, num_stages=num_stages)
+            PAGED="paged" in name, HF=hf, HPP=hpp, LOADS=2 if name.endswith("_pf") else 1 if name.endswith("_up") else 0,
+            num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(batch, q_heads)](part, lse, b["v_scale"], out, out.stride(0), out.stride(1), q_heads, D=D,
                                        SPLITS=splits, num_warps=4)
     return run
