@@ -89,7 +89,8 @@ def output_args(ap) -> None:
 def sglang_engine(spec: dict, context_length: int, **kwargs):
     """The engine benchmarks' SGLang offline Engine: the spec's model (dummy weights for config-only shapes), BF16,
     seed 0, no tokenizer, `spec["attention_backend"]` (triton), `spec["log_level"]` (error), the spec's memory
-    fraction and `spec["page_size"]` (SGLang's own, 1, unless set); `kwargs` add to or override those."""
+    fraction and `spec["page_size"]` (unset: the runtime's 16 for an FP8 cache on fa3, else SGLang's 1); `kwargs`
+    add to or override those."""
     import sglang
 
     return sglang.Engine(**{"model_path": spec["model"], "load_format": "dummy" if spec["dummy"] else "auto",

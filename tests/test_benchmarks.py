@@ -341,6 +341,9 @@ def test_step_profile_splits_a_trace_by_kernel_name():
     assert got["linear_ms_per_step"] == 0.02 and got["attention_ms_per_step"] == 0.01
     assert got["other_ms_per_step"] == 0.01 and got["sampling_ms_per_step"] == 0.005
     assert got["idle_ms_per_step"] == 0.01 and got["window_ms_per_step"] == 0.05
+    assert [(t["name"], t["category"], t["ms_per_step"]) for t in got["top_kernels"]] == [
+        ("sm90_xmma_gemm_bf16", "linear", 0.02), ("flash_fwd_splitkv_kernel", "attention", 0.01),
+        ("rms_norm_kernel", "other", 0.01), ("topk_softmax", "sampling", 0.005)]
     cpu = {"traceEvents": [k("aten::linear", 0, 30, "cpu_op"), k("aten::addmm", 5, 20, "cpu_op"),
                            k("aten::softmax", 40, 10, "cpu_op")]}
     got = breakdown(cpu, steps=1)

@@ -34,7 +34,6 @@ import functools
 import torch
 
 MAX_SPLITS = 16
-PREFETCH = False  # two heads a program: issue the next tile's K / V loads before this tile's attention
 
 
 def splits_for(num_seqs: int, kv_heads: int, sm_count: int, max_splits: int = MAX_SPLITS) -> int:
@@ -62,7 +61,7 @@ def _kernels():
                      stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_FP8: tl.constexpr, Q_SCALED: tl.constexpr,
-                     HPP: tl.constexpr, PREFETCH: tl.constexpr):
+                     HPP: tl.constexpr):
         kvh = tl.program_id(0) * HPP  # the program's first KV head; it holds HPP of them
         seq = tl.program_id(1)
         split = tl.program_id(2)
@@ -93,40 +92,7 @@ def _kernels():
             bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
             k_head = k_ptr + kvh * stride_kh
             v_head = v_ptr + kvh * stride_vh
-            if PREFETCH:  # two heads a program; the next tile's four loads in flight during this tile's attention
-                t = start + rn
-                ok = t < end
-                bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
-                rk = bk[:, None] * stride_kb + (t % PAGE)[:, None] * stride_ks + rd[None, :]
-                rv = bk[:, None] * stride_vb + (t % PAGE)[:, None] * stride_vs + rd[None, :]
-                k0 = tl.load(k_head + rk, mask=ok[:, None], other=0.0)
-                k1 = tl.load(k_head + stride_kh + rk, mask=ok[:, None], other=0.0)
-                v0 = tl.load(v_head + rv, mask=ok[:, None], other=0.0)
-                v1 = tl.load(v_head + stride_vh + rv, mask=ok[:, None], other=0.0)
-                for n in range(start, end, BLOCK_N):
-                    ok = n + rn < end
-                    t = n + BLOCK_N + rn
-                    nxt = t < end
-                    bk = tl.load(bt_row + t // PAGE, mask=nxt, other=0).to(tl.int64)
-                    rk = bk[:, None] * stride_kb + (t % PAGE)[:, None] * stride_ks + rd[None, :]
-                    rv = bk[:, None] * stride_vb + (t % PAGE)[:, None] * stride_vs + rd[None, :]
-                    k0n = tl.load(k_head + rk, mask=nxt[:, None], other=0.0)
-                    k1n = tl.load(k_head + stride_kh + rk, mask=nxt[:, None], other=0.0)
-                    v0n = tl.load(v_head + rv, mask=nxt[:, None], other=0.0)
-                    v1n = tl.load(v_head + stride_vh + rv, mask=nxt[:, None], other=0.0)
-                    s = tl.where(hid[:, None] == 0, tl.dot(q, tl.trans(k0.to(q.dtype))),
-                                 tl.dot(q, tl.trans(k1.to(q.dtype))))  # pad rows: a zero query, 0 either way
-                    s = tl.where(ok[None, :], s * scale, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(s, axis=1))
-                    alpha = tl.exp2(m - m_new)
-                    p = tl.exp2(s - m_new[:, None])
-                    l_sum = l_sum * alpha + tl.sum(p, axis=1)
-                    acc = acc * alpha[:, None]
-                    acc += tl.dot(tl.where(hid[:, None] == 0, p, 0.0).to(tl.float16), v0.to(tl.float16))
-                    acc += tl.dot(tl.where(hid[:, None] == 1, p, 0.0).to(tl.float16), v1.to(tl.float16))
-                    m = m_new
-                    k0, k1, v0, v1 = k0n, k1n, v0n, v1n
-            for n in range(start, start if PREFETCH else end, BLOCK_N):
+            for n in range(start, end, BLOCK_N):
                 t = n + rn
                 valid = t < end
                 blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
@@ -191,8 +157,7 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          sm_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
                          q_scale: torch.Tensor | float | None = None, splits: int | None = None,
                          block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                         heads: int | None = None, sm_count: int | None = None,
-                         prefetch: bool | None = None) -> torch.Tensor:
+                         heads: int | None = None, sm_count: int | None = None) -> torch.Tensor:
     """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
     heads a program holds, the keys it reads per iteration (64 for two heads, 128 for one: the sweep's best) and
     the splits (`splits_for`, from `sm_count` or the device's) are the measured defaults."""
@@ -229,8 +194,7 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out, part, lse, sm_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
         q_heads, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits, Q_FP8=q_fp8,
-        Q_SCALED=q_scaled, HPP=hpp, PREFETCH=(PREFETCH if prefetch is None else prefetch) and hpp == 2,
-        num_warps=num_warps, num_stages=num_stages)
+        Q_SCALED=q_scaled, HPP=hpp, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         merge_kernel[(num_seqs, q_heads)](part, lse, seq_lens, query_start_loc, v_scale, out, out.stride(0),
                                           out.stride(1), q_heads, D=d, SPLITS=splits, num_warps=4)
