@@ -16,6 +16,8 @@ counts around its default (`splits_for` of its programs per sequence):
   hpp2, hpp4      2 or 4 KV heads per program, their query groups packed in the 16-row tile (one dot per head)
   hpp2_hf_up      hpp2_hf with a tile's four K / V loads issued first (shipped: each load waits on the dot before it)
   hpp2_hf_pf      also the next tile's four loads issued before this tile's attention (registers double-buffered)
+  hpp2_wide_hf    one [keys, 2 x D] load per tile for the pair's keys, one for its values; the query rows zero outside
+                  their head's columns, so one dot per product serves both heads (each row keeps its own head's sums)
 --tiles BLOCK_N:WARPS:STAGES,.. times each variant at those tiles too (default the shipped 128:4:2).
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
@@ -44,7 +46,7 @@ from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
 VARIANTS = ("package", "shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16",
             "shipped_paged", "read_only_paged", "tma", "read_only_tma", "tma_bf16", "heads_fast", "read_only_hf",
-            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf", "hpp2_hf_up", "hpp2_hf_pf")
+            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf")
 SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
@@ -63,6 +65,9 @@ def _kernel():
         # FP8, 3: loads only. HF: grid (kv head groups, seqs, splits). HPP > 1: KV heads kvh..kvh+HPP-1 (MODE 0, FP8).
         # LOADS (HPP 2): 0 each head's K / V load just before its dot (as shipped), 1 the tile's four loads first, 2
         # also the next tile's four loads issued before this tile's attention (kept in registers across the iteration)
+        # 3: one [BLOCK_N, 2D] load for the two heads' keys and one for their values; each query row holds its query
+        # in its own head's D columns (zeros in the other's), so one dot gives every row its own head's scores, and
+        # one P.V dot gives every row both heads' sums, of which it keeps its own head's
         if HF:
             seq = tl.program_id(1)
             kvh = tl.program_id(0) * HPP
@@ -89,7 +94,7 @@ def _kernel():
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
-        if LOADS > 0:  # two KV heads a program, the loads issued before the dots (the LOADS note above)
+        if LOADS == 1 or LOADS == 2:  # two KV heads a program, the loads issued before the dots (the LOADS note)
             q16 = q.to(tl.float16)
             t = start + rn
             ok = t < end
@@ -134,6 +139,32 @@ def _kernel():
                 acc += tl.dot(tl.where(hid[:, None] == 1, p, 0.0).to(tl.float16), v1.to(tl.float16))
                 m = m_new
                 k0, k1, v0, v1 = k0n, k1n, v0n, v1n
+        if LOADS == 3:
+            r2 = tl.arange(0, 2 * D)
+            hk = r2 // D  # which of the two heads a column belongs to
+            q2 = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + (r2 % D)[None, :],
+                         mask=gmask[:, None] & (hk[None, :] == hid[:, None]), other=0.0).to(tl.float16)
+            ck = hk * stride_kh + r2 % D
+            cv = hk * stride_vh + r2 % D
+            acc2 = tl.zeros([GROUP_PAD, 2 * D], tl.float32)
+            for n in range(start, end, BLOCK_N):
+                t = n + rn
+                ok = t < end
+                bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
+                k2 = tl.load(k_head + (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + ck[None, :],
+                             mask=ok[:, None], other=0.0)
+                v2 = tl.load(v_head + (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + cv[None, :],
+                             mask=ok[:, None], other=0.0)
+                s = tl.dot(q2, tl.trans(k2.to(tl.float16)))
+                s = tl.where(ok[None, :], s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                acc2 = acc2 * alpha[:, None] + tl.dot(p.to(tl.float16), v2.to(tl.float16))
+                m = m_new
+            acc3 = tl.reshape(acc2, [GROUP_PAD, 2, D])
+            acc = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == hid[:, None, None], acc3, 0.0), axis=1)
         for n in range(start, end if LOADS == 0 else start, BLOCK_N):
             t = n + rn
             valid = t < end
@@ -329,7 +360,7 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), b["bt"].stride(0), q_heads,
             GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=D, PAGE=PAGE, BLOCK_N=block_n,
             SPLITS=splits, MODE=mode, BF16=bf16, STREAM=name.endswith("_cg"),
-            PAGED="paged" in name, HF=hf, HPP=hpp, LOADS=2 if name.endswith("_pf") else 1 if name.endswith("_up") else 0,
+            PAGED="paged" in name, HF=hf, HPP=hpp, LOADS=3 if "wide" in name else 2 if name.endswith("_pf") else 1 if name.endswith("_up") else 0,
             num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(batch, q_heads)](part, lse, b["v_scale"], out, out.stride(0), out.stride(1), q_heads, D=D,
                                        SPLITS=splits, num_warps=4)

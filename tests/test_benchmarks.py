@@ -521,12 +521,12 @@ def _variants_check() -> None:
                                              b["v_scale"], q_scale=q_scale, splits=2, block_n=32, heads=hpp)
     b["qsl"] = torch.arange(4, dtype=torch.int32)
     for name in ("package", "shipped", "shipped_cg", "shipped_paged", "qk_fp8", "qk_pv_fp8", "tma", "heads_fast", "hpp2", "hpp4",
-                 "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf"):
+                 "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf"):
         out = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
         dav.variant_fn(name, b, q_heads, kv_heads, 2, 32, out)()  # two splits: the merge too
         err = float((out.float() - ref).abs().max() / ref.abs().max())
         assert err <= (0.05 if name == "qk_pv_fp8" else 2 ** -7), (name, err)
-        if name in ("shipped", "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf"):  # what the package's kernel computes, bit for bit
+        if name in ("shipped", "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf"):  # what the package's kernel computes, bit for bit
             assert torch.equal(out, package[1 if name == "shipped" else None]), name
 
 
