@@ -51,8 +51,22 @@ SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
 def _kernel():
+    global pair_tile  # a module name: Triton (and its interpreter) resolve the kernel's callees in its globals
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def pair_tile(bt_row, t, end, k_head, v_head, strides, rd, PAGE: tl.constexpr):
+        """Two KV heads' keys and values at tokens `t` (those from `end` on masked): four [tokens, D] loads."""
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh = strides
+        ok = t < end
+        bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
+        rk = (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + rd[None, :]
+        rv = (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + rd[None, :]
+        return (tl.load(k_head + rk, mask=ok[:, None], other=0.0),
+                tl.load(k_head + stride_kh + rk, mask=ok[:, None], other=0.0),
+                tl.load(v_head + rv, mask=ok[:, None], other=0.0),
+                tl.load(v_head + stride_vh + rv, mask=ok[:, None], other=0.0))
 
     @triton.jit
     def split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qs_ptr, ks_ptr, part_ptr, lse_ptr, sm_scale,
@@ -96,37 +110,15 @@ def _kernel():
         v_head = v_ptr + kvh * stride_vh
         if LOADS == 1 or LOADS == 2:  # two KV heads a program, the loads issued before the dots (the LOADS note)
             q16 = q.to(tl.float16)
-            t = start + rn
-            ok = t < end
-            bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
-            rk = (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + rd[None, :]
-            rv = (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + rd[None, :]
-            k0 = tl.load(k_head + rk, mask=ok[:, None], other=0.0)
-            k1 = tl.load(k_head + stride_kh + rk, mask=ok[:, None], other=0.0)
-            v0 = tl.load(v_head + rv, mask=ok[:, None], other=0.0)
-            v1 = tl.load(v_head + stride_vh + rv, mask=ok[:, None], other=0.0)
+            strides = (stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
+            k0, k1, v0, v1 = pair_tile(bt_row, start + rn, end, k_head, v_head, strides, rd, PAGE)
             for n in range(start, end, BLOCK_N):
                 ok = n + rn < end
+                # LOADS 1: this tile's four loads; 2: the next tile's, in flight during this tile's attention
+                k0n, k1n, v0n, v1n = pair_tile(bt_row, n + (LOADS - 1) * BLOCK_N + rn, end, k_head, v_head, strides,
+                                               rd, PAGE)
                 if LOADS == 1:
-                    t = n + rn
-                    bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
-                    rk = (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + rd[None, :]
-                    rv = (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + rd[None, :]
-                    k0 = tl.load(k_head + rk, mask=ok[:, None], other=0.0)
-                    k1 = tl.load(k_head + stride_kh + rk, mask=ok[:, None], other=0.0)
-                    v0 = tl.load(v_head + rv, mask=ok[:, None], other=0.0)
-                    v1 = tl.load(v_head + stride_vh + rv, mask=ok[:, None], other=0.0)
-                    k0n, k1n, v0n, v1n = k0, k1, v0, v1
-                else:  # the next tile's loads in flight during this tile's attention
-                    t = n + BLOCK_N + rn
-                    nxt = t < end
-                    bk = tl.load(bt_row + t // PAGE, mask=nxt, other=0).to(tl.int64)
-                    rk = (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + rd[None, :]
-                    rv = (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + rd[None, :]
-                    k0n = tl.load(k_head + rk, mask=nxt[:, None], other=0.0)
-                    k1n = tl.load(k_head + stride_kh + rk, mask=nxt[:, None], other=0.0)
-                    v0n = tl.load(v_head + rv, mask=nxt[:, None], other=0.0)
-                    v1n = tl.load(v_head + stride_vh + rv, mask=nxt[:, None], other=0.0)
+                    k0, k1, v0, v1 = k0n, k1n, v0n, v1n
                 s = tl.where(hid[:, None] == 0, tl.dot(q16, tl.trans(k0.to(tl.float16))),
                              tl.dot(q16, tl.trans(k1.to(tl.float16))))
                 s = tl.where(ok[None, :], s * scale, float("-inf"))
@@ -345,6 +337,7 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
     if kv_heads % hpp or group * hpp > max(16, 1 << (group - 1).bit_length()):
         raise ValueError(f"{name}: {kv_heads} KV heads of {group} query heads do not pack {hpp} to a 16-row tile")
     hf = name == "heads_fast" or name.endswith("_hf") or "_hf_" in name
+    loads = 3 if "wide" in name else 2 if name.endswith("_pf") else 1 if name.endswith("_up") else 0
     grid = (kv_heads // hpp, batch, splits) if hf else (batch, kv_heads // hpp, splits)
     part = torch.empty((batch * q_heads * splits, D), dtype=torch.float32, device=b["lens"].device)
     lse = torch.empty((batch * q_heads * splits,), dtype=torch.float32, device=b["lens"].device)
@@ -360,7 +353,7 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), b["bt"].stride(0), q_heads,
             GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=D, PAGE=PAGE, BLOCK_N=block_n,
             SPLITS=splits, MODE=mode, BF16=bf16, STREAM=name.endswith("_cg"),
-            PAGED="paged" in name, HF=hf, HPP=hpp, LOADS=3 if "wide" in name else 2 if name.endswith("_pf") else 1 if name.endswith("_up") else 0,
+            PAGED="paged" in name, HF=hf, HPP=hpp, LOADS=loads,
             num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(batch, q_heads)](part, lse, b["v_scale"], out, out.stride(0), out.stride(1), q_heads, D=D,
                                        SPLITS=splits, num_warps=4)
