@@ -526,7 +526,7 @@ def _variants_check() -> None:
         dav.variant_fn(name, b, q_heads, kv_heads, 2, 32, out)()  # two splits: the merge too
         err = float((out.float() - ref).abs().max() / ref.abs().max())
         assert err <= (0.05 if name == "qk_pv_fp8" else 2 ** -7), (name, err)
-        if name in ("shipped", "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf"):  # what the package's kernel computes, bit for bit
+        if name in ("shipped", "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf"):  # the package's bits
             assert torch.equal(out, package[1 if name == "shipped" else None]), name
 
 
