@@ -51,9 +51,18 @@ SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
 def _kernel():
-    global pair_tile  # a module name: Triton (and its interpreter) resolve the kernel's callees in its globals
+    global pair_tile, softmax_step  # module names: Triton (and its interpreter) resolve a kernel's callees there
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def softmax_step(s, m, l_sum):
+        """One tile of the online softmax: its probabilities against the new running max, the factor that rescales
+        what came before, the new max and row sums."""
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        return p, alpha, m_new, l_sum * alpha + tl.sum(p, axis=1)
 
     @triton.jit
     def pair_tile(bt_row, t, end, k_head, v_head, strides, rd, PAGE: tl.constexpr):
@@ -122,10 +131,7 @@ def _kernel():
                 s = tl.where(hid[:, None] == 0, tl.dot(q16, tl.trans(k0.to(tl.float16))),
                              tl.dot(q16, tl.trans(k1.to(tl.float16))))
                 s = tl.where(ok[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                p, alpha, m_new, l_sum = softmax_step(s, m, l_sum)
                 acc = acc * alpha[:, None]
                 acc += tl.dot(tl.where(hid[:, None] == 0, p, 0.0).to(tl.float16), v0.to(tl.float16))
                 acc += tl.dot(tl.where(hid[:, None] == 1, p, 0.0).to(tl.float16), v1.to(tl.float16))
@@ -149,10 +155,7 @@ def _kernel():
                              mask=ok[:, None], other=0.0)
                 s = tl.dot(q2, tl.trans(k2.to(tl.float16)))
                 s = tl.where(ok[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                p, alpha, m_new, l_sum = softmax_step(s, m, l_sum)
                 acc2 = acc2 * alpha[:, None] + tl.dot(p.to(tl.float16), v2.to(tl.float16))
                 m = m_new
             acc3 = tl.reshape(acc2, [GROUP_PAD, 2, D])
@@ -179,10 +182,7 @@ def _kernel():
                                  other=0.0)
                     s = tl.where(hid[:, None] == h, tl.dot(q16, tl.trans(kh.to(tl.float16))), s)
                 s = tl.where(valid[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                p, alpha, m_new, l_sum = softmax_step(s, m, l_sum)
                 acc = acc * alpha[:, None]
                 for h in tl.static_range(HPP):
                     vh = tl.load(v_head + h * stride_vh + rows_v[:, None] + rd[None, :], mask=valid[:, None],
@@ -207,10 +207,7 @@ def _kernel():
                 else:  # FP8 x FP8, or BF16 x BF16
                     s = tl.dot(q, tl.trans(k)) * scale
                 s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                p, alpha, m_new, l_sum = softmax_step(s, m, l_sum)
                 if MODE == 2 or BF16:
                     pv = tl.dot(p.to(v.dtype), v)
                 else:
@@ -276,10 +273,7 @@ def _kernel():
                 valid = pg * PAGE + tl.arange(0, PAGE) < seq_len
                 s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
                 s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                p, alpha, m_new, l_sum = softmax_step(s, m, l_sum)
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
                 m = m_new
         out_row = (seq.to(tl.int64) * q_heads + heads) * SPLITS + split
