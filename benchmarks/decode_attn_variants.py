@@ -22,8 +22,9 @@ counts around its default (`splits_for` of its programs per sequence):
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
   read_only_bf16  the gather alone over the BF16 cache
-The variants are switches on a copy of the kernel's split loop (tests/test_benchmarks.py checks the copy's `shipped`
-and `hpp2_hf` outputs bit-equal to the package kernel's with one and two heads a program). Bandwidth = the KV bytes
+The variants are switches on a copy of the kernel's split loop (tests/test_benchmarks.py checks `shipped` and the
+two-head ones bit-equal to the package kernel's outputs, in Triton's interpreter). The hpp2_hf_up / _pf / wide rows
+were all slower on an H200 (RESULTS "where the FP8 decode kernel's loads wait"). Bandwidth = the KV bytes
 a step must read / its time (CUDA-graph replays). Error = max |out - float32 reference| / max |out| on the first 8
 sequences.
 
