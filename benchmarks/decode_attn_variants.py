@@ -18,6 +18,9 @@ counts around its default (`splits_for` of its programs per sequence):
   hpp2_hf_pf      also the next tile's four loads issued before this tile's attention (registers double-buffered)
   hpp2_wide_hf    one [keys, 2 x D] load per tile for the pair's keys, one for its values; the query rows zero outside
                   their head's columns, so one dot per product serves both heads (each row keeps its own head's sums)
+  group_hpp2_hf   with --shared-prompt P --group G (a GRPO group's sequences on the same prompt pages, as a prefix
+                  cache gives them): one program per KV head and group reads the prompt's pages once for all G
+                  sequences' query rows, hpp2_hf reads each sequence's own pages, the merge joins them by LSE
 --tiles BLOCK_N:WARPS:STAGES,.. times each variant at those tiles too (default the shipped 128:4:2).
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
@@ -47,7 +50,7 @@ from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
 VARIANTS = ("package", "shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16",
             "shipped_paged", "read_only_paged", "tma", "read_only_tma", "tma_bf16", "heads_fast", "read_only_hf",
-            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf")
+            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf", "group_hpp2_hf")
 SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
@@ -84,7 +87,7 @@ def _kernel():
                      q_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, BF16: tl.constexpr,
                      STREAM: tl.constexpr, PAGED: tl.constexpr, HF: tl.constexpr, HPP: tl.constexpr,
-                     LOADS: tl.constexpr = 0):
+                     TOTAL: tl.constexpr, LOADS: tl.constexpr = 0, off_ptr=None, SLOT0: tl.constexpr = 0):
         # MODE 0: shipped math (FP16 products; BF16: a BF16 cache, BF16 products), 1: Q.K in FP8, 2: Q.K and P.V in
         # FP8, 3: loads only. HF: grid (kv head groups, seqs, splits). HPP > 1: KV heads kvh..kvh+HPP-1 (MODE 0, FP8).
         # LOADS (HPP 2): 0 each head's K / V load just before its dot (as shipped), 1 the tile's four loads first, 2
@@ -92,6 +95,8 @@ def _kernel():
         # 3: one [BLOCK_N, 2D] load for the two heads' keys and one for their values; each query row holds its query
         # in its own head's D columns (zeros in the other's), so one dot gives every row its own head's scores, and
         # one P.V dot gives every row both heads' sums, of which it keeps its own head's
+        # off_ptr: each sequence's attention starts at its token off_ptr[seq] (the group variant's own pages), its
+        # partials written to slots SLOT0.. of TOTAL per row
         if HF:
             seq = tl.program_id(1)
             kvh = tl.program_id(0) * HPP
@@ -100,8 +105,11 @@ def _kernel():
             kvh = tl.program_id(1) * HPP
         split = tl.program_id(2)
         seq_len = tl.load(lens_ptr + seq)
-        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
+        base = 0
+        if off_ptr is not None:
+            base = tl.load(off_ptr + seq)
+        per_split = tl.cdiv(tl.cdiv(seq_len - base, SPLITS), BLOCK_N) * BLOCK_N
+        start = base + split * per_split
         end = tl.minimum(start + per_split, seq_len)
         rg = tl.arange(0, GROUP_PAD)
         rd = tl.arange(0, D)
@@ -215,10 +223,54 @@ def _kernel():
                     pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
                 acc = acc * alpha[:, None] + pv
                 m = m_new
-        row = (seq.to(tl.int64) * q_heads + heads) * SPLITS + split
+        row = (seq.to(tl.int64) * q_heads + heads) * TOTAL + SLOT0 + split
         safe = tl.where(l_sum > 0, l_sum, 1.0)
         tl.store(part_ptr + row[:, None] * D + rd[None, :], acc / safe[:, None], mask=gmask[:, None])
         tl.store(lse_ptr + row, tl.where(l_sum > 0, m + tl.log2(safe), float("-inf")), mask=gmask)
+
+    @triton.jit
+    def prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, qs_ptr, ks_ptr, part_ptr, lse_ptr, sm_scale, stride_qt,
+                      stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, q_heads,
+                      GROUP: tl.constexpr, GSEQ: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, TOTAL: tl.constexpr):
+        # the group variant's shared prompt: one program per (KV head, GRPO group of GSEQ consecutive sequences,
+        # split) reads the group's first sequence's prompt pages once, for the query rows of all GSEQ sequences
+        kvh = tl.program_id(0)
+        grp = tl.program_id(1)
+        split = tl.program_id(2)
+        lead = grp * GSEQ
+        plen = tl.load(plen_ptr + lead)
+        per_split = tl.cdiv(tl.cdiv(plen, SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, plen)
+        r = tl.arange(0, ROWS)
+        rd = tl.arange(0, D)
+        rn = tl.arange(0, BLOCK_N)
+        live = r < GSEQ * GROUP
+        seq = lead + r // GROUP
+        head = kvh * GROUP + r % GROUP
+        q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + rd[None, :],
+                    mask=live[:, None], other=0.0).to(tl.float16)
+        scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l_sum = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        bt_row = bt_ptr + lead.to(tl.int64) * stride_bt
+        for n in range(start, end, BLOCK_N):
+            t = n + rn
+            ok = t < end
+            bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
+            k = tl.load(k_ptr + kvh * stride_kh + (bk * stride_kb + (t % PAGE) * stride_ks)[:, None] + rd[None, :],
+                        mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kvh * stride_vh + (bk * stride_vb + (t % PAGE) * stride_vs)[:, None] + rd[None, :],
+                        mask=ok[:, None], other=0.0)
+            s = tl.where(ok[None, :], tl.dot(q, tl.trans(k.to(tl.float16))) * scale, float("-inf"))
+            p, alpha, m, l_sum = softmax_step(s, m, l_sum)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        row = (seq.to(tl.int64) * q_heads + head) * TOTAL + split
+        safe = tl.where(l_sum > 0, l_sum, 1.0)
+        tl.store(part_ptr + row[:, None] * D + rd[None, :], acc / safe[:, None], mask=live[:, None])
+        tl.store(lse_ptr + row, tl.where(l_sum > 0, m + tl.log2(safe), float("-inf")), mask=live)
 
     @triton.jit
     def merge_kernel(part_ptr, lse_ptr, vs_ptr, out_ptr, stride_ot, stride_oh, q_heads, D: tl.constexpr,
@@ -282,7 +334,7 @@ def _kernel():
         tl.store(part_ptr + out_row[:, None] * D + rd[None, :], acc / safe[:, None], mask=gmask[:, None])
         tl.store(lse_ptr + out_row, tl.where(l_sum > 0, m + tl.log2(safe), float("-inf")), mask=gmask)
 
-    return split_kernel, merge_kernel, tma_kernel
+    return split_kernel, merge_kernel, tma_kernel, prefix_kernel
 
 
 def tma_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, out: torch.Tensor, num_warps: int,
@@ -292,7 +344,7 @@ def tma_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, out: to
     one [PAGE, D] box per page and head."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    _, merge_kernel, tma_kernel = _kernel()
+    _, merge_kernel, tma_kernel, _ = _kernel()
     slots = raw.view(-1, raw.shape[2] * raw.shape[3])
     desc = TensorDescriptor(slots, list(slots.shape), list(slots.stride()), [PAGE, D])
     group = q_heads // kv_heads
@@ -317,7 +369,7 @@ def programs_heads(name: str, q_heads: int, kv_heads: int) -> int:
 
 def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, block_n: int, out: torch.Tensor,
                num_warps: int = 4, num_stages: int = 2):
-    split_kernel, merge_kernel, _ = _kernel()
+    split_kernel, merge_kernel, _, prefix_kernel = _kernel()
     batch, raw = b["lens"].shape[0], b["raw"]
     bf16 = name.endswith("_bf16")
     if bf16:
@@ -334,8 +386,16 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
     hf = name == "heads_fast" or name.endswith("_hf") or "_hf_" in name
     loads = 3 if "wide" in name else 2 if name.endswith("_pf") else 1 if name.endswith("_up") else 0
     grid = (kv_heads // hpp, batch, splits) if hf else (batch, kv_heads // hpp, splits)
-    part = torch.empty((batch * q_heads * splits, D), dtype=torch.float32, device=b["lens"].device)
-    lse = torch.empty((batch * q_heads * splits,), dtype=torch.float32, device=b["lens"].device)
+    grouped = name.startswith("group_")  # the group's shared prompt in `splits` slots, each sequence's own in `splits`
+    total = 2 * splits if grouped else splits
+    part = torch.empty((batch * q_heads * total, D), dtype=torch.float32, device=b["lens"].device)
+    lse = torch.empty((batch * q_heads * total,), dtype=torch.float32, device=b["lens"].device)
+    off = None
+    if grouped:
+        gseq, shared = b.get("group", 0), b.get("shared", 0) // PAGE * PAGE
+        if not shared or batch % gseq:
+            raise ValueError(f"{name}: needs --shared-prompt of a page or more and a batch of whole groups")
+        off = torch.full((batch,), shared, dtype=torch.int32, device=b["lens"].device)
     if name == "package":
         return lambda: fp8_decode_attn.fp8_decode_attention(q, k, v, out, b["bt"], b["lens"], b["qsl"], D ** -0.5,
                                                             b["k_scale"], b["v_scale"], q_scale=qs, splits=splits)
@@ -343,15 +403,21 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
         return tma_fn(name, b, q_heads, kv_heads, splits, out, num_warps, num_stages, part, lse, raw, q, qs, bf16)
 
     def run():
+        if grouped:
+            prefix_kernel[(kv_heads, batch // gseq, splits)](
+                q, k, v, b["bt"], off, qs, b["k_scale"], part, lse, D ** -0.5, q.stride(0), q.stride(1), k.stride(0),
+                k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), b["bt"].stride(0), q_heads,
+                GROUP=group, GSEQ=gseq, ROWS=max(16, 1 << (gseq * group - 1).bit_length()), D=D, PAGE=PAGE,
+                BLOCK_N=block_n, SPLITS=splits, TOTAL=total, num_warps=num_warps, num_stages=num_stages)
         split_kernel[grid](
             q, k, v, b["bt"], b["lens"], qs, b["k_scale"], part, lse, D ** -0.5, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), b["bt"].stride(0), q_heads,
             GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=D, PAGE=PAGE, BLOCK_N=block_n,
             SPLITS=splits, MODE=mode, BF16=bf16, STREAM=name.endswith("_cg"),
-            PAGED="paged" in name, HF=hf, HPP=hpp, LOADS=loads,
+            PAGED="paged" in name, HF=hf, HPP=hpp, TOTAL=total, LOADS=loads, off_ptr=off, SLOT0=total - splits,
             num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(batch, q_heads)](part, lse, b["v_scale"], out, out.stride(0), out.stride(1), q_heads, D=D,
-                                       SPLITS=splits, num_warps=4)
+                                       SPLITS=total, num_warps=4)
     return run
 
 
@@ -362,6 +428,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=3000)
     ap.add_argument("--tiles", default="128:4:2", help="BLOCK_N:WARPS:STAGES,...")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--shared-prompt", type=int, default=0, help="tokens of a prompt each --group of sequences shares")
+    ap.add_argument("--group", type=int, default=8, help="sequences per GRPO group (with --shared-prompt)")
     ap.add_argument("--json")
     args = ap.parse_args()
     unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
@@ -378,7 +446,9 @@ def main() -> None:
     for shape in args.shapes.split(","):
         q_heads, kv_heads = SHAPES[shape]
         for batch in (int(x) for x in args.batches.split(",")):
-            b = make_batch(q_heads, kv_heads, batch, args.ctx, torch.Generator(device="cuda").manual_seed(0))
+            b = make_batch(q_heads, kv_heads, batch, args.ctx, torch.Generator(device="cuda").manual_seed(0),
+                           shared=args.shared_prompt, group=args.group)
+            b.update(shared=args.shared_prompt, group=args.group)
             n = min(8, batch)
             ref = fp8_decode_attn.reference(b["q8"][:n], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n],
                                             b["lens"][:n], b["qsl"][:n + 1], D ** -0.5, b["k_scale"], b["v_scale"],
@@ -410,7 +480,8 @@ def main() -> None:
                         tmp = args.json + ".tmp"
                         with open(tmp, "w") as f:
                             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                       "ctx": args.ctx, "rows": rows}, f, indent=1)
+                                       "ctx": args.ctx, "shared_prompt": args.shared_prompt, "group": args.group,
+                                       "rows": rows}, f, indent=1)
                         os.replace(tmp, args.json)
             del b
 

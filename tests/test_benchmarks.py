@@ -528,6 +528,19 @@ def _variants_check() -> None:
         assert err <= (0.05 if name == "qk_pv_fp8" else 2 ** -7), (name, err)
         if name in ("shipped", "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf"):  # the package's bits
             assert torch.equal(out, package[1 if name == "shipped" else None]), name
+    # a GRPO group's shared prompt read once for the group (`group_hpp2_hf`): the same attention as float32's
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import decode_attention as da
+
+    gb = da.make_batch(q_heads, kv_heads, 8, 60, torch.Generator().manual_seed(1), shared=40, group=4, device="cpu")
+    gb.update(shared=40, group=4)
+    ref = fp8_decode_attn.reference(gb["q8"], gb["raw"][..., :d], gb["raw"][..., d:], gb["bt"], gb["lens"], gb["qsl"],
+                                    d ** -0.5, gb["k_scale"], gb["v_scale"], q_scale=gb["q_scale"])
+    out = torch.zeros(8, q_heads, d, dtype=torch.bfloat16)
+    dav.variant_fn("group_hpp2_hf", gb, q_heads, kv_heads, 2, 16, out)()
+    assert float((out.float() - ref).abs().max() / ref.abs().max()) <= 2 ** -7
+    with pytest.raises(ValueError, match="needs --shared-prompt"):
+        dav.variant_fn("group_hpp2_hf", b, q_heads, kv_heads, 2, 32, out)
 
 
 def test_decode_attention_shared_prompt_gives_each_group_the_same_prompt_pages():
