@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 45, SGLang's 14B row at verl's 0.5 (0.649x against 0.60x; its FP8 decode attention ~half the 8-bit step):
 # flashrl's FP8 decode kernel with the next tile's K / V loads issued before this tile's attention (the compiled
-# loop waited on each load before its dot: `benchmarks/decode_attn_variants.py` hpp2_hf_up / hpp2_hf_pf; the
-# package's `prefetch`), its compiled test (the same bits with and without), a GRPO group's shared prompt in the
-# kernel's read, and the page-16 SGLang GPU tests and SGLang's step profile. After scripts/gpu_install.sh and
-# gpu_install_sglang.sh (FA3 library staged). On 4 GPUs (~12 minutes); on 2 the lanes 0 + 2 and 1 + 3 share a GPU:
+# loop waited on each load before its dot: `benchmarks/decode_attn_variants.py` hpp2_hf_up / hpp2_hf_pf; both
+# slower, and the package's copy of the prefetch, which the compiled test then ran, was dropped since), a GRPO group's
+# shared prompt in the kernel's read, and the page-16 SGLang GPU tests and SGLang's step profile. After
+# scripts/gpu_install.sh and gpu_install_sglang.sh (FA3 library staged). On 4 GPUs (~12 minutes); on 2 the lanes
+# 0 + 2 and 1 + 3 share a GPU:
 #   GPU 0  decode_attn_variants.py (14B, Qwen3-8B; 256 / 128 / 16 sequences); test_kernels.py's compiled FP8 decode
 #          test; decode_attention.py 14B with and without --shared-prompt 1024
 #   GPU 1  test_sglang_inflight.py in_place-int8, in_place-int8+kv@fa3attn16 and its kept-entries bound

@@ -529,8 +529,7 @@ def _variants_check() -> None:
         if name in ("shipped", "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf"):  # the package's bits
             assert torch.equal(out, package[1 if name == "shipped" else None]), name
     # a GRPO group's shared prompt read once for the group (`group_hpp2_hf`): the same attention as float32's
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import decode_attention as da
+    import decode_attention as da  # benchmarks/, on the path above
 
     gb = da.make_batch(q_heads, kv_heads, 8, 60, torch.Generator().manual_seed(1), shared=40, group=4, device="cpu")
     gb.update(shared=40, group=4)
