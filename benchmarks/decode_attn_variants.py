@@ -21,13 +21,17 @@ counts around its default (`splits_for` of its programs per sequence):
   group_hpp2_hf   with --shared-prompt P --group G (a GRPO group's sequences on the same prompt pages, as a prefix
                   cache gives them): one program per KV head and group reads the prompt's pages once for all G
                   sequences' query rows, hpp2_hf reads each sequence's own pages, the merge joins them by LSE
---tiles BLOCK_N:WARPS:STAGES,.. times each variant at those tiles too (default the shipped 128:4:2).
+  hpp2_swap_hf, swap_hf  transposed products (S^T = K.Q^T, O^T = V^T.P^T: the keys / values the M side of a Hopper
+                  warpgroup MMA from registers, the query rows its N side), two / one KV heads a program
+--tiles BLOCK_N:WARPS:STAGES,.. times each variant at those tiles too (default the shipped 128:4:2); --splits S,..
+the split counts to time (default each variant's default, half and double it, up to 16).
   read_only       the same loop's loads and address math, no attention (a sum of the tiles): the gather's own speed
   shipped_bf16    the shipped kernel over a BF16 cache (BF16 query): the structure's speed at 2 bytes an element
   read_only_bf16  the gather alone over the BF16 cache
 The variants are switches on a copy of the kernel's split loop (tests/test_benchmarks.py checks `shipped` and the
 two-head ones bit-equal to the package kernel's outputs, in Triton's interpreter). The hpp2_hf_up / _pf / wide rows
-were all slower on an H200 (RESULTS "where the FP8 decode kernel's loads wait"). Bandwidth = the KV bytes
+were all slower on an H200 (RESULTS "where the FP8 decode kernel's loads wait"), the swap rows too (RESULTS "XQA's
+Hopper FP8 decode"). Bandwidth = the KV bytes
 a step must read / its time (CUDA-graph replays). Error = max |out - float32 reference| / max |out| on the first 8
 sequences.
 
@@ -50,7 +54,8 @@ from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
 VARIANTS = ("package", "shipped", "shipped_cg", "qk_fp8", "qk_fp8_cg", "qk_pv_fp8", "read_only", "shipped_bf16", "read_only_bf16",
             "shipped_paged", "read_only_paged", "tma", "read_only_tma", "tma_bf16", "heads_fast", "read_only_hf",
-            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf", "group_hpp2_hf")
+            "hpp2", "hpp4", "hpp2_hf", "hpp4_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf", "group_hpp2_hf", "hpp2_swap_hf",
+            "swap_hf")
 SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
 
 
@@ -169,6 +174,32 @@ def _kernel():
                 m = m_new
             acc3 = tl.reshape(acc2, [GROUP_PAD, 2, D])
             acc = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == hid[:, None, None], acc3, 0.0), axis=1)
+        if LOADS == 4:  # transposed products: S^T = K.Q^T and O^T = V^T.P^T, so the keys / values are the dot's
+            # M side (64+ rows: a Hopper warpgroup MMA taking them from registers after widening) and the 16 query
+            # rows its N side, where the other variants pad the query rows to M = 16 (Ampere's mma.sync)
+            qt = tl.trans(q.to(tl.float16))
+            acct = tl.zeros([D, GROUP_PAD], tl.float32)
+            for n in range(start, end, BLOCK_N):
+                t = n + rn
+                ok = t < end
+                bk = tl.load(bt_row + t // PAGE, mask=ok, other=0).to(tl.int64)
+                rk = bk * stride_kb + (t % PAGE) * stride_ks
+                rv = bk * stride_vb + (t % PAGE) * stride_vs
+                st = tl.zeros([BLOCK_N, GROUP_PAD], tl.float32)
+                for h in tl.static_range(HPP):
+                    kh = tl.load(k_head + h * stride_kh + rk[:, None] + rd[None, :], mask=ok[:, None], other=0.0)
+                    st = tl.where(hid[None, :] == h, tl.dot(kh.to(tl.float16), qt), st)
+                st = tl.where(ok[:, None], st * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(st, axis=0))
+                alpha = tl.exp2(m - m_new)
+                pt = tl.exp2(st - m_new[None, :])
+                l_sum = l_sum * alpha + tl.sum(pt, axis=0)
+                acct = acct * alpha[None, :]
+                for h in tl.static_range(HPP):
+                    vh = tl.load(v_head + h * stride_vh + rv[:, None] + rd[None, :], mask=ok[:, None], other=0.0)
+                    acct += tl.dot(tl.trans(vh.to(tl.float16)), tl.where(hid[None, :] == h, pt, 0.0).to(tl.float16))
+                m = m_new
+            acc = tl.trans(acct)
         for n in range(start, end if LOADS == 0 else start, BLOCK_N):
             t = n + rn
             valid = t < end
@@ -384,7 +415,8 @@ def variant_fn(name: str, b: dict, q_heads: int, kv_heads: int, splits: int, blo
     if kv_heads % hpp or group * hpp > max(16, 1 << (group - 1).bit_length()):
         raise ValueError(f"{name}: {kv_heads} KV heads of {group} query heads do not pack {hpp} to a 16-row tile")
     hf = name == "heads_fast" or name.endswith("_hf") or "_hf_" in name
-    loads = 3 if "wide" in name else 2 if name.endswith("_pf") else 1 if name.endswith("_up") else 0
+    loads = 4 if "swap" in name else 3 if "wide" in name else 2 if name.endswith("_pf") else 1 if name.endswith("_up") \
+        else 0
     grid = (kv_heads // hpp, batch, splits) if hf else (batch, kv_heads // hpp, splits)
     grouped = name.startswith("group_")  # the group's shared prompt in `splits` slots, each sequence's own in `splits`
     total = 2 * splits if grouped else splits
@@ -430,6 +462,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--shared-prompt", type=int, default=0, help="tokens of a prompt each --group of sequences shares")
     ap.add_argument("--group", type=int, default=8, help="sequences per GRPO group (with --shared-prompt)")
+    ap.add_argument("--splits", default="", help="split counts to time (default: each variant's default, half and "
+                    "double it, up to 16)")
     ap.add_argument("--json")
     args = ap.parse_args()
     unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
@@ -455,7 +489,9 @@ def main() -> None:
                                             q_scale=b["q_scale"])
             for name, (block_n, warps, stages) in ((v, t) for v in args.variants.split(",") for t in tiles):
                 default = fp8_decode_attn.splits_for(batch, kv_heads // programs_heads(name, q_heads, kv_heads), sms)
-                for splits in sorted({max(1, default // 2), default, min(16, default * 2)}):
+                chosen = [int(x) for x in args.splits.split(",")] if args.splits else \
+                    sorted({max(1, default // 2), default, min(16, default * 2)})
+                for splits in chosen:
                     out = torch.zeros(batch, q_heads, D, dtype=torch.bfloat16, device=b["lens"].device)
                     row = {"shape": shape, "batch": batch, "variant": name, "splits": splits,
                            "default_splits": splits == default, "block_n": block_n, "num_warps": warps,

@@ -50,7 +50,9 @@ PRESETS = {
 }
 # first match wins; kernel names of CUDA (cuBLAS / CUTLASS / Triton / FlashAttention / FlashInfer) and CPU (aten,
 # oneDNN) builds
-CATEGORIES = [
+CATEGORIES = [  # first match wins: a norm is "other" although FlashInfer's name holds "flash" (its fused norm + INT8
+    # quantization in vLLM's compiled graph too)
+    ("other", r"rms_?norm|layer_?norm|norm::"),
     ("attention", r"attn|attention|flash|paged|reshape_and_cache|kv_cache|mla|rotary|rope"),
     ("linear", r"gemm|gemv|matmul|cutlass|cublas|scaled_mm|w8a8|int8_mm|fp8_mm|xmma|sm90|sm80|linear|addmm|aten::mm|"
                r"onednn|dnnl|bmm"),

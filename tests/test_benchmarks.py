@@ -320,8 +320,8 @@ def test_task_difficulty_benchmark_smoke(tmp_path):
 
 
 def test_step_profile_splits_a_trace_by_kernel_name():
-    """Issue 45's breakdown on a hand-made trace: device kernels by category (first match: attention, linear,
-    sampling, else other), idle = the window minus the union of the kernels (overlaps counted once), per step;
+    """Issue 45's breakdown on a hand-made trace: device kernels by category (first match: norms as other, attention,
+    linear, sampling, else other), idle = the window minus the union of the kernels (overlaps counted once), per step;
     a trace with only CPU ops counts each thread's top-level ops once."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from step_profile import breakdown, category
@@ -330,6 +330,9 @@ def test_step_profile_splits_a_trace_by_kernel_name():
     assert category("_fwd_kernel_flash_decode_stage1") == "attention"
     assert category("void at::native::(anonymous namespace)::cunn_SoftMaxForward") == "sampling"
     assert category("triton_poi_fused_mul_silu_0") == "other"
+    assert category("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>") == "other"
+    assert category("triton_red_fused_fused_add_rms_norm_int8_linear_2") == "other"
+    assert category("fp8_decode_attn_split") == category("fp8_decode_attn_merge") == "attention"  # flashrl's kernel
 
     def k(name, ts, dur, cat="kernel", tid=7):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
@@ -521,7 +524,7 @@ def _variants_check() -> None:
                                              b["v_scale"], q_scale=q_scale, splits=2, block_n=32, heads=hpp)
     b["qsl"] = torch.arange(4, dtype=torch.int32)
     for name in ("package", "shipped", "shipped_cg", "shipped_paged", "qk_fp8", "qk_pv_fp8", "tma", "heads_fast", "hpp2", "hpp4",
-                 "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf"):
+                 "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf", "hpp2_swap_hf", "swap_hf"):
         out = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
         dav.variant_fn(name, b, q_heads, kv_heads, 2, 32, out)()  # two splits: the merge too
         err = float((out.float() - ref).abs().max() / ref.abs().max())
@@ -630,3 +633,25 @@ def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path
         "sync_log": [], "flashrl_decode_attn_ran": True, "flashrl_decode_gemm_ran": False}
     assert runtime_log(f"[flashrl pid=7] INFO {GEMM_LINE} (<= 16 rows; FLASHRL_DECODE_GEMM)\n")["flashrl_decode_gemm_ran"]
     assert runtime_log("")["flashrl_decode_attn_ran"] is False
+
+
+def test_decode_attn_xqa_refuses_cleanly_without_its_tools():
+    """benchmarks/decode_attn_xqa.py: timing needs a GPU and built modules, --build needs FlashInfer and nvcc; each
+    missing piece is one line on stderr and a non-zero exit, never a traceback. The module name is FlashInfer's JIT
+    name (its AOT directory finds a prebuilt module by it)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import decode_attn_xqa as dx
+
+    assert dx.module_name(5) == ("xqa_input_bf16_kv_cache_e4m3_output_bf16_page_size_16_head_dim_128_head_group_"
+                                 "ratio_5_use_sliding_window_False_use_spec_dec_False_spec_q_seq_len_1")
+    script = str(REPO / "benchmarks" / "decode_attn_xqa.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, script, "--modules", "x"], capture_output=True, text=True, env=env)
+    assert res.returncode != 0 and "needs --modules DIR" in res.stderr and "Traceback" not in res.stderr
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        res = subprocess.run([sys.executable, script, "--build", str(REPO / "nonexistent")], capture_output=True,
+                             text=True, env=env)
+        assert res.returncode != 0 and "--build needs flashinfer" in res.stderr and "Traceback" not in res.stderr
+        assert not (REPO / "nonexistent").exists()

@@ -56,12 +56,12 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr,
-                     lse_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                     stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
-                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_FP8: tl.constexpr, Q_SCALED: tl.constexpr,
-                     HPP: tl.constexpr):
+    def fp8_decode_attn_split(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr,
+                              part_ptr, lse_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                              stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
+                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                              BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_FP8: tl.constexpr,
+                              Q_SCALED: tl.constexpr, HPP: tl.constexpr):
         kvh = tl.program_id(0) * HPP  # the program's first KV head; it holds HPP of them
         seq = tl.program_id(1)
         split = tl.program_id(2)
@@ -133,8 +133,8 @@ def _kernels():
                 tl.store(lse_ptr + row, lse, mask=gmask)
 
     @triton.jit
-    def merge_kernel(part_ptr, lse_ptr, lens_ptr, qsl_ptr, vs_ptr, out_ptr, stride_ot, stride_oh, q_heads,
-                     D: tl.constexpr, SPLITS: tl.constexpr):
+    def fp8_decode_attn_merge(part_ptr, lse_ptr, lens_ptr, qsl_ptr, vs_ptr, out_ptr, stride_ot, stride_oh, q_heads,
+                              D: tl.constexpr, SPLITS: tl.constexpr):
         seq = tl.program_id(0)
         head = tl.program_id(1)
         tok = tl.load(qsl_ptr + seq)
@@ -149,7 +149,7 @@ def _kernels():
             o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0) * tl.load(vs_ptr)
             tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
 
-    return split_kernel, merge_kernel
+    return fp8_decode_attn_split, fp8_decode_attn_merge  # the names a profiler shows
 
 
 def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
