@@ -242,9 +242,9 @@ def test_decode_attn_switch_is_read_and_checked_at_start():
     from flashrl_tools.runtime.core.adapter import check_settings
     from flashrl_tools.runtime.vllm.capabilities import GPU
 
-    assert [Settings.read({"FLASHRL_DECODE_ATTN": v}).decode_attn for v in ("", "off", "on", "1", "auto")] == \
-        ["auto", "0", "1", "1", "auto"]
-    for ok in ("1", "auto", "0"):
+    assert [Settings.read({"FLASHRL_DECODE_ATTN": v}).decode_attn for v in ("", "off", "on", "1", "auto", "XQA")] == \
+        ["auto", "0", "1", "1", "auto", "xqa"]
+    for ok in ("1", "auto", "0", "xqa"):
         check_settings(GPU, Settings.read({"FLASHRL_DECODE_ATTN": ok}), "env")
     for bad in ("2", "fast"):
         with pytest.raises(FlashRLError, match="FLASHRL_DECODE_ATTN"):
@@ -400,15 +400,16 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
     for i, m, qq, kw in refused:
         assert not decode_attn.served(i, None, qq, m, (), kw)
     calls = []
-    monkeypatch.setitem(core._state, "on", False)  # the default: FA3 for every batch
+    monkeypatch.setitem(core._state, "mode", "")  # switched off: FA3 for every batch
     out = decode_attn.forward(lambda *a, **k: calls.append(a) or "fa3", impl, None, q, None, None, None, meta, "out")
     assert out == "fa3" and len(calls) == 1
-    for value, capability, on in (("0", (9, 0), False), ("1", (8, 0), True), ("", (9, 0), True), ("auto", (8, 9), False),
-                                  ("auto", (10, 0), False)):  # unset / auto: Hopper only
+    for value, capability, mode in (("0", (9, 0), ""), ("1", (8, 0), "flashrl"), ("", (9, 0), "flashrl"),
+                                    ("auto", (8, 9), ""), ("auto", (10, 0), ""), ("xqa", (9, 0), "xqa"),
+                                    ("xqa", (8, 9), "flashrl")):  # unset / auto: Hopper only; XQA's FP8 kernel too
         monkeypatch.setattr(core, "_state", {})
         monkeypatch.setenv("FLASHRL_DECODE_ATTN", value)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert core.enabled(torch.device("cpu")) is on
+        assert core.enabled(torch.device("cpu")) is bool(mode) and core._state["mode"] == mode
 
 
 @cuda
@@ -435,3 +436,109 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
         fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, **sc)
         assert torch.equal(out, again)
+
+
+@cuda
+@pytest.mark.parametrize("q_heads,kv_heads,seqs,query", [(40, 8, 64, "fp8"), (32, 8, 256, "bf16"), (28, 4, 32, "fp8")])
+def test_xqa_decode_matches_float32_attention_within_fp8_attention_error(q_heads, kv_heads, seqs, query):
+    """FLASHRL_DECODE_ATTN=xqa's kernel (quant/kernels/xqa_decode.py, FlashInfer 0.6's XQA module: JIT-built or
+    prebuilt in its AOT directory, scripts/gpu_install_xqa.sh) on decode batches: within FP8 attention's error (FP8
+    products: ~3 % of the output's scale measured, 6 % allowed) of float32 attention over the same FP8 cache, with a
+    softmax scale other than 1/sqrt(D) folded into the query's, the rows past the batch untouched; replayed from a
+    CUDA graph it gives the same bits, and a V scale changed in place (as a recalibration writes it) scales the
+    output without a new capture."""
+    pytest.importorskip("flashinfer")
+    from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
+
+    g = torch.Generator().manual_seed(seqs)
+    lens = [int(x) for x in torch.randint(1, 5000, (seqs,), generator=g)]
+    _, k, v, bt, lens_t, _, sc = _paged_batch(lens, q_heads, kv_heads, fp8_query=False, device="cuda")
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+    q = (torch.randn(seqs, q_heads, 128, generator=g) * 2).to(torch.bfloat16).cuda()
+    if query == "fp8":
+        sc["q_scale"] = torch.tensor([0.04], device="cuda")
+        q = (q.float() / sc["q_scale"]).to(torch.float8_e4m3fn)
+    ref = fp8_decode_attn.reference(q, k, v, bt, lens_t, qsl, 0.1, **sc)
+    out = torch.zeros(seqs + 2, q_heads, 128, dtype=torch.bfloat16, device="cuda")
+
+    def run():
+        xqa_decode.xqa_decode_attention(q, k, v, out, bt, lens_t, 0.1, sc["k_scale"], sc["v_scale"],
+                                        q_scale=sc.get("q_scale"))
+    run()
+    torch.cuda.synchronize()
+    err = (out[:seqs].float() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
+    assert err.max().item() <= 0.06, err.max().item()
+    assert not out[seqs:].any()
+    first = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    sc["v_scale"].mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out[:seqs].float(), 2 * first[:seqs].float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):
+    """FLASHRL_DECODE_ATTN=xqa (runtime/core/decode_attn.py, quant/kernels/xqa_decode.py): a decode batch of 32+
+    sequences over 16-token pages goes to XQA's module with its query widened to BF16 and the K scale and softmax
+    scale folded into the query's (XQA's `q_scale = q_scale * k_scale / v_scale * sm_scale * sqrt(D)`, `kv_scale =
+    v_scale`, tensors: read on the device); fewer sequences, 1-token pages, a fixed split count or a strided output
+    take flashrl's kernel; each path logs its line once. Without FlashInfer the mode says what it needs."""
+    from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
+    from flashrl_tools.runtime.core import decode_attn as core
+
+    calls = []
+
+    class Module:
+        def xqa(self, *args):
+            calls.append(("xqa", args))
+
+    monkeypatch.setattr(xqa_decode, "_module", lambda group, page, d: calls.append(("module", group, page, d))
+                        or Module())
+    monkeypatch.setattr(xqa_decode, "_workspace", lambda device: (torch.zeros(8), torch.zeros(8)))
+    monkeypatch.setattr(fp8_decode_attn, "fp8_decode_attention", lambda *a, **k: calls.append(("flashrl", k)))
+    monkeypatch.setattr(core, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(core, "_state", {"mode": "xqa"})
+
+    def batch(seqs, page=16, heads=(40, 8)):
+        q = (torch.randn(seqs + 3, heads[0], 128) * 4).to(torch.float8_e4m3fn)  # 3 padded rows past the batch
+        cache = torch.zeros(64, page, heads[1], 128, dtype=torch.float8_e4m3fn)
+        return dict(q=q, k_cache=cache, v_cache=cache, out=torch.zeros(seqs + 3, heads[0], 128, dtype=torch.bfloat16),
+                    block_table=torch.zeros(seqs, 9, dtype=torch.int32), seq_lens=torch.full((seqs,), 100, dtype=torch.int32),
+                    query_start_loc=torch.arange(seqs + 1, dtype=torch.int32), scale=0.1, k_scale=torch.tensor([0.03]),
+                    v_scale=torch.tensor([0.02]), q_scale=torch.tensor([0.5]))
+
+    b = batch(32)
+    core.attend(**b, via="test")
+    assert calls[0] == ("module", 5, 16, 128)
+    args = calls[1][1]
+    assert args[0] is True and args[1] == 132 and args[2] == 8 and args[3] == 0  # the sm90 FP8 kernel, no window
+    q16 = args[7]
+    assert q16.dtype == torch.bfloat16 and q16.shape == (32, 1, 40, 128)
+    assert torch.equal(q16[:, 0], b["q"][:32].to(torch.bfloat16))  # widened exactly, the padded rows left out
+    assert torch.allclose(args[4], torch.tensor([0.5 * 0.03 / 0.02 * 0.1 * 128 ** 0.5]))
+    assert args[17] is b["v_scale"] and args[5].shape == (32, 1, 40, 128) and args[5].data_ptr() == b["out"].data_ptr()
+    assert args[14] == 9 * 16 and args[15].shape == (32, 1) and args[16] == 32  # max length, lengths, batch
+    assert core.ran() and "xqa_logged" in core._state and "logged" not in core._state
+    for change in ({"seqs": 16}, {"page": 1}, {"strided": True}, {"splits": 1}):
+        calls.clear()
+        b = batch(change.get("seqs", 64), change.get("page", 16))
+        if change.get("strided"):
+            b["out"] = torch.zeros(67, 128, 40, dtype=torch.bfloat16).transpose(1, 2)
+        core.attend(**b, splits=change.get("splits"), via="test")
+        assert [c[0] for c in calls] == ["flashrl"], change
+    assert "logged" in core._state
+    with pytest.raises(ValueError, match="BF16 query without q_scale"):
+        xqa_decode.xqa_decode_attention(**{k: v for k, v in batch(32).items()
+                                           if k not in ("query_start_loc", "scale", "q_scale")}, sm_scale=0.1)
+    monkeypatch.undo()
+    xqa_decode._module.cache_clear()
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="needs FlashInfer 0.6"):
+            xqa_decode._module(5, 16, 128)

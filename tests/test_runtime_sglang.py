@@ -952,6 +952,60 @@ def _fa3_decode_call(page_size: int = 1, bs: int = 3, q_heads: int = 8, kv_heads
             "return_softmax_lse": False, "num_splits": 0, "out": None, "ver": 3, "scheduler_metadata": None}
 
 
+def test_xqa_mode_keeps_fa3s_query_bf16_and_casts_it_where_xqa_does_not_take_the_batch(monkeypatch):
+    """FLASHRL_DECODE_ATTN=xqa on SGLang (runtime/sglang/decode_attn.py): while fa3's forward_decode runs over an FP8
+    E4M3 pool its query stays BF16 (the backend's dtype is the query's meanwhile, restored after, also on an error); a
+    batch XQA takes gets that query with no scale, a smaller one the FP8 cast fa3 makes (q_scale 1, flashrl's kernel),
+    a call the kernels do not take goes to FA3 with the cast too; MLA, an MXFP8 or BF16 pool, or another mode keep
+    fa3's cast."""
+    from types import SimpleNamespace as NS
+
+    from flashrl_tools.runtime.core import decode_attn as core
+    from flashrl_tools.runtime.sglang import decode_attn, kv_store
+
+    monkeypatch.setattr(kv_store, "on_device", lambda t: True)
+    monkeypatch.setattr(core, "_state", {"mode": "xqa"})
+    q16 = torch.randn(3, 8, 128, dtype=torch.bfloat16)
+    seen = []
+
+    def forward_decode(backend, q, *rest):  # fa3's: the query cast to the backend's dtype
+        seen.append((q.to(backend.kv_cache_dtype).dtype, decode_attn._kept, kv_store._decoding))
+        return "out"
+
+    backend = NS(kv_cache_dtype=torch.float8_e4m3fn, use_mla=False, kv_cache_is_mxfp8=False)
+    assert decode_attn.forward_decode(forward_decode, backend, q16) == "out"
+    assert seen == [(torch.bfloat16, True, 1)] and backend.kv_cache_dtype == torch.float8_e4m3fn
+    assert not decode_attn._kept and kv_store._decoding == 0
+    with pytest.raises(RuntimeError):
+        decode_attn.forward_decode(lambda b, q: (_ for _ in ()).throw(RuntimeError("x")), backend, q16)
+    assert backend.kv_cache_dtype == torch.float8_e4m3fn and not decode_attn._kept
+    for other in (NS(**{**vars(backend), "use_mla": True}), NS(**{**vars(backend), "kv_cache_is_mxfp8": True}),
+                  NS(**{**vars(backend), "kv_cache_dtype": torch.bfloat16})):
+        seen.clear()
+        decode_attn.forward_decode(forward_decode, other, q16)
+        assert seen[0][1] is False, other
+    monkeypatch.setattr(core, "_state", {"mode": "flashrl"})
+    seen.clear()
+    decode_attn.forward_decode(forward_decode, backend, q16)
+    assert seen == [(torch.float8_e4m3fn, False, 1)]
+
+    monkeypatch.setattr(core, "_state", {"mode": "xqa"})
+    attended = []
+    monkeypatch.setattr(core, "attend", lambda q, *a, q_scale=None, **k: attended.append((q.dtype, q_scale)) or "k")
+    monkeypatch.setattr(decode_attn, "_kept", True)
+    monkeypatch.setattr(kv_store, "_decoding", 1)
+    kw = {**_fa3_decode_call(16), "q": q16}
+    for xqa, want in ((True, (torch.bfloat16, None)), (False, (torch.float8_e4m3fn, 1.0))):
+        attended.clear()
+        monkeypatch.setattr(core, "takes_xqa", lambda *a, x=xqa, **k: x)
+        assert decode_attn.flash_attn_with_kvcache(lambda *a, **k: "fa3", **kw) == "k"
+        assert attended == [want]
+    calls = []
+    assert decode_attn.flash_attn_with_kvcache(lambda *a, **k: calls.append(k["q"].dtype) or "fa3",
+                                               **{**kw, "softcap": 30.0}) == "fa3"
+    assert calls == [torch.float8_e4m3fn]  # FA3 gets the query fa3 would have given it
+
+
 def test_fa3_decode_calls_over_an_fp8_pool_are_the_ones_flashrls_kernel_takes(monkeypatch):
     """runtime/sglang/decode_attn.py: inside fa3's forward_decode, a one-token-per-sequence call over the FP8 E4M3
     pool with per-tensor descales goes to flashrl's kernel; prefill (outside the decode step), appended K / V, cascade
@@ -998,7 +1052,7 @@ def _sglang_decode_attn_check() -> None:
 
     kv_store.on_device = lambda t: True
     core._sm_count = lambda index: 132
-    core._state["on"] = True
+    core._state["mode"] = "flashrl"
     kv_store._decoding = 1
 
     def fail(*a, **k):

@@ -2,7 +2,11 @@
 flashrl's kernel (`quant/kernels/fp8_decode_attn.py`), its launch, and the once-per-process log line the GPU
 tests read. Each adapter decides which of its engine's attention calls are decode batches the kernel computes
 exactly: `runtime/vllm/decode_attn.py` (FA3's `FlashAttentionImpl.forward`), `runtime/sglang/decode_attn.py`
-(fa3's `flash_attn_with_kvcache` in its decode step)."""
+(fa3's `flash_attn_with_kvcache` in its decode step).
+
+`xqa` (opt-in, Hopper): the same batches from `xqa_decode.MIN_SEQS` sequences up through TensorRT-LLM's XQA
+kernel (`quant/kernels/xqa_decode.py`: 20-28 % faster there, FP8 products: ~12x flashrl's error), smaller ones and
+pages XQA lacks through flashrl's kernel; the choice depends only on the batch's shape."""
 
 from __future__ import annotations
 
@@ -12,29 +16,34 @@ import logging
 import torch
 
 from flashrl_tools.config.settings import settings
-from flashrl_tools.quant.kernels import fp8_decode_attn
+from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
 
 log = logging.getLogger("flashrl_tools.runtime")
 LOG_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # logged once per process (the GPU tests read it)
-_state: dict = {}  # "on": the switch, resolved once per process; "logged": a batch went through the kernel
+XQA_LINE = "FP8 KV decode attention through XQA's Hopper kernel"  # the same, for a batch XQA computed
+_state: dict = {}  # "mode": the switch, resolved once per process; "logged" / "xqa_logged": a batch went through
 
 
-def resolve(value: str, capability: tuple[int, int]) -> bool:
-    """FLASHRL_DECODE_ATTN on a device of this capability: 1 on, 0 off, `auto` (unset) on Hopper (sm_90), where the
-    kernel's tiles were swept and both adapters passed their GPU tests."""
-    return value == "1" or value == "auto" and tuple(capability) == (9, 0)
+def resolve(value: str, capability: tuple[int, int]) -> str:
+    """FLASHRL_DECODE_ATTN on a device of this capability -> "flashrl", "xqa" or "" (the engine's own attention):
+    1 flashrl's kernel, 0 off, `auto` (unset) flashrl's kernel on Hopper (sm_90), where its tiles were swept and both
+    adapters passed their GPU tests; `xqa` XQA on Hopper (its FP8 kernel is sm_90's), flashrl's kernel elsewhere."""
+    hopper = tuple(capability) == (9, 0)
+    if value == "xqa":
+        return "xqa" if hopper else "flashrl"
+    return "flashrl" if value == "1" or value == "auto" and hopper else ""
 
 
 def enabled(device: torch.device) -> bool:
     """FLASHRL_DECODE_ATTN, resolved once per process on its first CUDA batch (`resolve`)."""
-    if "on" not in _state:
-        _state["on"] = resolve(settings().decode_attn, torch.cuda.get_device_capability(device))
-    return _state["on"]
+    if "mode" not in _state:
+        _state["mode"] = resolve(settings().decode_attn, torch.cuda.get_device_capability(device))
+    return bool(_state["mode"])
 
 
 def ran() -> bool:
-    """Whether a decode batch of this process went through flashrl's kernel (the benchmarks record it per row)."""
-    return bool(_state.get("logged"))
+    """Whether a decode batch of this process went through flashrl's kernel or XQA (each row records it)."""
+    return bool(_state.get("logged") or _state.get("xqa_logged"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -42,14 +51,33 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def mode() -> str:
+    """The resolved switch ("flashrl", "xqa" or ""; "" before the first CUDA batch resolved it)."""
+    return _state.get("mode", "")
+
+
+def takes_xqa(q, k_cache, out, seq_lens, splits=None) -> bool:
+    """Whether `attend` gives this decode batch to XQA: the `xqa` mode, a shape XQA takes (`xqa_decode.supported`),
+    an output it can write whole, no split count fixed by the engine."""
+    return (mode() == "xqa" and splits is None and out is not None and out.is_contiguous()
+            and xqa_decode.supported(seq_lens.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2]))
+
+
 def attend(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale, k_scale, v_scale,
            q_scale=None, splits=None, via: str = "") -> torch.Tensor:
     """The kernel on one decode batch (its operands: `fp8_decode_attn.fp8_decode_attention`), at the measured
-    defaults for this device; the first batch of the process is logged."""
-    fp8_decode_attn.fp8_decode_attention(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale,
-                                         k_scale, v_scale, q_scale=q_scale, splits=splits,
-                                         sm_count=_sm_count(q.device.index or 0))
-    if "logged" not in _state:
-        _state["logged"] = True
-        log.info("%s (FLASHRL_DECODE_ATTN; %s)", LOG_LINE, via)
+    defaults for this device; the first batch of the process is logged. Under `xqa` a batch XQA takes (its shape:
+    `xqa_decode.supported`, an output it can write whole, no fixed split count) goes there instead."""
+    sms = _sm_count(q.device.index or 0)
+    if takes_xqa(q, k_cache, out, seq_lens, splits):
+        xqa_decode.xqa_decode_attention(q, k_cache, v_cache, out, block_table, seq_lens, scale, k_scale, v_scale,
+                                        q_scale=q_scale, sm_count=sms)
+        key, line = "xqa_logged", XQA_LINE
+    else:
+        fp8_decode_attn.fp8_decode_attention(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale,
+                                             k_scale, v_scale, q_scale=q_scale, splits=splits, sm_count=sms)
+        key, line = "logged", LOG_LINE
+    if key not in _state:
+        _state[key] = True
+        log.info("%s (FLASHRL_DECODE_ATTN; %s)", line, via)
     return out

@@ -35,8 +35,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("model_runner", "sglang.srt.model_executor.model_runner.ModelRunner.load_model", weight_sync.runner_loaded,
          HookKind.AFTER, "scheduler", "a sync session replaces `model.load_weights`; FP8 KV scales state"),
     Hook("kv_store_decode", "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend.forward_decode",
-         kv_store.in_decode, HookKind.AROUND, "scheduler", "FP8 KV cache: marks fa3's decode step (it does not read "
-         "K / V again after storing them)", optional=True),
+         decode_attn.forward_decode, HookKind.AROUND, "scheduler", "FP8 KV cache: marks fa3's decode step (it does "
+         "not read K / V again after storing them); FLASHRL_DECODE_ATTN=xqa keeps its query BF16", optional=True),
     Hook("decode_gemm", f"{_CT_INT8}.CompressedTensorsW8A8Int8.apply_weights", decode_gemm.scheme_apply_weights,
          HookKind.AROUND, "scheduler", "FLASHRL_DECODE_GEMM=N (unset: 16 on Hopper): INT8 W8A8 linears at <= N rows "
          "through flashrl's Triton GEMM (bit-equal to sgl-kernel's)", optional=True),

@@ -24,7 +24,9 @@ _SETTINGS = {
     "FLASHRL_DECODE_ATTN": Setting("unset / auto: on Hopper, with an FP8 KV cache, fa3's decode batches' attention "
                                    "through flashrl's Triton kernel (16 % off a Qwen3-8B step, H200), the pool by "
                                    "16-token pages when attention_backend='fa3' is passed without a page_size; 1: "
-                                   "on any GPU; 0: FA3's (SGLang's page_size); other backends: no effect"),
+                                   "on any GPU; 0: FA3's (SGLang's page_size); xqa: TensorRT-LLM's XQA FP8 kernel "
+                                   "(FlashInfer 0.6) from 32 sequences up on Hopper, faster, FP8 products; other "
+                                   "backends: no effect"),
     "FLASHRL_SYNC_DIGEST": Setting("each scheduler (TP rank) writes its weight digest after every complete sync"),
     "FLASHRL_STEP_LOG": Setting("PATH: the scheduler of TP rank 0 appends a line per model step -- time, kind, its "
                                 "requests, the unfinished ones (`rl_step.py --engine sglang --step-bands`)"),

@@ -9,7 +9,11 @@ q_scale 1), the pool viewed [pages, page_size, kv_heads, D], SGLang's page table
 the layer's scale tensors (read on the device: a recalibration needs no graph capture). SGLang's store, its
 metadata, its page-table choice (SWA, local attention) stay SGLang's; prefill (forward_extend) keeps FA3; SGLang's
 `num_splits=1` (deterministic inference) is kept. The choice depends only on the call's shape, so a synced engine
-and a fresh one started with the same settings take the same kernels."""
+and a fresh one started with the same settings take the same kernels.
+
+Under FLASHRL_DECODE_ATTN=xqa (XQA takes a BF16 query), `forward_decode` keeps fa3's query BF16 (its cast to FP8
+becomes a no-op while the step runs); a batch XQA takes gets it as it is, any other call the FP8 cast fa3 would have
+made (flashrl's kernel, or FA3 itself)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,32 @@ from flashrl_tools.runtime.sglang import kv_store
 
 _OFF = ("k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "cu_seqlens_k_new",
         "rotary_seqlens", "q_descale", "sinks", "score_mod", "aux_tensors")  # what the kernel does not compute
+
+
+_kept = False  # True while a forward_decode runs with its query kept BF16 (xqa mode)
+
+
+def _keeps_bf16_query(backend, q) -> bool:
+    """Under the `xqa` mode, a fa3 backend over an FP8 E4M3 pool (no MLA, no MXFP8) and a 16-bit CUDA query."""
+    if not isinstance(q, torch.Tensor) or q.dtype not in (torch.bfloat16, torch.float16) or not kv_store.on_device(q):
+        return False
+    if getattr(backend, "kv_cache_dtype", None) != torch.float8_e4m3fn or getattr(backend, "use_mla", True):
+        return False
+    return not getattr(backend, "kv_cache_is_mxfp8", False) and core.enabled(q.device) and core.mode() == "xqa"
+
+
+def forward_decode(original, backend, *args, **kwargs):
+    """AROUND fa3's `forward_decode`: marks the decode step (`kv_store.in_decode`); under `xqa` its query stays BF16
+    (fa3's `q.to(self.kv_cache_dtype)` is the cast it skips: the backend's dtype is the query's meanwhile)."""
+    global _kept
+    if not _keeps_bf16_query(backend, args[0] if args else kwargs.get("q")):
+        return kv_store.in_decode(original, backend, *args, **kwargs)
+    dtype, backend.kv_cache_dtype = backend.kv_cache_dtype, (args[0] if args else kwargs["q"]).dtype
+    _kept = True
+    try:
+        return kv_store.in_decode(original, backend, *args, **kwargs)
+    finally:
+        backend.kv_cache_dtype, _kept = dtype, False
 
 
 def _scalar(descale):
@@ -33,7 +63,8 @@ def _scalar(descale):
 
 
 def takes(args, kw) -> bool:
-    """Whether this fa3 call is a decode batch the kernel computes exactly (module docstring)."""
+    """Whether this fa3 call is a decode batch the kernel computes exactly (module docstring); its query FP8 as fa3
+    cast it, or 16-bit where `forward_decode` kept it so."""
     if args or not kv_store._decoding:
         return False
     q, k_cache, v_cache = kw.get("q"), kw.get("k_cache"), kw.get("v_cache")
@@ -41,7 +72,8 @@ def takes(args, kw) -> bool:
     if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, kw.get("page_table"),
                                                        kw.get("cache_seqlens"), kw.get("cu_seqlens_q"))):
         return False
-    if q.dtype != fp8 or k_cache.dtype != fp8 or v_cache.dtype != fp8 or q.dim() != 3 or k_cache.dim() != 4:
+    query_ok = q.dtype == fp8 or _kept and q.dtype in (torch.bfloat16, torch.float16)
+    if not query_ok or k_cache.dtype != fp8 or v_cache.dtype != fp8 or q.dim() != 3 or k_cache.dim() != 4:
         return False
     d = q.shape[-1]
     if k_cache.shape[-1] != d or v_cache.shape[-1] != d or d & (d - 1) or q.shape[1] % k_cache.shape[2]:
@@ -56,15 +88,23 @@ def takes(args, kw) -> bool:
 
 
 def flash_attn_with_kvcache(original, *args, **kw):
-    """AROUND fa3's `flash_attn_with_kvcache`: its decode batches over the FP8 pool through flashrl's kernel."""
-    if not takes(args, kw) or not core.enabled(kw["q"].device):
-        return original(*args, **kw)
-    q, v_cache = kw["q"], kw["v_cache"]
+    """AROUND fa3's `flash_attn_with_kvcache`: its decode batches over the FP8 pool through flashrl's kernel (or
+    XQA's, module docstring)."""
+    q = kw.get("q")
+    kept = _kept and isinstance(q, torch.Tensor) and q.dtype != torch.float8_e4m3fn
+    if not takes(args, kw) or not core.enabled(q.device):
+        return original(*args, **({**kw, "q": q.to(torch.float8_e4m3fn)} if kept else kw))
+    v_cache = kw["v_cache"]
     out = kw.get("out")
     if out is None:  # FA3's output for an FP8 query is BF16
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=torch.bfloat16, device=q.device)
+    splits = 1 if kw.get("num_splits") == 1 else None
+    q_scale = 1.0  # fa3 casts the query to FP8 unscaled
+    if kept and core.takes_xqa(q, kw["k_cache"], out, kw["cache_seqlens"], splits):
+        q_scale = None  # XQA takes the BF16 query as it is
+    elif kept:
+        q = q.to(torch.float8_e4m3fn)  # the cast fa3 would have made
     scale = kw.get("softmax_scale")
     return core.attend(q, kw["k_cache"], v_cache, out, kw["page_table"], kw["cache_seqlens"], kw["cu_seqlens_q"],
                        q.shape[-1] ** -0.5 if scale is None else scale, _scalar(kw["k_descale"]),
-                       _scalar(kw["v_descale"]), q_scale=1.0,
-                       splits=1 if kw.get("num_splits") == 1 else None, via="SGLang's fa3 backend")
+                       _scalar(kw["v_descale"]), q_scale=q_scale, splits=splits, via="SGLang's fa3 backend")
