@@ -956,8 +956,8 @@ def test_xqa_mode_keeps_fa3s_query_bf16_and_casts_it_where_xqa_does_not_take_the
     """FLASHRL_DECODE_ATTN=xqa on SGLang (runtime/sglang/decode_attn.py): while fa3's forward_decode runs over an FP8
     E4M3 pool its query stays BF16 (the backend's dtype is the query's meanwhile, restored after, also on an error); a
     batch XQA takes gets that query with no scale, a smaller one the FP8 cast fa3 makes (q_scale 1, flashrl's kernel),
-    a call the kernels do not take goes to FA3 with the cast too; MLA, an MXFP8 or BF16 pool, or another mode keep
-    fa3's cast."""
+    a call the kernels do not take goes to FA3 with the cast too; MLA, an MXFP8 or BF16 pool, an FP16 query (XQA's
+    module is BF16's) or another mode keep fa3's cast."""
     from types import SimpleNamespace as NS
 
     from flashrl_tools.runtime.core import decode_attn as core
@@ -979,10 +979,10 @@ def test_xqa_mode_keeps_fa3s_query_bf16_and_casts_it_where_xqa_does_not_take_the
     with pytest.raises(RuntimeError):
         decode_attn.forward_decode(lambda b, q: (_ for _ in ()).throw(RuntimeError("x")), backend, q16)
     assert backend.kv_cache_dtype == torch.float8_e4m3fn and not decode_attn._kept
-    for other in (NS(**{**vars(backend), "use_mla": True}), NS(**{**vars(backend), "kv_cache_is_mxfp8": True}),
-                  NS(**{**vars(backend), "kv_cache_dtype": torch.bfloat16})):
+    for other, q in ((NS(**{**vars(backend), "use_mla": True}), q16), (NS(**{**vars(backend), "kv_cache_is_mxfp8": True}), q16),
+                     (NS(**{**vars(backend), "kv_cache_dtype": torch.bfloat16}), q16), (backend, q16.half())):
         seen.clear()
-        decode_attn.forward_decode(forward_decode, other, q16)
+        decode_attn.forward_decode(forward_decode, other, q)
         assert seen[0][1] is False, other
     monkeypatch.setattr(core, "_state", {"mode": "flashrl"})
     seen.clear()

@@ -10,8 +10,8 @@ against float32 attention where flashrl's kernel stays at ~0.25 %. So it is an o
 The math: `o = sum_j softmax_j(s) * v_scale * V_j`, `s_j = sm_scale * q_scale * k_scale * (q . K_j)`. XQA takes a
 BF16 query, one scale for K and V and the softmax scale 1/sqrt(D), so the rest rides on the query's scale: XQA's
 `q_scale = q_scale * k_scale / v_scale * sm_scale * sqrt(D)` and `kv_scale = v_scale`, both read on the device (a
-recalibration needs no CUDA graph capture). An FP8
-query is widened to BF16 (exact). One query token per sequence (a decode batch: query i belongs to sequence i).
+recalibration needs no CUDA graph capture). An FP8 query is widened to BF16 (exact; XQA rounds it to FP8 again with
+its own scale). One query token per sequence (a decode batch: query i belongs to sequence i).
 
 The module is JIT-compiled CUDA (FlashInfer's `get_xqa_module`: nvcc at the first call, or a prebuilt module in
 its AOT directory; `scripts/build_xqa.sh` builds them where nvcc is). Pages of 16, 32, 64 or 128 tokens, head dim

@@ -58,8 +58,10 @@ def mode() -> str:
 
 def takes_xqa(q, k_cache, out, seq_lens, splits=None) -> bool:
     """Whether `attend` gives this decode batch to XQA: the `xqa` mode, a shape XQA takes (`xqa_decode.supported`),
-    an output it can write whole, no split count fixed by the engine."""
+    a BF16 or FP8 E4M3 query and a BF16 output it can write whole (its module is BF16's: an FP16 model keeps
+    flashrl's kernel), no split count fixed by the engine."""
     return (mode() == "xqa" and splits is None and out is not None and out.is_contiguous()
+            and out.dtype == torch.bfloat16 and q.dtype in (torch.bfloat16, torch.float8_e4m3fn)
             and xqa_decode.supported(seq_lens.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2]))
 
 

@@ -30,8 +30,9 @@ _kept = False  # True while a forward_decode runs with its query kept BF16 (xqa 
 
 
 def _keeps_bf16_query(backend, q) -> bool:
-    """Under the `xqa` mode, a fa3 backend over an FP8 E4M3 pool (no MLA, no MXFP8) and a 16-bit CUDA query."""
-    if not isinstance(q, torch.Tensor) or q.dtype not in (torch.bfloat16, torch.float16) or not kv_store.on_device(q):
+    """Under the `xqa` mode, a fa3 backend over an FP8 E4M3 pool (no MLA, no MXFP8) and a BF16 CUDA query (XQA's
+    module is built for BF16: an FP16 model keeps fa3's cast)."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or not kv_store.on_device(q):
         return False
     if getattr(backend, "kv_cache_dtype", None) != torch.float8_e4m3fn or getattr(backend, "use_mla", True):
         return False
@@ -64,7 +65,7 @@ def _scalar(descale):
 
 def takes(args, kw) -> bool:
     """Whether this fa3 call is a decode batch the kernel computes exactly (module docstring); its query FP8 as fa3
-    cast it, or 16-bit where `forward_decode` kept it so."""
+    cast it, or BF16 where `forward_decode` kept it so."""
     if args or not kv_store._decoding:
         return False
     q, k_cache, v_cache = kw.get("q"), kw.get("k_cache"), kw.get("v_cache")
@@ -72,7 +73,7 @@ def takes(args, kw) -> bool:
     if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, kw.get("page_table"),
                                                        kw.get("cache_seqlens"), kw.get("cu_seqlens_q"))):
         return False
-    query_ok = q.dtype == fp8 or _kept and q.dtype in (torch.bfloat16, torch.float16)
+    query_ok = q.dtype == fp8 or _kept and q.dtype == torch.bfloat16
     if not query_ok or k_cache.dtype != fp8 or v_cache.dtype != fp8 or q.dim() != 3 or k_cache.dim() != 4:
         return False
     d = q.shape[-1]
