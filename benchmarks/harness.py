@@ -50,13 +50,15 @@ def runtime_log(output: str) -> dict:
     """What the runtime logged in an engine's processes (vLLM's workers, SGLang's schedulers): "sync_log", the
     FLASHRL_SYNC_TIMING line of each completed sync -- [{pid, sync, tensors, convert_s, write_s}], where a sync's
     time went: our conversion, then the engine's loading ("write") --; "flashrl_decode_attn_ran", whether a decode
-    batch went through flashrl's FP8 attention kernel (FLASHRL_DECODE_ATTN), "flashrl_decode_gemm_ran", whether an
-    INT8 linear went through flashrl's few-rows GEMM (FLASHRL_DECODE_GEMM; both: their once-per-process lines)."""
+    batch went through flashrl's FP8 attention kernel (FLASHRL_DECODE_ATTN), "xqa_decode_attn_ran", one through XQA's
+    (FLASHRL_DECODE_ATTN=xqa), "flashrl_decode_gemm_ran", whether an INT8 linear went through flashrl's few-rows GEMM
+    (FLASHRL_DECODE_GEMM; each: its once-per-process line)."""
     from flashrl_tools.runtime.core import decode_attn, decode_gemm
 
     return {"sync_log": [{"pid": int(pid), "sync": int(n), "tensors": int(t), "convert_s": float(c), "write_s": float(w)}
                          for pid, n, t, c, w in _SYNC_LINE.findall(output)],
             "flashrl_decode_attn_ran": decode_attn.LOG_LINE in output,
+            "xqa_decode_attn_ran": decode_attn.XQA_LINE in output,
             "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output}
 
 
@@ -154,7 +156,8 @@ def attention_settings(worker) -> dict:
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     attn = next((m for m in model.modules() if hasattr(m, "attn_backend") and hasattr(m, "kv_cache_dtype")), None)
     if attn is None:
-        return {"attention_backend": None, "fp8_attention": None, "flashrl_decode_attn_ran": decode_attn.ran()}
+        return {"attention_backend": None, "fp8_attention": None, "flashrl_decode_attn_ran": decode_attn.ran(),
+                "xqa_decode_attn_ran": decode_attn.ran_xqa()}
     return {"attention_backend": attn.attn_backend.get_name(),
             "fp8_attention": getattr(attn, "query_quant", None) is not None,
-            "flashrl_decode_attn_ran": decode_attn.ran()}
+            "flashrl_decode_attn_ran": decode_attn.ran(), "xqa_decode_attn_ran": decode_attn.ran_xqa()}

@@ -523,7 +523,7 @@ def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):
     assert torch.allclose(args[4], torch.tensor([0.5 * 0.03 / 0.02 * 0.1 * 128 ** 0.5]))
     assert args[17] is b["v_scale"] and args[5].shape == (32, 1, 40, 128) and args[5].data_ptr() == b["out"].data_ptr()
     assert args[14] == 9 * 16 and args[15].shape == (32, 1) and args[16] == 32  # max length, lengths, batch
-    assert core.ran() and "xqa_logged" in core._state and "logged" not in core._state
+    assert core.ran_xqa() and not core.ran() and "logged" not in core._state
     for change in ({"seqs": 16}, {"page": 1}, {"strided": True}, {"splits": 1}, {"fp16": True}):
         calls.clear()
         b = batch(change.get("seqs", 64), change.get("page", 16))
@@ -533,7 +533,7 @@ def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):
             b.update(q=b["q"].half(), out=b["out"].half(), q_scale=None)
         core.attend(**b, splits=change.get("splits"), via="test")
         assert [c[0] for c in calls] == ["flashrl"], change
-    assert "logged" in core._state
+    assert core.ran()
     with pytest.raises(ValueError, match="BF16 query without q_scale"):
         xqa_decode.xqa_decode_attention(**{k: v for k, v in batch(32).items()
                                            if k not in ("query_start_loc", "scale", "q_scale")}, sm_scale=0.1)

@@ -42,8 +42,13 @@ def enabled(device: torch.device) -> bool:
 
 
 def ran() -> bool:
-    """Whether a decode batch of this process went through flashrl's kernel or XQA (each row records it)."""
-    return bool(_state.get("logged") or _state.get("xqa_logged"))
+    """Whether a decode batch of this process went through flashrl's kernel (the benchmarks record it per row)."""
+    return bool(_state.get("logged"))
+
+
+def ran_xqa() -> bool:
+    """Whether one went through XQA's (FLASHRL_DECODE_ATTN=xqa)."""
+    return bool(_state.get("xqa_logged"))
 
 
 @functools.lru_cache(maxsize=8)
