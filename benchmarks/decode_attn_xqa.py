@@ -35,11 +35,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import D, PAGE, bench, make_batch  # noqa: E402
+from decode_attn_variants import SHAPES  # noqa: E402
 
 from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
-
-SHAPES = {"qwen3-8b": (32, 8), "7b": (28, 4), "14b": (40, 8)}
-WORKSPACE = 256 << 20  # bytes: the semaphores' 8 MiB, then scratch (FlashInfer's own split)
+from flashrl_tools.quant.kernels.xqa_decode import SCRATCH_BYTES, SEMAPHORE_BYTES  # noqa: E402
 
 
 def module_name(group: int) -> str:
@@ -97,7 +96,7 @@ def xqa_fn(mod, sm90: bool, b: dict, q16: torch.Tensor, kv_heads: int, out: torc
     lens = b["lens"].to(torch.uint32).unsqueeze(1)
     q_scale = b["k_scale"] / b["v_scale"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sem, scratch = ws[:8 << 20], ws[8 << 20:]
+    sem, scratch = ws[:SEMAPHORE_BYTES], ws[SEMAPHORE_BYTES:]
     max_len = b["bt"].shape[1] * PAGE
 
     def run():
@@ -127,7 +126,7 @@ def main() -> None:
     except ImportError:
         sys.exit("error: loading the XQA modules needs apache-tvm-ffi 0.1.10 (pip install apache-tvm-ffi==0.1.10)")
 
-    ws = torch.zeros(WORKSPACE, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     for shape in args.shapes.split(","):
         q_heads, kv_heads = SHAPES[shape]
