@@ -41,10 +41,18 @@ from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 from flashrl_tools.quant.kernels.xqa_decode import SCRATCH_BYTES, SEMAPHORE_BYTES  # noqa: E402
 
 
-def module_name(group: int) -> str:
-    """FlashInfer's JIT name of the XQA module for a BF16 query over an FP8 cache, 16-token pages, head dim 128."""
-    return (f"xqa_input_bf16_kv_cache_e4m3_output_bf16_page_size_{PAGE}_head_dim_{D}_head_group_ratio_{group}"
+def module_name(group: int, head_dim: int = D) -> str:
+    """FlashInfer's JIT name of the XQA module for a BF16 query over an FP8 cache, 16-token pages."""
+    return (f"xqa_input_bf16_kv_cache_e4m3_output_bf16_page_size_{PAGE}_head_dim_{head_dim}_head_group_ratio_{group}"
             "_use_sliding_window_False_use_spec_dec_False_spec_q_seq_len_1")
+
+
+def module_shapes(text: str) -> list[tuple[int, int]]:
+    """`--groups`: "G" (head dim 128) or "G:D" entries, comma-separated -> [(group, head_dim)]."""
+    try:
+        return [(int(g), int(d or D)) for g, _, d in (e.partition(":") for e in text.split(","))]
+    except ValueError:
+        sys.exit(f"error: --groups {text!r}: give comma-separated G or G:D entries (query heads per KV head[:head dim])")
 
 
 def cuda_stub() -> None:
@@ -62,7 +70,7 @@ def cuda_stub() -> None:
     os.environ["LIBRARY_PATH"] = stub + os.pathsep + os.environ.get("LIBRARY_PATH", "")
 
 
-def build(out_dir: str, groups: list[int]) -> None:
+def build(out_dir: str, shapes: list[tuple[int, int]]) -> None:
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     try:
         from flashinfer.jit.xqa import gen_xqa_module
@@ -74,11 +82,12 @@ def build(out_dir: str, groups: list[int]) -> None:
     cuda_stub()
 
     os.makedirs(out_dir, exist_ok=True)
-    for group in groups:
-        spec = gen_xqa_module(torch.bfloat16, torch.float8_e4m3fn, PAGE, D, group, False, torch.bfloat16, 1)
+    for group, head_dim in shapes:
+        spec = gen_xqa_module(torch.bfloat16, torch.float8_e4m3fn, PAGE, head_dim, group, False, torch.bfloat16, 1)
         spec.build(verbose=False)
-        shutil.copy(spec.jit_library_path, os.path.join(out_dir, module_name(group) + ".so"))
-        print(f"group {group}: {module_name(group)}.so")
+        name = module_name(group, head_dim)
+        shutil.copy(spec.jit_library_path, os.path.join(out_dir, name + ".so"))
+        print(f"group {group}, head dim {head_dim}: {name}.so")
 
 
 def package_fn(b: dict, fp8_query: bool, out: torch.Tensor):
@@ -109,7 +118,8 @@ def xqa_fn(mod, sm90: bool, b: dict, q16: torch.Tensor, kv_heads: int, out: torc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", metavar="DIR", help="build the XQA modules into DIR (nvcc 13 + FlashInfer 0.6.14)")
-    ap.add_argument("--groups", default="4,5,7", help="query heads per KV head to build (Qwen3-8B 4, 14B 5, 7B 7)")
+    ap.add_argument("--groups", default="4,5,7", help="query heads per KV head to build, G or G:D with a head dim "
+                    "other than 128 (Qwen3-8B 4, 14B 5, 7B 7; the GPU tests' models 4:64, SmolLM2-135M 3:64)")
     ap.add_argument("--modules", metavar="DIR", help="the built modules (on the GPU)")
     ap.add_argument("--shapes", default="14b,qwen3-8b,7b")
     ap.add_argument("--batches", default="256,128,16")
@@ -117,7 +127,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.build:
-        build(args.build, [int(g) for g in args.groups.split(",")])
+        build(args.build, module_shapes(args.groups))
         return
     if not args.modules or not torch.cuda.is_available():
         sys.exit("error: decode_attn_xqa.py times on a CUDA GPU and needs --modules DIR (built by --build DIR)")

@@ -55,10 +55,10 @@ def runtime_log(output: str) -> dict:
     (FLASHRL_DECODE_GEMM; each: its once-per-process line)."""
     from flashrl_tools.runtime.core import decode_attn, decode_gemm
 
+    kernels = decode_attn.kernels_in(output)
     return {"sync_log": [{"pid": int(pid), "sync": int(n), "tensors": int(t), "convert_s": float(c), "write_s": float(w)}
                          for pid, n, t, c, w in _SYNC_LINE.findall(output)],
-            "flashrl_decode_attn_ran": decode_attn.LOG_LINE in output,
-            "xqa_decode_attn_ran": decode_attn.XQA_LINE in output,
+            "flashrl_decode_attn_ran": "flashrl" in kernels, "xqa_decode_attn_ran": "xqa" in kernels,
             "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output}
 
 

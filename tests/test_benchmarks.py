@@ -646,10 +646,15 @@ def test_decode_attn_xqa_refuses_cleanly_without_its_tools():
 
     assert dx.module_name(5) == ("xqa_input_bf16_kv_cache_e4m3_output_bf16_page_size_16_head_dim_128_head_group_"
                                  "ratio_5_use_sliding_window_False_use_spec_dec_False_spec_q_seq_len_1")
+    assert dx.module_shapes("4,5:64") == [(4, 128), (5, 64)]
+    assert "head_dim_64_head_group_ratio_3_" in dx.module_name(3, 64)
     script = str(REPO / "benchmarks" / "decode_attn_xqa.py")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, script, "--modules", "x"], capture_output=True, text=True, env=env)
     assert res.returncode != 0 and "needs --modules DIR" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([sys.executable, script, "--build", str(REPO / "nonexistent"), "--groups", "4:x"],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode != 0 and "--groups '4:x'" in res.stderr and "Traceback" not in res.stderr
     try:
         import flashinfer  # noqa: F401
     except ImportError:

@@ -486,8 +486,9 @@ def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):
     """FLASHRL_DECODE_ATTN=xqa (runtime/core/decode_attn.py, quant/kernels/xqa_decode.py): a decode batch of 32+
     sequences over 16-token pages goes to XQA's module with its query widened to BF16 and the K scale and softmax
     scale folded into the query's (XQA's `q_scale = q_scale * k_scale / v_scale * sm_scale * sqrt(D)`, `kv_scale =
-    v_scale`, tensors: read on the device); fewer sequences, 1-token pages, a fixed split count, a strided output or
-    an FP16 model take flashrl's kernel; each path logs its line once. Without FlashInfer the mode says what it needs."""
+    v_scale`, tensors: read on the device); fewer sequences, 1-token pages, a fixed split count, a strided output,
+    fewer query rows than sequences or an FP16 model take flashrl's kernel; each path logs its line once. Without
+    FlashInfer the mode says what it needs."""
     from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
     from flashrl_tools.runtime.core import decode_attn as core
 
@@ -524,9 +525,11 @@ def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):
     assert args[17] is b["v_scale"] and args[5].shape == (32, 1, 40, 128) and args[5].data_ptr() == b["out"].data_ptr()
     assert args[14] == 9 * 16 and args[15].shape == (32, 1) and args[16] == 32  # max length, lengths, batch
     assert core.ran_xqa() and not core.ran() and "logged" not in core._state
-    for change in ({"seqs": 16}, {"page": 1}, {"strided": True}, {"splits": 1}, {"fp16": True}):
+    for change in ({"seqs": 16}, {"page": 1}, {"strided": True}, {"splits": 1}, {"fp16": True}, {"short": True}):
         calls.clear()
         b = batch(change.get("seqs", 64), change.get("page", 16))
+        if change.get("short"):  # fewer query rows than sequences (a padded batch's lengths, its real queries)
+            b.update(q=b["q"][:60], out=b["out"][:60])
         if change.get("strided"):
             b["out"] = torch.zeros(67, 128, 40, dtype=torch.bfloat16).transpose(1, 2)
         if change.get("fp16"):  # an FP16 model: XQA's module is BF16's

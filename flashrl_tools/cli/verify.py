@@ -134,6 +134,10 @@ def drift(
     table.add_row("mean response length", *(_fmt(engines[c]["mean_response_length"]) for c in cols))
     table.add_row("length diff vs BF16 engine", "0",
                   *(_fmt(engines[c]["response_length_diff_vs_bf16"]) for c in cols[1:]))
+    if report.get("kv_cache_dtype"):  # which decode attention read the FP8 cache (FLASHRL_DECODE_ATTN)
+        table.add_row("FP8 KV decode attention", *("" if c != "quantized" else
+                                                   " + ".join(engines[c].get("decode_attn") or ["the engine's"])
+                                                   for c in cols))
     out.print(table)
     for c in report["checks"]:
         mark = "[green]pass[/]" if c["passed"] else "[bold red]FAIL[/]"

@@ -8,6 +8,7 @@ against the trainer come from flashrl_tools.correction.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 from flashrl_tools.correction import log_ratio, mismatch_metrics
 from flashrl_tools.config.resolve import RuntimeConfig
+from flashrl_tools.runtime.core import decode_attn
 from flashrl_tools.verify.engines import engine_job, run_engine
 from flashrl_tools.prompts import load_prompts, tokenize
 from flashrl_tools.verify.score import score_rollouts
@@ -80,12 +82,15 @@ def run_drift(rc: RuntimeConfig, bf16: Path, settings: Settings, prompts_file: P
     if kv:
         engines["weights_only"] = (rc.source, "auto")
     engines["quantized"] = (rc.source, kv)
-    rollouts = {}
+    rollouts, kernels = {}, {}
     for key, (config, kv_dtype) in engines.items():
         progress(f"sampling {settings.n} rollouts with FLASHRL_CONFIG={config}"
                  + (f", FLASHRL_KV_CACHE_DTYPE={kv_dtype}" if kv_dtype else ""))
-        rollouts[key] = run_engine(bf16, [step], config, f"{key} rollout", kv_cache_dtype=kv_dtype,
-                                   engine=engine)[0]["rollouts"]
+        with tempfile.TemporaryDirectory(prefix="flashrl-drift-") as tmp:
+            log = Path(tmp) / "engine.log"
+            rollouts[key] = run_engine(bf16, [step], config, f"{key} rollout", kv_cache_dtype=kv_dtype,
+                                       engine=engine, log=log)[0]["rollouts"]
+            kernels[key] = decode_attn.kernels_in(log.read_text(errors="replace"))
     progress("scoring the rollouts with the BF16 policy (HF transformers)")
     responses = [r["token_ids"] for key in engines for r in rollouts[key]]
     scores = score_rollouts(bf16, prompts * len(engines), responses, settings.temperature)
@@ -93,6 +98,7 @@ def run_drift(rc: RuntimeConfig, bf16: Path, settings: Settings, prompts_file: P
               "engines": {}}
     for i, key in enumerate(engines):
         report["engines"][key] = engine_report(scores[i * settings.n:(i + 1) * settings.n], rollouts[key], settings.cap)
+        report["engines"][key]["decode_attn"] = kernels[key]  # FLASHRL_DECODE_ATTN's kernels its FP8 KV decode took
     base = report["engines"]["bf16"]["mean_response_length"]
     for entry in report["engines"].values():
         entry["response_length_diff_vs_bf16"] = entry["mean_response_length"] - base

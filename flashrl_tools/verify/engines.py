@@ -16,12 +16,14 @@ from flashrl_tools.errors import FlashRLError
 
 def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
                fault: str | None = None, engine_kwargs: dict | None = None, timeout: float = 3600,
-               kv_cache_dtype: str | None = None, engine: str = "vllm") -> list[dict]:
+               kv_cache_dtype: str | None = None, engine: str = "vllm", env: dict | None = None,
+               log: Path | None = None) -> list[dict]:
     """Start an engine on `model` with FLASHRL_CONFIG=`config` (None: unset) and
     FLASHRL_KV_CACHE_DTYPE=`kv_cache_dtype` (None: as the caller's environment), run `steps`,
-    return their results. In-process engine (one process per engine job)."""
+    return their results. In-process engine (one process per engine job); `env`: more variables for it;
+    `log`: where to keep the engine's output (its processes' stdout and stderr)."""
     job = engine_job(engine)
-    env = {k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}
+    env = {**{k: v for k, v in os.environ.items() if k != "FLASHRL_CONFIG"}, **(env or {})}
     if config is not None:
         env["FLASHRL_CONFIG"] = config
     if kv_cache_dtype is not None:
@@ -38,6 +40,8 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
         except subprocess.TimeoutExpired:
             raise FlashRLError(f"the {label} engine did not finish within {timeout:.0f} s", str(model)) from None
         result = json.loads(out.read_text()) if out.is_file() else {}
+    if log is not None:
+        Path(log).write_text(res.stdout + res.stderr)
     if res.returncode != 0 or "steps" not in result:
         reason = result.get("error") or _last_error_line(res.stderr) or f"exit code {res.returncode}"
         raise FlashRLError(f"the {label} engine failed: {reason}",

@@ -22,10 +22,15 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.runtime.core.decode_attn import LOG_LINE as DECODE_ATTN_LINE  # the kernel's line in a log
+from flashrl_tools.runtime.core.decode_attn import XQA_LINE
 
 REPO = Path(__file__).resolve().parents[2]
 PROBES = REPO / "tests" / "probes"
 SEQS = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
+# FLASHRL_DECODE_ATTN=xqa's cases: XQA takes decode batches of xqa_decode.MIN_SEQS (32) sequences up, so they
+# observe 40 distinct sequences of 6-14 tokens (and their engines capture decode graphs that large)
+WIDE = [[(7 * i + 3 * j) % 380 + 2 for j in range(6 + i % 9)] for i in range(40)]
+XQA = {"FLASHRL_DECODE_ATTN": "xqa"}
 COMMON = dict(vocab_size=384, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
               max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="bfloat16")
 ARCHS = {  # HF config class, its extra fields
@@ -102,11 +107,22 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
 
 def decode_attn_expected() -> bool:
     """Whether engines with an FP8 KV cache started here take flashrl's decode attention (FLASHRL_DECODE_ATTN: 1, or
-    unset / auto on Hopper; vLLM's FA3 and SGLang's fa3 alike)."""
+    unset / auto on Hopper; vLLM's FA3 and SGLang's fa3 alike). Under `xqa` too: the tests' batches of fewer than
+    32 sequences keep flashrl's kernel."""
     from flashrl_tools.config.settings import settings
     from flashrl_tools.runtime.core.decode_attn import resolve
 
-    return resolve(settings().decode_attn, torch.cuda.get_device_capability())
+    return bool(resolve(settings().decode_attn, torch.cuda.get_device_capability()))
+
+
+def expect_xqa(row: dict, logs: list[str]) -> dict:
+    """An `xqa` case's engines (`logs`: each one's output): recorded, and a failure where one of them did not
+    decode through XQA (FLASHRL_DECODE_ATTN=xqa on a Hopper GPU, a batch of 32+ sequences); the row."""
+    row["xqa_decode_attn"] = [XQA_LINE in text for text in logs]
+    if not all(row["xqa_decode_attn"]):
+        row.setdefault("failures", []).append(f"XQA's decode attention {row['xqa_decode_attn']}, expected in every "
+                                              "engine (FLASHRL_DECODE_ATTN=xqa, 40 sequences)")
+    return row
 
 
 def expect_decode_attn(row: dict, seen: list[bool]) -> None:
@@ -147,18 +163,20 @@ def run_probe(probe: str, work: Path, tag: str, env: dict, req: dict, timeout: f
         text = log.read_text(errors="replace")
         result.setdefault("async_scheduling", async_scheduling(text))
         result.setdefault("flashrl_decode_attn", DECODE_ATTN_LINE in text)
+        result.setdefault("log", str(log))
     return result
 
 
 def run_sglang(model: Path, steps: list[dict], config: str | None, label: str, kv: str | None = None,
-               engine_kwargs: dict | None = None) -> list[dict] | str:
-    """An SGLang engine job (verify/sglang_job.py): the steps' results, or its error (a refusal is a result)."""
+               engine_kwargs: dict | None = None, env: dict | None = None, log: Path | None = None) -> list[dict] | str:
+    """An SGLang engine job (verify/sglang_job.py): the steps' results, or its error (a refusal is a result);
+    `env`: more variables for it, `log`: where its output goes."""
     from flashrl_tools.errors import FlashRLError
     from flashrl_tools.verify.engines import run_engine
 
     try:
         return run_engine(model, steps, config, label, engine_kwargs={**SGLANG_ENGINE, **(engine_kwargs or {})},
-                          engine="sglang", timeout=900, kv_cache_dtype=kv)
+                          engine="sglang", timeout=900, kv_cache_dtype=kv, env=env, log=log)
     except FlashRLError as e:
         return str(e)
 
@@ -217,12 +235,14 @@ def assert_exact(row: dict) -> None:
 
 
 def fresh_sglang(orig: Path, pert: Path, fmt: str | None, kv: str | None, work: Path,
-                 engine_kwargs: dict | None = None) -> dict:
+                 engine_kwargs: dict | None = None, env: dict | None = None, sequences: list = SEQS,
+                 logs: str | None = None) -> dict:
     """Fresh SGLang engines on the offline quantization of the original and the perturbed weights (with an
-    FP8 KV cache the runtime runs there too: it calibrates them once at start): {tag: observation} or an error."""
-    step = {"op": "observe", "sequences": SEQS, "max_tokens": 8}
+    FP8 KV cache the runtime runs there too: it calibrates them once at start): {tag: observation} or an error.
+    `logs`: a stem for their outputs (work / f"{logs}-{tag}.log")."""
+    step = {"op": "observe", "sequences": sequences, "max_tokens": 8}
     out = {tag: run_sglang(quantized(src, fmt, work), [step], "bf16" if kv else None, f"fresh {tag}", kv,
-                           engine_kwargs)
+                           engine_kwargs, env, work / f"{logs}-{tag}.log" if logs else None)
            for tag, src in (("original", orig), ("perturbed", pert))}
     errors = [v for v in out.values() if isinstance(v, str)]
     return {"error": errors[0]} if errors else {tag: v[0] for tag, v in out.items()}

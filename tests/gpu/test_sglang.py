@@ -8,7 +8,9 @@ a bucket (GPU tensors, as verl's SGLang path sends). All exact (0.0). The sample
 hand computation from the engine's own distributions (tempered; with top-k / top-p and `return_sampling_mask`,
 renormalised). `@fa3`: SGLang's fa3 attention instead of triton (its decode kernels read the KV scales from
 the tensors the runtime writes in place: the decode graphs are not captured again after a recalibration, so
-equality with the fresh engines checks that too; `@fa3p16` with SGLang's pool by 16-token pages). `+kv`:
+equality with the fresh engines checks that too; `@fa3p16` with SGLang's pool by 16-token pages; `@xqa16` the
+same under FLASHRL_DECODE_ATTN=xqa, every engine observing 40 sequences, so their decode batches (CUDA graphs up
+to 48) go through XQA's Hopper kernel: asserted from each engine's log). `+kv`:
 FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines run the runtime too, FLASHRL_CONFIG=bf16 on the quantized
 checkpoint: they calibrate once at start); the scales must
 be bit-equal to theirs, and the greedy tokens' logprobs (decode: they read the FP8 cache) are compared too.
@@ -24,16 +26,18 @@ import gpu_harness as h
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8",
-         "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv", "dense-int8+kv@fa3", "dense-int8+kv@fa3p16"]
-OPTIONS = {"": {}, "fa3": {"attention_backend": "fa3"}, "fa3p16": {"attention_backend": "fa3", "page_size": 16}}
+         "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv", "dense-int8+kv@fa3", "dense-int8+kv@fa3p16",
+         "dense-int8+kv@xqa16"]
+OPTIONS = {"": {}, "fa3": {"attention_backend": "fa3"}, "fa3p16": {"attention_backend": "fa3", "page_size": 16},
+           "xqa16": {"attention_backend": "fa3", "page_size": 16, "cuda_graph_max_bs_decode": 48}}
 ARCH = {"dense": "qwen3", "moe": "qwen3_moe"}
 FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel"}  # what the SGLang adapter serves
 PROMPTS = [[5, 70, 75, 82, 3], [7, 8, 9, 10, 11, 200], [30, 31, 32], [100, 120, 140, 160]]
 TEMP, TOP_K, TOP_P = 0.8, 50, 0.9
 
 
-def observe() -> dict:
-    return {"op": "observe", "sequences": h.SEQS, "max_tokens": 8}
+def observe(sequences: list = h.SEQS) -> dict:
+    return {"op": "observe", "sequences": sequences, "max_tokens": 8}
 
 
 def sample_steps(first: int) -> list[dict]:
@@ -71,18 +75,23 @@ def run_case(case: str, work) -> dict:
     config, kv = rest.removesuffix("+kv"), "fp8" if rest.endswith("+kv") else None
     orig, pert = h.model_pair(work, ARCH[arch])
     fmt = FORMAT[config]
-    steps = [observe(), {"op": "push", "path": str(pert), "cuda": True}, observe(),
-             {"op": "push", "path": str(orig), "cuda": True, "bucket": True}, observe(),
-             {"op": "push", "path": str(pert), "cuda": True, "bucket": True}, observe()]
+    xqa = option.startswith("xqa")
+    env, seqs, tag = (h.XQA, h.WIDE, f"sgl-{case}@{option}") if xqa else (None, h.SEQS, None)
+    steps = [observe(seqs), {"op": "push", "path": str(pert), "cuda": True}, observe(seqs),
+             {"op": "push", "path": str(orig), "cuda": True, "bucket": True}, observe(seqs),
+             {"op": "push", "path": str(pert), "cuda": True, "bucket": True}, observe(seqs)]
     base = len(steps)
-    synced = h.run_sglang(orig, steps + sample_steps(base), config, f"synced {case}", kv, extra)
+    synced = h.run_sglang(orig, steps + sample_steps(base), config, f"synced {case}", kv, extra, env,
+                          work / f"{tag}-synced.log" if xqa else None)
     if isinstance(synced, str):
         return {"error": synced}
-    fresh = h.fresh_sglang(orig, pert, fmt, kv, work, extra)
+    fresh = h.fresh_sglang(orig, pert, fmt, kv, work, extra, env, seqs, tag)
     if "error" in fresh:
         return fresh
     start, per_tensor, restore, bucket = synced[0], synced[2], synced[4], synced[6]
-    return {"start_vs_fresh": h.same(start, fresh["original"]),
+    row = {} if not xqa else h.expect_xqa({}, [(work / f"{tag}-{t}.log").read_text(errors="replace")
+                                               for t in ("synced", "original", "perturbed")])
+    return {**row, "start_vs_fresh": h.same(start, fresh["original"]),
             "per_tensor_sync_vs_fresh": h.same(per_tensor, fresh["perturbed"]),
             "bucket_restore_vs_start": h.same(restore, start), "bucket_sync_vs_fresh": h.same(bucket, fresh["perturbed"]),
             "changed_by_sync": h.max_diff(start, per_tensor), "push_seconds": [synced[i]["seconds"] for i in (1, 3, 5)],

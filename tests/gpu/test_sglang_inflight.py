@@ -4,7 +4,9 @@ requests streaming, `pause_generation(mode)`, the perturbed weights pushed per t
 `update_weights_from_distributed`), `continue_generation`. Radix cache on.
 Cases: mode x config (`+kv`: FP8 KV cache; `moe-`: Qwen3-MoE; `@fa3`: fa3 attention with its own decode
 (FLASHRL_DECODE_ATTN=0), `@fa3attn`: its decode attention through flashrl's kernel (=1; asserted in both engines),
-`@fa3attn16`: the same over SGLang's pool by 16-token pages (`page_size=16`, both engines)).
+`@fa3attn16`: the same over SGLang's pool by 16-token pages (`page_size=16`, both engines); `@xqa16`: 40 requests
+(decode graphs up to 48) under FLASHRL_DECODE_ATTN=xqa over 16-token pages: the kept requests and the fresh engine's
+continuation of them decode through XQA's Hopper kernel, asserted in both engines).
 Asserted per case: the push succeeds, a request sent during the pause waits, kept (in_place) and retracted requests
 finish, aborted ones say so; a request after the drain equals a fresh engine on the new weights (same
 FLASHRL_CONFIG and KV setting) bit for bit, as do the FP8 KV scales; abort: every resubmission (prompt + partial
@@ -35,14 +37,18 @@ from flashrl_tools.runtime.sglang import kv_store
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8", "retract-int8", "retract-fp8",
          "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3",
-         "in_place-int8+kv@dist", "in_place-int8+kv@fa3attn", "in_place-int8+kv@fa3attn16"]
+         "in_place-int8+kv@dist", "in_place-int8+kv@fa3attn", "in_place-int8+kv@fa3attn16",
+         "in_place-int8+kv@xqa16"]
 PROBE = h.PROBES / "sglang_inflight_probe.py"
 TOKENS = 96
 
 
-def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: str = "", page: int = 0) -> dict | str:
-    out = work / f"sgl-inflight-{tag}.json"
-    engine = {"cuda_graph_max_bs_decode": 16, **({"attention_backend": backend} if backend else {}),
+def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: str = "", page: int = 0,
+           wide: bool = False) -> dict | str:
+    out = work / f"sgl-inflight-{tag}.json"  # `wide`: 40 requests of 74 + 96 tokens (graphs and pool to fit)
+    engine = {"cuda_graph_max_bs_decode": 16, **({"cuda_graph_max_bs_decode": 48, "max_total_tokens": 16384}
+                                                 if wide else {}),
+              **({"attention_backend": backend} if backend else {}),
               **({"page_size": page} if page else {})}
     res = subprocess.run([sys.executable, str(PROBE), *args, str(out), *options, "--engine-args", json.dumps(engine)],
                          capture_output=True, text=True, env=env, timeout=900)
@@ -50,17 +56,19 @@ def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: s
         return f"exit {res.returncode}: {(res.stdout + res.stderr)[-4000:]}"
     text = res.stdout + res.stderr
     return {**json.loads(out.read_text()), "fused_kv_store": kv_store.LOG_LINE in text,
-            "flashrl_decode_attn": DECODE_ATTN_LINE in text}
+            "flashrl_decode_attn": DECODE_ATTN_LINE in text, "log": text}
 
 
 def run_case(case: str, work) -> dict:
     # `@fa3`: SGLang's fa3 attention (reads the KV scales from tensors), its own decode (FLASHRL_DECODE_ATTN=0);
     # `@fa3attn`: its decode attention through flashrl's kernel (=1; both engines); `@dist`: the push as a
     # flattened bucket through `update_weights_from_distributed` (a gloo group with the probe); `@fa3attn16`: the
-    # kernel over 16-token pages
+    # kernel over 16-token pages; `@xqa16`: 40 requests under FLASHRL_DECODE_ATTN=xqa over 16-token pages
     case, _, option = case.partition("@")
-    backend, how = ("fa3" if option.startswith("fa3") else ""), ("distributed" if option == "dist" else "tensor")
-    page = 16 if option == "fa3attn16" else 0
+    xqa = option == "xqa16"
+    backend, how = ("fa3" if option.startswith("fa3") or xqa else ""), ("distributed" if option == "dist" else "tensor")
+    page = 16 if option in ("fa3attn16", "xqa16") else 0
+    sizes = {"wide": xqa, "backend": backend, "page": page}
     mode, rest = case.split("-", 1)
     moe = rest.startswith("moe-")
     config = rest.removeprefix("moe-").removesuffix("+kv")
@@ -69,10 +77,10 @@ def run_case(case: str, work) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     env.update(FLASHRL_CONFIG=config, **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}))
     if backend == "fa3":  # both decode paths, whatever the environment and the GPU
-        env["FLASHRL_DECODE_ATTN"] = "1" if option.startswith("fa3attn") else "0"
+        env["FLASHRL_DECODE_ATTN"] = "xqa" if xqa else "1" if option.startswith("fa3attn") else "0"
     tag = f"{case}@{option}" if option else case
     got = _probe(["run", str(orig), str(pert)], env, tag, work, "--mode", mode, "--tokens", str(TOKENS),
-                 "--push", how, backend=backend, page=page)
+                 "--push", how, "--requests", "40" if xqa else "8", **sizes)
     if isinstance(got, str):
         return {"error": got}
     probe = __import__("sglang_inflight_probe")
@@ -97,7 +105,7 @@ def run_case(case: str, work) -> dict:
              for r, o in got["kept"].items()] if mode == "in_place" else []
     req = work / f"sgl-inflight-{tag}-fresh-req.json"
     req.write_text(json.dumps({"batches": batches, "score": score}))
-    fresh = _probe(["serve", str(pert), str(req)], env, f"{tag}-fresh", work, backend=backend, page=page)
+    fresh = _probe(["serve", str(pert), str(req)], env, f"{tag}-fresh", work, **sizes)
     if isinstance(fresh, str):
         return {"error": f"fresh engine: {fresh}"}
     row = verdict(mode, got, fresh)
@@ -108,10 +116,12 @@ def run_case(case: str, work) -> dict:
         if row["fused_kv_store"] != [settings().fused_kv_store] * 2:
             row["failures"].append(f"fused FP8 KV store {row['fused_kv_store']}, FLASHRL_FUSED_KV_STORE "
                                    f"{settings().fused_kv_store}")
-        # and attended as FLASHRL_DECODE_ATTN says
+        # and attended as FLASHRL_DECODE_ATTN says (under xqa: the 40 kept requests through XQA in both engines)
         want = option.startswith("fa3attn")
         row["flashrl_decode_attn"] = [got["flashrl_decode_attn"], fresh["flashrl_decode_attn"]]
-        if row["flashrl_decode_attn"] != [want] * 2:
+        if xqa:
+            h.expect_xqa(row, [got["log"], fresh["log"]])
+        elif row["flashrl_decode_attn"] != [want] * 2:
             row["failures"].append(f"flashrl's FP8 decode attention {row['flashrl_decode_attn']}, expected {want}")
     if mode == "in_place" and kv:  # the FP8 cache's own effect: its decoded tokens recomputed with a BF16 KV cache
         decoded = [[f"tf-dec-{r}", prompt(int(r[1:])) + o["tokens"][:got["at_pause"][r]] + fresh["outputs"][f"dec-{r}"]["tokens"],
@@ -120,7 +130,7 @@ def run_case(case: str, work) -> dict:
         floor_req.write_text(json.dumps({"batches": [], "score": score + decoded}))
         plain = _probe(["serve", str(pert), str(floor_req)], {k: v for k, v in env.items()
                                                               if k != "FLASHRL_KV_CACHE_DTYPE"},
-                       f"{tag}-floor", work, backend=backend, page=page)
+                       f"{tag}-floor", work, **sizes)
         if isinstance(plain, str):
             return {"error": f"BF16-KV engine: {plain}"}
         row["fp8_kv_floor_mean"] = fp8_floor({r: o["logprobs"] for r, o in fresh["outputs"].items()

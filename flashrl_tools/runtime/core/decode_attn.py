@@ -46,6 +46,12 @@ def ran() -> bool:
     return bool(_state.get("logged"))
 
 
+def kernels_in(output: str) -> list[str]:
+    """The kernels an engine's output says its FP8 KV decode batches went through: "flashrl", "xqa" (each logs its
+    line once per process); [] for the engine's own attention."""
+    return [name for name, line in (("flashrl", LOG_LINE), ("xqa", XQA_LINE)) if line in output]
+
+
 def ran_xqa() -> bool:
     """Whether one went through XQA's (FLASHRL_DECODE_ATTN=xqa)."""
     return bool(_state.get("xqa_logged"))
@@ -64,9 +70,10 @@ def mode() -> str:
 def takes_xqa(q, k_cache, out, seq_lens, splits=None) -> bool:
     """Whether `attend` gives this decode batch to XQA: the `xqa` mode, a shape XQA takes (`xqa_decode.supported`),
     a BF16 or FP8 E4M3 query and a BF16 output it can write whole (its module is BF16's: an FP16 model keeps
-    flashrl's kernel), no split count fixed by the engine."""
+    flashrl's kernel), a query and an output row per sequence, no split count fixed by the engine."""
     return (mode() == "xqa" and splits is None and out is not None and out.is_contiguous()
-            and out.dtype == torch.bfloat16 and q.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+            and q.shape[0] >= seq_lens.shape[0] <= out.shape[0] and out.dtype == torch.bfloat16
+            and q.dtype in (torch.bfloat16, torch.float8_e4m3fn)
             and xqa_decode.supported(seq_lens.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2]))
 
 
