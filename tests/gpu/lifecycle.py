@@ -65,9 +65,13 @@ def entries_differing(a: Path, b: Path) -> int:
 
 
 def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_mb: int = 4) -> dict:
+    name = case  # `@xqa`: both engines under FLASHRL_DECODE_ATTN=xqa observing 40 sequences (XQA asserted)
+    case, _, option = case.partition("@")
     arch, rest = case.split("-", 1)
     config, kv = rest.removesuffix("+kv"), rest.endswith("+kv")
-    env = {"FLASHRL_CONFIG": h.config_value(work, config), **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {})}
+    env = {"FLASHRL_CONFIG": h.config_value(work, config), **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}),
+           **(h.XQA if option else {})}
+    case = name.replace("@", "-")
     restore_model = None
     if arch == "sq":  # the calibrated config: its YAML; the fresh reference is a plain engine on the profile's output
         orig, pert, yaml, fresh_model, restore_model = make_sq(work, sq)
@@ -81,7 +85,7 @@ def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_m
     def probe(tag, env, req):
         return h.run_probe("lifecycle_probe", work, f"life-{case}-{tag}",
                            {**env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{case}-{tag}")},
-                           {"engine_kwargs": ekw, "sleep": True, **req})
+                           {"engine_kwargs": ekw, "sleep": True, **({"sequences": h.WIDE} if option else {}), **req})
 
     fresh = probe("fresh", fresh_env, {"model": str(fresh_model), "fresh": True})
     life = probe("life", env, {"model": str(orig), "original": str(orig), "perturbed": str(pert), "verl": verl,
@@ -93,6 +97,8 @@ def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_m
     row = verdict(fresh, life, verl, restore)
     if kv:  # the decode kernel reads the cache the sleeps kept and the syncs rescaled
         h.expect_decode_attn(row, [fresh.get("flashrl_decode_attn"), life.get("flashrl_decode_attn")])
+    if option:
+        h.expect_xqa(row, [Path(r["log"]).read_text(errors="replace") for r in (fresh, life)])
     if restore_model:
         row["checkpoint_entries_not_reproduced"] = entries_differing(work / "sq-orig-int8", restore_model)
     return row

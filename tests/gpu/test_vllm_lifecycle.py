@@ -1,6 +1,7 @@
 """Sleep mode, verl's and TRL's push orders and verl 0.9.1's own sync code, compiled engines (lifecycle.py
 says what each case runs and checks). verl's code runs when verl is importable; the calibrated case when
-FLASHRL_GPU_SQ points at a staged SmoothQuant profile (scripts/gpu_stage_sq.sh)."""
+FLASHRL_GPU_SQ points at a staged SmoothQuant profile (scripts/gpu_stage_sq.sh); `dense-int8+kv@xqa` under
+FLASHRL_DECODE_ATTN=xqa with 40 sequences (their decode batches through XQA's kernel, asserted)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import gpu_harness as h
 import lifecycle
 
-CASES = lifecycle.CASES + [f"{c}+kv" for c in lifecycle.CASES] + ["sq-int8"]
+CASES = lifecycle.CASES + [f"{c}+kv" for c in lifecycle.CASES] + ["sq-int8", "dense-int8+kv@xqa"]
 VERL = importlib.util.find_spec("verl") is not None
 SQ = Path(os.environ["FLASHRL_GPU_SQ"]) if os.environ.get("FLASHRL_GPU_SQ") else None
 
