@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # TensorRT-LLM's XQA decode modules (FlashInfer 0.6.14's JIT build) for the GPU host, which has no compiler: built
 # here (nvcc 13 under CUDA_HOME, no GPU needed) into DEST (default .stage/xqa, git-ignored), with the apache-tvm-ffi
-# wheel (Python 3.12) the GPU host needs to load them in DEST/whl. ~10 s a module.
+# wheel (Python 3.12) the GPU host needs to load them in DEST/whl. ~20-30 s a module on 2 cores.
 #   bash scripts/build_xqa.sh [DEST] [GROUPS]      GROUPS: query heads per KV head[:head dim, default 128]
 # (default: Qwen3-8B 4, 14B 5, 7B 7, the GPU tests' models 4:64, SmolLM2-135M 3:64 for `flashrl verify`)
 # On the GPU host: pip install --no-index --no-deps --target /tmp/tvm DEST/whl/*.whl, then

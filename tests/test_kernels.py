@@ -489,6 +489,9 @@ def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):
     v_scale`, tensors: read on the device); fewer sequences, 1-token pages, a fixed split count, a strided output,
     fewer query rows than sequences or an FP16 model take flashrl's kernel; each path logs its line once. Without
     FlashInfer the mode says what it needs."""
+    import sys
+    import types
+
     from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
     from flashrl_tools.runtime.core import decode_attn as core
 
@@ -547,3 +550,14 @@ def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):
     except ImportError:
         with pytest.raises(RuntimeError, match="needs FlashInfer 0.6"):
             xqa_decode._module(5, 16, 128)
+
+        def no_nvcc(*args):
+            raise FileNotFoundError("nvcc")
+
+        fake = types.SimpleNamespace(__version__="0.6.14")  # a module absent and no compiler: one message saying how
+        monkeypatch.setitem(sys.modules, "flashinfer", fake)
+        monkeypatch.setitem(sys.modules, "flashinfer.xqa", types.SimpleNamespace(get_xqa_module=no_nvcc))
+        with pytest.raises(RuntimeError, match=r"3 query heads per KV head.*head dim 64.*build_xqa.sh DEST 3:64"):
+            xqa_decode._module(3, 16, 64)
+        monkeypatch.undo()
+        xqa_decode._module.cache_clear()

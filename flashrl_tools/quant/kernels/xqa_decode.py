@@ -49,7 +49,13 @@ def _module(group: int, page: int, head_dim: int):
     if not str(getattr(flashinfer, "__version__", "")).startswith("0.6."):
         raise RuntimeError(f"FLASHRL_DECODE_ATTN=xqa is written against FlashInfer 0.6's XQA module; found "
                            f"{getattr(flashinfer, '__version__', '?')}: unset FLASHRL_DECODE_ATTN or install 0.6.x")
-    return get_xqa_module(torch.bfloat16, torch.float8_e4m3fn, page, head_dim, group, False, torch.bfloat16, 1)
+    try:  # a prebuilt module from FlashInfer's AOT directory, else its JIT build (nvcc)
+        return get_xqa_module(torch.bfloat16, torch.float8_e4m3fn, page, head_dim, group, False, torch.bfloat16, 1)
+    except Exception as e:  # noqa: BLE001 -- FlashInfer's build / load errors have no common type
+        raise RuntimeError(f"FLASHRL_DECODE_ATTN=xqa: XQA's module for {group} query heads per KV head, {page}-token "
+                           f"pages, head dim {head_dim} could neither be loaded nor built ({type(e).__name__}: "
+                           f"{str(e)[:200]}): build it where nvcc is (scripts/build_xqa.sh DEST {group}:{head_dim}, then "
+                           "scripts/gpu_install_xqa.sh DEST on this host), or unset FLASHRL_DECODE_ATTN") from e
 
 
 @functools.lru_cache(maxsize=8)
