@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flashrl_tools.runtime.core.decode_attn import LOG_LINE as DECODE_ATTN_LINE  # the kernel's line in a log
-from flashrl_tools.runtime.core.decode_attn import XQA_LINE
+from flashrl_tools.runtime.core.decode_attn import kernels_in
 
 REPO = Path(__file__).resolve().parents[2]
 PROBES = REPO / "tests" / "probes"
@@ -118,7 +118,7 @@ def decode_attn_expected() -> bool:
 def expect_xqa(row: dict, logs: list[str]) -> dict:
     """An `xqa` case's engines (`logs`: each one's output): recorded, and a failure where one of them did not
     decode through XQA (FLASHRL_DECODE_ATTN=xqa on a Hopper GPU, a batch of 32+ sequences); the row."""
-    row["xqa_decode_attn"] = [XQA_LINE in text for text in logs]
+    row["xqa_decode_attn"] = ["xqa" in kernels_in(text) for text in logs]
     if not all(row["xqa_decode_attn"]):
         row.setdefault("failures", []).append(f"XQA's decode attention {row['xqa_decode_attn']}, expected in every "
                                               "engine (FLASHRL_DECODE_ATTN=xqa, 40 sequences)")

@@ -65,13 +65,12 @@ def entries_differing(a: Path, b: Path) -> int:
 
 
 def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_mb: int = 4) -> dict:
-    name = case  # `@xqa`: both engines under FLASHRL_DECODE_ATTN=xqa observing 40 sequences (XQA asserted)
-    case, _, option = case.partition("@")
-    arch, rest = case.split("-", 1)
+    stem = case.replace("@", "-")  # the probes' file names; `@xqa`: both engines under FLASHRL_DECODE_ATTN=xqa
+    arch, rest = case.partition("@")[0].split("-", 1)  # observing 40 sequences (XQA asserted)
+    option = case.partition("@")[2]
     config, kv = rest.removesuffix("+kv"), rest.endswith("+kv")
     env = {"FLASHRL_CONFIG": h.config_value(work, config), **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}),
            **(h.XQA if option else {})}
-    case = name.replace("@", "-")
     restore_model = None
     if arch == "sq":  # the calibrated config: its YAML; the fresh reference is a plain engine on the profile's output
         orig, pert, yaml, fresh_model, restore_model = make_sq(work, sq)
@@ -83,8 +82,8 @@ def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_m
     ekw = dict(h.VLLM_ENGINE)
 
     def probe(tag, env, req):
-        return h.run_probe("lifecycle_probe", work, f"life-{case}-{tag}",
-                           {**env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{case}-{tag}")},
+        return h.run_probe("lifecycle_probe", work, f"life-{stem}-{tag}",
+                           {**env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{stem}-{tag}")},
                            {"engine_kwargs": ekw, "sleep": True, **({"sequences": h.WIDE} if option else {}), **req})
 
     fresh = probe("fresh", fresh_env, {"model": str(fresh_model), "fresh": True})
