@@ -132,3 +132,14 @@ def gpu_work() -> Path:
 def gpu_jobs() -> int:
     """FLASHRL_GPU_JOBS: how many engines the GPU tests run side by side (default 4)."""
     return int(os.environ.get("FLASHRL_GPU_JOBS", "4"))
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """No FLASHRL_* variable from the environment; FLASHRL_HOME under the test's tmp_path (returned)."""
+    from flashrl_tools.config.settings import VARIABLES
+
+    for var in VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path / "home"))
+    return tmp_path

@@ -381,7 +381,7 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
     from flashrl_tools.runtime.vllm import decode_attn
 
     impl = NS(kv_cache_dtype="fp8", sliding_window=None, alibi_slopes=None, logits_soft_cap=None, sinks=None,
-              attn_type="decoder", dcp_world_size=1)
+              attn_type="decoder", dcp_world_size=1, head_size=128, num_heads=8, num_kv_heads=4)
     meta = NS(max_query_len=1, use_cascade=False)
     q = NS(is_cuda=True, dtype=torch.float8_e4m3fn, device=torch.device("cpu"))
     assert decode_attn.served(impl, None, q, meta, (), {})
@@ -392,6 +392,7 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
                (NS(**{**vars(impl), "logits_soft_cap": 30.0}), meta, q, {}),
                (NS(**{**vars(impl), "sinks": torch.zeros(1)}), meta, q, {}),
                (NS(**{**vars(impl), "attn_type": "encoder_only"}), meta, q, {}),
+               (NS(**{**vars(impl), "head_size": 96}), meta, q, {}),  # a shape the kernel does not compute
                (impl, NS(max_query_len=5, use_cascade=False), q, {}),
                (impl, NS(max_query_len=1, use_cascade=True), q, {}),
                (impl, None, q, {}),

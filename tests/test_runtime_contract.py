@@ -31,14 +31,6 @@ def engine(request):
     return HARNESSES[request.param]()
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    for var in VARIABLES:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path / "home"))
-    return tmp_path
-
-
 @pytest.fixture(scope="module")
 def policy(tiny_models) -> Path:
     return tiny_models["llama-untied"]

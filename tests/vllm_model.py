@@ -35,7 +35,7 @@ def load(model_dir, **engine_kwargs):
     """(model, vllm_config) as a vLLM-CPU worker would hold them after loading `model_dir`."""
     global _distributed
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel, parallel_state
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
 
@@ -48,6 +48,9 @@ def load(model_dir, **engine_kwargs):
                                          distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
             initialize_model_parallel(1, 1)
             _distributed = True
+        elif config.model_config.is_moe and parallel_state._EP is None:  # the first model was dense: no EP group
+            parallel_state.destroy_model_parallel()
+            initialize_model_parallel(1, 1)
         empty_cache, torch.accelerator.empty_cache = torch.accelerator.empty_cache, lambda: None  # no device here
         try:
             model = get_model(vllm_config=config)

@@ -30,6 +30,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_DECODE_ATTN": ("decode_attn", "auto"),
     "FLASHRL_ALLOW_LEGACY_PICKLE": ("allow_legacy_pickle", "0"),
     "FLASHRL_ENGINE_ARGS": ("engine_args", ""),
+    "FLASHRL_VERSION_CHECK": ("version_check", "1"),
 }
 
 
@@ -69,11 +70,13 @@ class Settings:
     # from 32 sequences up on Hopper (quant/kernels/xqa_decode.py), flashrl's below
     allow_legacy_pickle: bool
     engine_args: str  # JSON: extra engine arguments (vllm.LLM / sglang.Engine) for the engines `verify` starts
+    version_check: bool  # an engine version not declared tested runs the start-up self-check (runtime/core/versions.py)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> Settings:
         raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
-        flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle", "fused_kv_store"}
+        flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle", "fused_kv_store",
+                 "version_check"}
         values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
         values["inplace_sync"] = _switch(raw["inplace_sync"], on="1", unset="1")
         values["decode_gemm"] = _switch(raw["decode_gemm"], on="64", unset="auto")  # on: w8a8_gemm.MAX_ROWS rows

@@ -64,6 +64,7 @@ class Setting:
 class Capabilities:
     engine: str  # as users name it: "vLLM", "SGLang"
     versions: str
+    tested: tuple[str, ...]  # the releases the tests ran on: any other runs the start-up self-check (core/versions.py)
     formats: frozenset[QuantFn]  # 8-bit checkpoint formats served (dense models)
     formats_note: str  # why others are not
     moe_formats: frozenset[QuantFn]  # 8-bit formats served for MoE experts
@@ -105,6 +106,8 @@ COMMON_SETTINGS = {
                                     "on SIGUSR1 and lists its PID in DIR (logs.signal_stacks)"),
     "FLASHRL_TRITON": Setting("the fused Triton INT8 quantizer on CUDA (0: torch)"),
     "FLASHRL_ALLOW_LEGACY_PICKLE": Setting("a Hub config's flash-llm-rl .pt profile accepted"),
+    "FLASHRL_VERSION_CHECK": Setting("0: no start-up self-check on an engine version not declared tested (the "
+                                     "warning line stays; core/versions.py)"),
 }
 
 

@@ -21,7 +21,9 @@ from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
 log = logging.getLogger("flashrl_tools.runtime")
 LOG_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # logged once per process (the GPU tests read it)
 XQA_LINE = "FP8 KV decode attention through XQA's Hopper kernel"  # the same, for a batch XQA computed
-_state: dict = {}  # "mode": the switch, resolved once per process; "logged" / "xqa_logged": a batch went through
+# "mode": the switch, resolved once per process; "logged" / "xqa_logged": a batch went through; "refused": why the
+# model's shape is not the kernels' (`choose`)
+_state: dict = {}
 
 
 def resolve(value: str, capability: tuple[int, int]) -> str:
@@ -34,8 +36,35 @@ def resolve(value: str, capability: tuple[int, int]) -> str:
     return "flashrl" if value == "1" or value == "auto" and hopper else ""
 
 
+@functools.lru_cache(maxsize=64)
+def supports(head_dim: int, q_heads: int, kv_heads: int) -> str:
+    """Why flashrl's FP8 decode kernels (and with them `xqa`, whose small batches take flashrl's) cannot compute
+    attention of this shape; "" where they can. The one shape check, used by both adapters: at start from the
+    model's shape (`choose`) and on every call (a model whose layers differ)."""
+    if kv_heads < 1 or q_heads % kv_heads:
+        return f"{q_heads} query heads do not group over {kv_heads} KV heads"
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        return f"head size {head_dim} (flashrl's FP8 decode kernel computes power-of-2 head sizes 16-256)"
+    return ""
+
+
+def choose(head_dim: int, q_heads: int, kv_heads: int, engine: str) -> bool:
+    """At model load with an FP8 KV cache, once per process: whether this model's decode batches may take
+    flashrl's kernels (`supports`). A shape they cannot compute is never given to them: the engine's own attention
+    serves every batch, and the choice is logged (one line)."""
+    why = supports(head_dim, q_heads, kv_heads)
+    _state["refused"] = why
+    if why and settings().decode_attn != "0":
+        log.info("flashrl: FP8 KV decode attention: %s's own attention serves this model (%s; FLASHRL_DECODE_ATTN "
+                 "has no effect)", engine, why)
+    return not why
+
+
 def enabled(device: torch.device) -> bool:
-    """FLASHRL_DECODE_ATTN, resolved once per process on its first CUDA batch (`resolve`)."""
+    """FLASHRL_DECODE_ATTN, resolved once per process on its first CUDA batch (`resolve`); off for a model whose
+    shape the kernels cannot compute (`choose`)."""
+    if _state.get("refused"):
+        return False
     if "mode" not in _state:
         _state["mode"] = resolve(settings().decode_attn, torch.cuda.get_device_capability(device))
     return bool(_state["mode"])

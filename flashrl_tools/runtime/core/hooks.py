@@ -15,6 +15,8 @@ from flashrl_tools.runtime.core.adapter import Hook, HookKind
 
 log = logging.getLogger("flashrl_tools.runtime")
 _installed: set[str] = set()
+_skipped: set[str] = set()  # hooks whose target this build lacks (optional ones)
+_tables: dict[str, tuple[Hook, ...]] = {}  # each adapter's hook table, declared when its module loads
 _lock = threading.Lock()
 MARK = "_flashrl_hook"  # set on every wrapper: the name of the hook that made it
 
@@ -100,6 +102,7 @@ def install(hooks, registry=None, hook_type=None) -> list[str]:
                     raise RuntimeError(f"flashrl: hook {hook.name}: none of {hook.targets} exists in this "
                                        "engine build (an unsupported version?)")
                 skipped.append(hook.name)
+                _skipped.add(hook.name)
                 _installed.add(key)
                 continue
             owner, attr = found
@@ -113,3 +116,36 @@ def install(hooks, registry=None, hook_type=None) -> list[str]:
     if skipped:
         log.debug("flashrl: hooks without a target in this build: %s", ", ".join(skipped))
     return skipped
+
+
+def declare(engine: str, hooks: tuple[Hook, ...]) -> tuple[Hook, ...]:
+    """An adapter's hook table, kept for the checks that run where the adapter module cannot be imported (its
+    writer's start-up self-check: the adapter imports the writer)."""
+    _tables[engine] = tuple(hooks)
+    return _tables[engine]
+
+
+def declared(engine: str) -> tuple[Hook, ...]:
+    return _tables.get(engine, ())
+
+
+def missing(hooks, other_platform: str = "", registry: bool = False) -> list[str]:
+    """The hooks of `hooks` this process needs and does not have (the start-up self-check on an untested engine
+    version, core/versions.py): one whose target this build lacks -- an optional one too, unless its process names
+    `other_platform` ("GPU" / "CPU": a hook of the other build) -- or whose wrapper is no longer at its target
+    (`registry`: the engine's registry wrapped the non-ADD hooks; their targets must exist)."""
+    out = []
+    for hook in hooks:
+        if other_platform and other_platform in hook.process:
+            continue
+        found = resolve(hook)
+        if found is None or hook.name in _skipped:
+            out.append(hook.name)
+            continue
+        if registry and hook.kind is not HookKind.ADD:
+            continue
+        owner, attr = found
+        current = inspect.getattr_static(owner, attr, None)
+        if current is not hook.fn and getattr(current, MARK, None) != hook.name:
+            out.append(hook.name)
+    return out

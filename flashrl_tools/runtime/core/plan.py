@@ -57,14 +57,40 @@ def refuse_unserved(rc: RuntimeConfig, caps: Capabilities, fmt: QuantFn | None, 
     if fmt is None:
         return
     if fmt not in caps.formats:
-        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {caps.engine} does not serve {fmt.value} checkpoints "
-                           f"({caps.formats_note})", None,
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {caps.engine} does not serve {fmt.value} checkpoints"
+                           f"{' (a MoE model)' if moe else ''} ({caps.formats_note})", None,
                            f"on {caps.engine} use {' | '.join(sorted(f.value for f in caps.formats)) or 'bf16'}")
     if moe and fmt not in caps.moe_formats:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {caps.engine} does not serve {fmt.value} MoE experts "
                            f"({caps.moe_note})", model,
                            f"for MoE models on {caps.engine} use "
                            f"{' | '.join(sorted(f.value for f in caps.moe_formats)) or 'bf16'}")
+
+
+# model types the runtime refuses at start, with the feature that is not served (tests/gpu/test_arch_matrix.py)
+UNSERVED_MODELS = {
+    "gpt_oss": "attention sinks with fused MoE expert tensors (gpt-oss: no 8-bit conversion of [experts, ...] "
+               "tensors; a BF16 sync differed from a fresh engine on vLLM 0.26)",
+}
+
+
+def refuse_model(rc: RuntimeConfig, model: str, kv_cache: bool = False) -> None:
+    """Refuse at start a model type whose feature the runtime does not serve exactly (UNSERVED_MODELS); with an
+    FP8 KV cache (`kv_cache`), multi-head latent attention (its latent cache has no K / V scales to calibrate)."""
+    from flashrl_tools.model_structure import read_config
+
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        return
+    config = read_config(path)
+    kind = config.get("model_type", "")
+    if kv_cache and config.get("kv_lora_rank"):
+        raise FlashRLError(f"FLASHRL_KV_CACHE_DTYPE=fp8 (FLASHRL_CONFIG={rc.source}): multi-head latent attention "
+                           f"(MLA, {kind}) is not served with an FP8 KV cache by flashrl's runtime", model,
+                           "unset FLASHRL_KV_CACHE_DTYPE / kv_cache_dtype for this model")
+    if kind in UNSERVED_MODELS:
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {UNSERVED_MODELS[kind]} is not served by flashrl's runtime",
+                           model, "serve this model without FLASHRL_CONFIG")
 
 
 def unread_keys(entry: RolloutConfig) -> dict[str, object]:
@@ -123,6 +149,7 @@ def start(rc: RuntimeConfig, policy_model: str, caps: Capabilities, quantization
     """The start-up decision for an engine asked to serve `policy_model`, with the caller's own
     `quantization` / `kv_cache_dtype` arguments (refusals raise FlashRLError)."""
     check_settings(caps, settings(), f"FLASHRL_CONFIG={rc.source}")
+    refuse_model(rc, rc.entry.model or policy_model)
     moe = is_moe(rc.entry.model or policy_model)
     fmt, engine_online = served_format(rc, caps, moe)
     # the engine's online FP8 is per-tensor FP8 of the BF16 weights: served where that format is
@@ -134,6 +161,7 @@ def start(rc: RuntimeConfig, policy_model: str, caps: Capabilities, quantization
                            f"use logprobs_mode {' | '.join(caps.logprobs_modes)} on {caps.engine}")
     kv = caps.kv_dtype(rc.entry.kv_cache_dtype) if rc.entry.fp8_kv_cache else None
     if is_fp8_kv(kv or kv_cache_dtype):
+        refuse_model(rc, rc.entry.model or policy_model, kv_cache=True)
         if not caps.fp8_kv_cache:
             raise FlashRLError(f"kv_cache_dtype {kv or kv_cache_dtype} (FLASHRL_CONFIG={rc.source}): "
                                f"{caps.engine} {caps.fp8_kv_note}", None,

@@ -1,5 +1,6 @@
 """FLASHRL_TEST_RELOAD=1: at start, push the policy's own BF16 weights through the sync session and log
-whether any parameter of the engine changed (a debugging aid for a new format or vLLM version)."""
+whether any parameter of the engine changed (a debugging aid for a new format); `push_policy` is also the
+start-up self-check's push on an untested engine version (versions.py)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,19 @@ def policy_source(loaded_dir: Path, rc: RuntimeConfig) -> Path:
     return loaded_dir
 
 
+def push_policy(sync, source: Path) -> None:
+    """The BF16 checkpoint at `source` through the sync session, one tensor per call (as verl pushes)."""
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    for name, tensor in CheckpointReader(source).iter_tensors():
+        sync.load_weights([(name, tensor)])
+
+
 def reload_check(sync, source: Path) -> bool:
     """Push the policy's own BF16 weights through the sync path; log whether any parameter of
     the engine changed (it must not, up to a calibrated profile's inexact entries)."""
-    from flashrl_tools.safetensors_io import CheckpointReader
-
     before = {n: p.detach().clone() for n, p in sync.model.named_parameters()}
-    for name, tensor in CheckpointReader(source).iter_tensors():
-        sync.load_weights([(name, tensor)])
+    push_policy(sync, source)
     changed = {n: int((p.detach() != before[n]).sum()) for n, p in sync.model.named_parameters()
                if n in before and p.shape == before[n].shape and not torch.equal(p.detach(), before[n])}
     if changed:

@@ -12,6 +12,7 @@ FLASHRL_KV_CACHE_DTYPE changed is refused there (`check_env`)."""
 from __future__ import annotations
 
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
+from flashrl_tools.runtime.core.hooks import declare
 from flashrl_tools.runtime.sglang import (decode_attn, decode_gemm, kv_front, kv_store, pause, process, scheduler,
                                           server_args, weight_sync)
 
@@ -20,7 +21,7 @@ _CT_INT8 = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed
 _TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _CONTROL = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin"
 _UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
-HOOKS: tuple[Hook, ...] = (
+HOOKS: tuple[Hook, ...] = declare("sglang", (
     Hook("server_args", "sglang.srt.server_args.ServerArgs.__post_init__", server_args.server_args, HookKind.BEFORE,
          "engine / launcher", "the serving plan: checkpoint, tokenizer, KV-cache dtype, lm head; refusals at start",
          always=True),
@@ -96,7 +97,7 @@ HOOKS: tuple[Hook, ...] = (
       for kind in ("tensor", "distributed", "ipc")),
     Hook("kv_after_disk", f"{_TOKENIZER}.update_weights_from_disk", kv_front.weights_changed, HookKind.AROUND,
          "engine / server", "the same for a reload from disk"),
-)
+))
 
 def register(registry=None, hook_type=None) -> None:
     """SGLang's entry point. `registry` / `hook_type`: SGLang's HookRegistry and HookType (tests pass

@@ -34,7 +34,7 @@ _SETTINGS = {
                                    "starts"),
 }
 CAPABILITIES = Capabilities(
-    engine="SGLang", versions="0.5.17",
+    engine="SGLang", versions="tested: 0.5.17; others run a start-up self-check", tested=("0.5.17",),
     # SGLang keeps per-channel layouts in the storage it loaded (weight_sync.py); per-tensor FP8 of fused
     # layers is re-quantized to one scale at load
     formats=frozenset(f for f in QuantFn if f.strategy is Strategy.channel),
@@ -60,3 +60,9 @@ CAPABILITIES = Capabilities(
     logprobs_modes=("processed_logprobs",),
     settings=_SETTINGS,
 )
+
+
+def sglang_version() -> str:
+    import sglang
+
+    return str(getattr(sglang, "__version__", "unknown"))

@@ -53,6 +53,13 @@ def forward_decode(original, backend, *args, **kwargs):
         backend.kv_cache_dtype, _kept = dtype, False
 
 
+def choose_for_sglang(runner) -> None:
+    """At model load with an FP8 KV cache: flashrl's kernels for this model's shape, or fa3 for every batch (logged
+    once: `core.choose`)."""
+    cfg, tp = runner.model_config, max(1, getattr(runner, "tp_size", 1))
+    core.choose(cfg.head_dim, cfg.num_attention_heads // tp, cfg.get_num_kv_heads(tp), "SGLang")
+
+
 def _scalar(descale):
     """The 1-element scale tensor behind fa3's `layer.k_scale.expand(batch, kv_heads)` (a view of its storage,
     so a captured graph reads recalibrated values), or None for per-head descales."""
@@ -77,7 +84,7 @@ def takes(args, kw) -> bool:
     if not query_ok or k_cache.dtype != fp8 or v_cache.dtype != fp8 or q.dim() != 3 or k_cache.dim() != 4:
         return False
     d = q.shape[-1]
-    if k_cache.shape[-1] != d or v_cache.shape[-1] != d or d & (d - 1) or q.shape[1] % k_cache.shape[2]:
+    if k_cache.shape[-1] != d or v_cache.shape[-1] != d or core.supports(d, q.shape[1], k_cache.shape[2]):
         return False
     if any(kw.get(name) is not None for name in _OFF) or kw.get("max_seqlen_q") != 1 or kw.get("causal") is not True:
         return False

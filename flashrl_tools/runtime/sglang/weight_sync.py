@@ -200,6 +200,22 @@ def around_processing(original, method, layer, *args, **kwargs):
     return loaded().around_processing(original, method, layer, *args, **kwargs)
 
 
+def check_sglang_version(runner, session, rc, path) -> None:
+    """On an SGLang version not declared tested: the start-up self-check (core/versions.py) with the scheduler's
+    hooks (SGLang's registry wraps the targets: they must exist) and the weight digest."""
+    from flashrl_tools.runtime.core import versions
+    from flashrl_tools.runtime.core.digest import model_digest
+    from flashrl_tools.runtime.core.hooks import declared, missing
+    from flashrl_tools.runtime.sglang.capabilities import CAPABILITIES, sglang_version
+
+    fmt = getattr(getattr(runner, "server_args", None), "load_format", None)
+    dummy = str(getattr(fmt, "value", fmt)).lower() == "dummy"
+    scheduler = [h for h in declared("sglang") if h.process == "scheduler"]
+    versions.check_at_start(CAPABILITIES.engine, sglang_version(), CAPABILITIES.tested, session, rc, path, dummy,
+                            lambda: missing(scheduler, registry=True) if scheduler else ["the SGLang hook table"],
+                            lambda: model_digest(runner.model, "sglang"))
+
+
 def runner_loaded(result, runner, *args, **kwargs):
     """AFTER `ModelRunner.load_model` (scheduler): the sync session, and the FP8 KV scales' state."""
     from flashrl_tools.runtime.core import process
@@ -211,7 +227,11 @@ def runner_loaded(result, runner, *args, **kwargs):
     path = runner.model_config.model_path
     try:
         session = attach(runner.model, path, process.config(), loaded(), getattr(runner, "tp_rank", 0))
+        check_sglang_version(runner, session, process.config(), path)
         if uses_fp8_kv(runner):
+            from flashrl_tools.runtime.sglang import decode_attn
+
+            decode_attn.choose_for_sglang(runner)
             process.kv_states().append(KVScaleState(RadixAttentionScales(runner), session, has_kv_scales(path)))
     except FlashRLError as e:
         raise RuntimeError(e.message) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
+from flashrl_tools.runtime.core.hooks import declare
 from flashrl_tools.runtime.vllm import (async_front, cpu_int8, decode_attn, decode_gemm, engine_args, fixes, pause,
                                         requests, sleep, weight_sync)
 
@@ -14,7 +15,7 @@ _V1 = "vllm.v1.worker.worker_base.WorkerBase"
 _ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
 _CORE = "vllm.v1.engine.core.EngineCore"
 _CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe"
-HOOKS: tuple[Hook, ...] = (
+HOOKS: tuple[Hook, ...] = declare("vllm", (
     Hook("engine_args", "vllm.engine.arg_utils.EngineArgs.create_engine_config", engine_args.create_engine_config,
          HookKind.BEFORE, "front end", "the serving plan: checkpoint, tokenizer, quantization, logprobs mode, "
          "KV-cache dtype, lm-head dtype; refusals at start"),
@@ -60,7 +61,7 @@ HOOKS: tuple[Hook, ...] = (
          "before level 2 keep what the wake does not restore; after it refuse until a full sync", optional=True),
     Hook("wake_up", "vllm.v1.worker.gpu_worker.Worker.wake_up", sleep.wake_up, HookKind.AFTER, "worker (GPU)",
          "the kept tensors and the calibrated FP8 KV scales written back", optional=True),
-)
+))
 
 
 def install_always() -> None:

