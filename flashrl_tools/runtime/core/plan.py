@@ -67,7 +67,7 @@ def refuse_unserved(rc: RuntimeConfig, caps: Capabilities, fmt: QuantFn | None, 
                            f"{' | '.join(sorted(f.value for f in caps.moe_formats)) or 'bf16'}")
 
 
-# model types the runtime refuses at start, with the feature that is not served (tests/gpu/test_arch_matrix.py)
+# model types the runtime refuses at start, with the feature that is not served (tests/gpu/test_engine_arch_matrix.py)
 UNSERVED_MODELS = {
     "gpt_oss": "attention sinks with fused MoE expert tensors (gpt-oss: no 8-bit conversion of [experts, ...] "
                "tensors; a BF16 sync differed from a fresh engine on vLLM 0.26)",

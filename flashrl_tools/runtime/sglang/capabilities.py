@@ -11,18 +11,16 @@ _SETTINGS = {
     "FLASHRL_KV_CACHE_DTYPE": Setting("SGLang's kv_cache_dtype (fp8 -> fp8_e4m3, fp8_e5m2); k / v scales "
                                       "recalibrated before the first rollout after every sync"),
     "FLASHRL_LMHEAD_FP32": Setting("SGLang's enable_fp32_lm_head=True (the LM head's logits in fp32)"),
-    "FLASHRL_INPLACE_SYNC": Setting("1: 8-bit weights and scales copied into the storage SGLang's loaders fill "
-                                    "(learned by probing the loaders at start, checked against them over the "
-                                    "first sync; TP ranks included); 0: SGLang's own loaders for every tensor",
+    "FLASHRL_INPLACE_SYNC": Setting("1: 8-bit tensors copied into the storage SGLang's loaders fill (probed at start, "
+                                    "checked over the first sync); 0: its loaders",
                                     ("1", "0")),
     "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
                                    "(bit-equal to sgl-kernel's int8_scaled_mm; GPU); unset / auto: 16 on Hopper "
                                    "(sm_90), else off; 0: sgl-kernel's for every batch"),
     "FLASHRL_FUSED_KV_STORE": Setting("1 (default): with an FP8 KV cache, fa3's decode stores K / V in one kernel "
-                                      "(SGLang's fused_fp8_qkv_kv_cache) instead of five (4 % off a Qwen3-8B step, "
-                                      "H200); 0: SGLang's store"),
+                                      "(SGLang's fused_fp8_qkv_kv_cache) instead of five; 0: SGLang's store"),
     "FLASHRL_DECODE_ATTN": Setting("unset / auto: on Hopper, with an FP8 KV cache, fa3's decode batches' attention "
-                                   "through flashrl's Triton kernel (16 % off a Qwen3-8B step, H200), the pool by "
+                                   "through flashrl's Triton kernel, the pool by "
                                    "16-token pages when attention_backend='fa3' is passed without a page_size; 1: "
                                    "on any GPU; 0: FA3's (SGLang's page_size); xqa: TensorRT-LLM's XQA FP8 kernel "
                                    "(FlashInfer 0.6) from 32 sequences up on Hopper, faster, FP8 products; other "
@@ -44,19 +42,17 @@ CAPABILITIES = Capabilities(
     fp8_dense=QuantFn.fp8_channel, fp8_moe=QuantFn.fp8_channel,
     checkpoint_quantization="compressed-tensors", online_quantization=(),
     fp8_kv_cache=True, kv_scales=("k", "v"),
-    fp8_kv_note="k / v scales recalibrated before the first rollout after every sync (decode CUDA graphs captured "
-                "again when they change, except with fa3 attention: it reads the scale tensors)",
+    fp8_kv_note="k / v scales recalibrated before the first rollout after every sync (triton / flashinfer: decode graphs "
+                "captured again)",
     kv_dtype_names={"fp8": "fp8_e4m3"},
     lmhead_fp32="enable_fp32_lm_head=True",
-    in_flight="`pause_generation` abort / retract / in_place, push, `continue_generation`: new, resubmitted and "
-              "retracted requests = a fresh engine (radix cache by weights' version); FP8 KV recalibrated at the "
-              "continue without a drain (what the pause held set aside, kept entries rescaled)",
-    sleep="release / resume: with the weights' CPU backup (verl) synced weights survive; without it requests "
-          "are refused until a full sync",
-    push_paths=("update_weights_from_tensor per tensor and as flattened buckets", "update_weights_from_distributed",
+    in_flight="pause abort / retract / in_place, push, continue: requests = a fresh engine (radix cache by version); "
+              "FP8 KV: no drain",
+    sleep="release / resume: with verl's CPU backup synced weights survive; without it, refused until a full sync",
+    push_paths=("update_weights_from_tensor (per tensor, flattened buckets)", "update_weights_from_distributed",
                 "verl's SGLang rollout (CUDA IPC buckets)"),
-    logprobs="log softmax(logits / T): the sampled distribution for top_p = 1, top_k = -1; with truncation "
-             "read output_token_sampling_logprobs (return_sampling_mask=True)",
+    logprobs="log softmax(logits / T) (top_p 1, top_k -1); with truncation output_token_sampling_logprobs "
+             "(return_sampling_mask)",
     logprobs_modes=("processed_logprobs",),
     settings=_SETTINGS,
 )

@@ -13,8 +13,8 @@ _SETTINGS = {
     "FLASHRL_KV_CACHE_DTYPE": Setting("vLLM's kv_cache_dtype (fp8 / fp8_e4m3 / fp8_e5m2); q / k / v scales "
                                       "recalibrated before the first request after every sync"),
     "FLASHRL_LMHEAD_FP32": Setting("vLLM's hf_overrides head_dtype=float32 (lm_head and logits in fp32)"),
-    "FLASHRL_INPLACE_SYNC": Setting("1: 8-bit linears of a known kernel layout written in place; tp: tensor-parallel "
-                                    "ones too; 0: vLLM's layerwise reload for every layer", ("1", "0", "tp")),
+    "FLASHRL_INPLACE_SYNC": Setting("1: 8-bit linears of a known layout written in place; tp: tensor-parallel ones "
+                                    "too; 0: vLLM's layerwise reload", ("1", "0", "tp")),
     "FLASHRL_SYNC_DIGEST": Setting("each worker writes its weight digest after every complete sync"),
     "FLASHRL_STEP_LOG": Setting("no effect: vLLM's engine steps are timed from the caller's process "
                                 "(benchmarks/step_bands.py StepClock; the switch is SGLang's)"),
@@ -37,10 +37,10 @@ GPU = Capabilities(
     checkpoint_quantization="compressed-tensors", online_quantization=("fp8", "fp8_per_tensor"),
     fp8_kv_cache=True, kv_scales=("q", "k", "v"), fp8_kv_note="q / k / v scales recalibrated after every sync", kv_dtype_names={},
     lmhead_fp32="hf_overrides head_dtype=float32",
-    in_flight="`AsyncLLM.pause_generation` abort / wait / keep (either `clear_cache`), push, resume: new and "
-              "resubmitted requests = a fresh engine; FP8 KV recalibrated at the resume without a drain",
+    in_flight="`AsyncLLM.pause_generation` abort / wait / keep, push, resume: requests = a fresh engine; FP8 KV: no "
+              "drain",
     sleep="levels 1 and 2: what a level-2 wake does not restore is kept; requests refused until a full sync",
-    push_paths=("load_weights per tensor or bucket (collective_rpc)", "reload_weights",
+    push_paths=("load_weights per tensor or bucket", "reload_weights",
                 "weight-transfer engine", "verl's update_weights_from_ipc", "TRL's colocate push"),
     logprobs="processed_logprobs: the distribution sampled from (temperature, top-k / top-p applied, fp32)",
     logprobs_modes=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),

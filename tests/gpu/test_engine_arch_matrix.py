@@ -126,7 +126,7 @@ def _windowed_only(arch: str) -> bool:
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    return h.module_rows(request, CASES + (SGL_CASES if SGLANG else []), run_case, gpu_work, gpu_jobs, "arch_matrix",
+    return h.module_rows(request, CASES + (SGL_CASES if SGLANG else []), run_case, gpu_work, gpu_jobs, "engine_arch_matrix",
                          engines="vLLM eager; SGLang fa3 over 16-token pages, CUDA graphs")
 
 
