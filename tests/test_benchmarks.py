@@ -303,22 +303,6 @@ def test_wire_sync_benchmark_smoke(tmp_path):
     assert r["async_scheduling"] is False  # recorded per row
 
 
-def test_task_difficulty_benchmark_smoke(tmp_path):
-    """The embedded model on two task levels before training: accuracies in [0, 1], the easy level no harder."""
-    out = tmp_path / "td.json"
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "task_difficulty.py"), "--levels", "add1,add3c",
-                          "--prompts", "16", "--samples", "2", "--max-tokens", "8", "--json", str(out)],
-                         capture_output=True, text=True, timeout=900,  # a fixed KV cache: no profiling run
-                         env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                              "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
-    for r in rows.values():
-        assert 0 <= r["greedy_accuracy"] <= 1 and 0 <= r["sampled_mean_reward"] <= r["prompts_with_a_reward"] <= 1
-    assert rows["add1"]["greedy_accuracy"] >= rows["add3c"]["greedy_accuracy"]
-    assert "add3c" in res.stdout
-
-
 def test_step_profile_splits_a_trace_by_kernel_name():
     """Issue 45's breakdown on a hand-made trace: device kernels by category (first match: norms as other, attention,
     linear, sampling, else other), idle = the window minus the union of the kernels (overlaps counted once), per step;
@@ -494,57 +478,6 @@ def test_small_m_gemm_layers_and_its_refusal_without_a_gpu():
     assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
 
 
-def _variants_check() -> None:
-    """Run inside a process started with TRITON_INTERPRET=1: every variant of benchmarks/decode_attn_variants.py that
-    computes attention equals float32 attention over the same FP8 values (FP8 probabilities: within FA3's error)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import decode_attn_variants as dav
-
-    from flashrl_tools.quant.kernels import fp8_decode_attn
-
-    g = torch.Generator().manual_seed(0)
-    lens, q_heads, kv_heads, d, page = torch.tensor([37, 100, 5], dtype=torch.int32), 16, 4, dav.D, dav.PAGE
-    pages = [(int(n) + page - 1) // page for n in lens]
-    perm = torch.randperm(sum(pages) + 1, generator=g).to(torch.int32)
-    bt = torch.zeros(len(pages), max(pages), dtype=torch.int32)
-    for i, p in enumerate(pages):
-        bt[i, :p] = perm[sum(pages[:i]):sum(pages[:i]) + p]
-    raw = (torch.randn(sum(pages) + 1, page, kv_heads, 2 * d, generator=g) * 2).to(torch.float8_e4m3fn)
-    q_scale = torch.tensor([0.05])
-    q8 = (torch.randn(3, q_heads, d, generator=g) * 2 / q_scale).to(torch.float8_e4m3fn)
-    b = {"lens": lens, "bt": bt, "raw": raw, "q8": q8, "q_scale": q_scale, "k_scale": torch.tensor([0.03]),
-         "v_scale": torch.tensor([0.02])}
-    ref = fp8_decode_attn.reference(q8, raw[..., :d], raw[..., d:], bt, lens, torch.arange(4, dtype=torch.int32),
-                                    d ** -0.5, b["k_scale"], b["v_scale"], q_scale=q_scale)
-    package = {}
-    for hpp in (1, None):  # one KV head a program (the `shipped` copy), and the package's default (two)
-        package[hpp] = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
-        fp8_decode_attn.fp8_decode_attention(q8, raw[..., :d], raw[..., d:], package[hpp], bt, lens,
-                                             torch.arange(4, dtype=torch.int32), d ** -0.5, b["k_scale"],
-                                             b["v_scale"], q_scale=q_scale, splits=2, block_n=32, heads=hpp)
-    b["qsl"] = torch.arange(4, dtype=torch.int32)
-    for name in ("package", "shipped", "shipped_cg", "shipped_paged", "qk_fp8", "qk_pv_fp8", "tma", "heads_fast", "hpp2", "hpp4",
-                 "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf", "hpp2_swap_hf", "swap_hf"):
-        out = torch.zeros(3, q_heads, d, dtype=torch.bfloat16)
-        dav.variant_fn(name, b, q_heads, kv_heads, 2, 32, out)()  # two splits: the merge too
-        err = float((out.float() - ref).abs().max() / ref.abs().max())
-        assert err <= (0.05 if name == "qk_pv_fp8" else 2 ** -7), (name, err)
-        if name in ("shipped", "hpp2_hf", "hpp2_hf_up", "hpp2_hf_pf", "hpp2_wide_hf"):  # the package's bits
-            assert torch.equal(out, package[1 if name == "shipped" else None]), name
-    # a GRPO group's shared prompt read once for the group (`group_hpp2_hf`): the same attention as float32's
-    import decode_attention as da  # benchmarks/, on the path above
-
-    gb = da.make_batch(q_heads, kv_heads, 8, 60, torch.Generator().manual_seed(1), shared=40, group=4, device="cpu")
-    gb.update(shared=40, group=4)
-    ref = fp8_decode_attn.reference(gb["q8"], gb["raw"][..., :d], gb["raw"][..., d:], gb["bt"], gb["lens"], gb["qsl"],
-                                    d ** -0.5, gb["k_scale"], gb["v_scale"], q_scale=gb["q_scale"])
-    out = torch.zeros(8, q_heads, d, dtype=torch.bfloat16)
-    dav.variant_fn("group_hpp2_hf", gb, q_heads, kv_heads, 2, 16, out)()
-    assert float((out.float() - ref).abs().max() / ref.abs().max()) <= 2 ** -7
-    with pytest.raises(ValueError, match="needs --shared-prompt"):
-        dav.variant_fn("group_hpp2_hf", b, q_heads, kv_heads, 2, 32, out)
-
-
 def test_decode_attention_shared_prompt_gives_each_group_the_same_prompt_pages():
     """decode_attention.py --shared-prompt: a GRPO group's sequences read the same physical pages for the prompt's
     full pages (as a prefix cache gives them), every other page is a sequence's own."""
@@ -562,25 +495,6 @@ def test_decode_attention_shared_prompt_gives_each_group_the_same_prompt_pages()
     assert not torch.equal(bt[0, :full], bt[4, :full])
     plain = da.make_batch(8, 2, 16, 200, torch.Generator().manual_seed(0), device="cpu")["bt"]
     assert len({int(p) for i in range(16) for p in plain[i, :full]}) == 16 * full
-
-
-def test_decode_attention_variants_compute_the_same_attention():
-    """The diagnostic's variants (benchmarks/decode_attn_variants.py) time the same attention as the shipped kernel:
-    through Triton's interpreter on CPU, in a process of its own (Triton reads TRITON_INTERPRET at import)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA GPU: the script itself checks each variant against the reference")
-    code = f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r}); from test_benchmarks import _variants_check; " \
-           "_variants_check()"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_attn_variants.py")], capture_output=True,
-                         text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # the script itself: one line
-    assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_attn_variants.py"), "--variants",
-                          "shipped,tmaa"], capture_output=True, text=True)
-    assert res.returncode != 0 and "--variants tmaa: unknown" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path, monkeypatch):

@@ -128,8 +128,9 @@ def test_sglang_checks_its_version_at_model_load(tiny_models, home, monkeypatch,
 
     from flashrl_tools.config.resolve import resolve
     from flashrl_tools.runtime.core import hooks
-    from flashrl_tools.runtime.sglang import capabilities, weight_sync
+    from flashrl_tools.runtime.sglang import adapter, capabilities, weight_sync
 
+    assert adapter.HOOKS  # its table declared (core.hooks.declare), as in a scheduler that loaded the plugin
     loaded = SglangLoaded("int8", tiny_models["llama-untied"], home / "s")
     runner = SimpleNamespace(model=loaded.model, server_args=SimpleNamespace(load_format="auto"))
     monkeypatch.setattr(capabilities, "sglang_version", lambda: "0.5.99")
@@ -142,3 +143,27 @@ def test_sglang_checks_its_version_at_model_load(tiny_models, home, monkeypatch,
     with caplog.at_level(logging.INFO, logger="flashrl_tools.runtime"):
         weight_sync.check_sglang_version(runner, loaded.session, resolve("int8"), str(loaded.model.path))
     assert "start-up self-check passed on SGLang 0.5.99" in caplog.text and loaded.session.completed == 0
+
+
+def test_a_sync_path_that_raises_or_no_hook_table_is_a_one_line_refusal(tiny_models, home):
+    """What an untested version's loaders raise while the policy is pushed back is the check's finding (one line,
+    not a traceback); a process whose adapter declared no hook table is refused too."""
+    from types import SimpleNamespace
+
+    from flashrl_tools.config.resolve import resolve
+
+    def load_weights(pairs):
+        raise TypeError("load_weights() got an unexpected keyword argument 'x'\nsecond line")
+
+    session = SimpleNamespace(state=SimpleNamespace(completed=0), load_weights=load_weights, status=lambda: None)
+    model = tiny_models["llama-untied"]
+    with pytest.raises(RuntimeError) as refused:
+        versions.check_at_start("vLLM", "0.99.0", ("0.26.0",), session, resolve("bf16"), model, False,
+                                lambda: [], lambda: {})
+    assert "the policy pushed back raised TypeError: load_weights() got an unexpected keyword argument 'x';" \
+        in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(RuntimeError, match="hooks not installed: the vLLM hook table"):
+        versions.check_at_start("vLLM", "0.99.0", ("0.26.0",), session, resolve("bf16"), model, False,
+                                lambda: ["the vLLM hook table"], lambda: {})
+    assert not versions.check_at_start("vLLM", "0.26.0+cu130", ("0.26.0",), session, resolve("bf16"), model, False,
+                                       lambda: ["never asked"], lambda: {})  # a tested version: nothing runs

@@ -68,8 +68,8 @@ def check_at_start(engine: str, version: str, declared: tuple[str, ...], session
                                f"self-check: {'; '.join(problems)}", None,
                                f"install a tested version, or see `{VERIFY}`; FLASHRL_VERSION_CHECK=0 skips the check")
         raise RuntimeError(f"flashrl: {refusal.message}")
-    log.info("flashrl: start-up self-check passed on %s %s (hooks installed; the policy pushed back left the weight "
-             "digest and the FP8 KV scales unchanged)", engine, version)
+    log.info("flashrl: start-up self-check passed on %s %s (hooks installed%s)", engine, version,
+             "" if skip_weights else "; the policy pushed back left the weight digest and the FP8 KV scales unchanged")
     return True
 
 
@@ -82,6 +82,8 @@ def _weights_unchanged(session, source: Path, fingerprint) -> list[str]:
     completed = session.state.completed
     try:
         push_policy(session, source)
+    except Exception as e:  # noqa: BLE001 -- whatever this version's loaders raise is the check's finding
+        return [f"the policy pushed back raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"]
     finally:
         session.state.completed = completed  # the check's push is not a trainer's sync
     diff = compare(before, fingerprint())
