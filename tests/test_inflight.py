@@ -111,6 +111,29 @@ def test_requests_are_salted_with_the_weights_version():
     assert salted(other, 1) is other
 
 
+def test_both_engines_key_a_request_by_the_same_version_and_salt(monkeypatch):
+    """One rule (core/inflight.py): the weights' version is the syncs the process's sessions completed, and a
+    request's prefix-cache key is its caller's salt plus that version -- the same key on vLLM (`cache_salt`, the
+    worker's `flashrl_version`) and on SGLang (`Req.extra_key`)."""
+    from types import SimpleNamespace
+
+    from flashrl_tools.runtime.core import process
+    from flashrl_tools.runtime.sglang import pause
+    from flashrl_tools.runtime.vllm import requests
+    from flashrl_tools.runtime.vllm.async_front import salted
+
+    session = SimpleNamespace(completed=5)
+    model = SimpleNamespace(flashrl_sync=session)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    monkeypatch.setattr(process, "_state", {"sessions": [session], "kvs": []})
+    version = requests.WORKER_METHODS["flashrl_version"](worker)
+    assert version == 5
+    for caller in (None, "lora7"):
+        req = SimpleNamespace(rid="r", extra_key=caller)
+        pause.salt(req, object())
+        assert req.extra_key == salted({"prompt_token_ids": [1], "cache_salt": caller}, version)["cache_salt"]
+
+
 # -- the CPU engine: pause, push, resume ---------------------------------------------------------------
 
 def run_probe(a: Path, b: Path, mode: str, config: str, *extra: str, kv: str | None = None) -> dict:

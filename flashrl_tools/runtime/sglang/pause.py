@@ -24,6 +24,7 @@ import logging
 
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import refusal
+from flashrl_tools.runtime.core.inflight import salted, version_salt, weights_version
 from flashrl_tools.runtime.core.kv_driver import calibrate
 from flashrl_tools.runtime.core.kv_math import is_fp8_kv
 from flashrl_tools.runtime.core.kv_state import calibration_index
@@ -34,12 +35,6 @@ MODE = "_flashrl_pause_mode"  # Scheduler / TokenizerManager attribute: the mode
 HELD = "_flashrl_held"  # Scheduler attribute: retracted requests held for the FP8 KV calibration
 FINISH_REQ = "_flashrl_finish_req"  # Scheduler attribute: the calibration's finish request, once the scales are written
 FROZEN = "_flashrl_frozen"  # Scheduler attribute: the running batch kept in place, set aside for the calibration
-SALT = "flashrl-weights-"
-
-
-def _version() -> int:
-    """Syncs this scheduler process completed (the radix-cache namespace of requests prefilled now)."""
-    return sum(s.completed for s in process.sessions())
 
 
 def salt(req, tree_cache=None, *args, **kwargs) -> None:
@@ -52,8 +47,10 @@ def salt(req, tree_cache=None, *args, **kwargs) -> None:
     if not hasattr(req, "_flashrl_key"):
         req._flashrl_key = getattr(req, "extra_key", None)
     base = req._flashrl_key
-    tag = req.rid if calibration_index(req.rid) is not None else f"{SALT}{_version()}"
-    req.extra_key = tag if base is None else f"{base}|{tag}"
+    if calibration_index(req.rid) is not None:
+        req.extra_key = salted(base, req.rid)
+    else:
+        req.extra_key = version_salt(base, weights_version(process.sessions()))
 
 
 def flush_after_update(original, updater, recv_req, *args, **kwargs):

@@ -22,6 +22,7 @@ import contextlib
 import logging
 
 from flashrl_tools.runtime.core.admission import admit
+from flashrl_tools.runtime.core.inflight import version_salt
 from flashrl_tools.runtime.core.kv_driver import calibrate, calibrating
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 from flashrl_tools.runtime.vllm.requests import calibration_prompt
@@ -82,13 +83,11 @@ class AsyncLLMFront:
 
 
 def salted(prompt, version: int):
-    """The request's prompt with the weights' version in its `cache_salt` (appended to the caller's)."""
-    tag = f"flashrl-weights-{version}"
+    """The request's prompt with the weights' version in its `cache_salt` (core/inflight.py)."""
     if isinstance(prompt, str):
-        return {"prompt": prompt, "cache_salt": tag}
+        return {"prompt": prompt, "cache_salt": version_salt(None, version)}
     if isinstance(prompt, dict) and ("prompt" in prompt or "prompt_token_ids" in prompt):
-        salt = prompt.get("cache_salt")
-        return {**prompt, "cache_salt": tag if salt is None else f"{salt}|{tag}"}
+        return {**prompt, "cache_salt": version_salt(prompt.get("cache_salt"), version)}
     return prompt  # an engine-core request or a stream: the caller's salt as it is
 
 

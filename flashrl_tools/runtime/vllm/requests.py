@@ -61,8 +61,10 @@ def kv_rescalable(worker) -> str | None:
 
 def version(worker) -> int:
     """How many syncs the worker's model completed (the prefix-cache salt of new requests)."""
+    from flashrl_tools.runtime.core.inflight import weights_version
+
     session = getattr(_model(worker), "flashrl_sync", None)
-    return 0 if session is None else session.completed
+    return weights_version([] if session is None else [session])
 
 
 def kv_abandon(worker) -> None:
