@@ -16,13 +16,13 @@ while [ "$(date +%s)" -lt "$end" ]; do
 done
 pack
 cat "$RES"/session.log 2>/dev/null | tail -n 5
-for f in "$RES"/trl/*.log "$RES"/verl/*.log "$RES"/j01/verl/async-*.log "$RES"/check.log; do
+for f in "$RES"/trl/*.log "$RES"/verl/*.log "$RES"/*/trl/*.log "$RES"/*/verl/*.log "$RES"/*/verl/async-*.log "$RES"/check.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
 done
 for f in "$RES"/goal/*.log "$RES"/*/goal/*.log "$RES"/*/*.log "$RES"/speed/*.log "$RES"/j01/*.log "$RES"/dg/*.log "$RES"/aq/*.log "$RES"/*.log; do  # gpu_job_speed.sh / a JOB01 (gpu_job_sglang42.sh): last rows
   [ -f "$f" ] && { echo "== $f"; grep -v '^\s*$' "$f" | tail -n 2 | cut -c1-240; }
 done
-for f in "$RES"/arms-*/*-s[0-9].jsonl; do  # issue 44's arms: steps logged, held-out results, final check
+for f in "$RES"/arms-*/*-s[0-9].jsonl "$RES"/*/arms-*/*-s[0-9].jsonl; do  # issue 44's arms: steps logged, held-out results, final check
   [ -f "$f" ] && echo "$(basename "$(dirname "$f")")/$(basename "$f"): $(grep -c '"critic/score/mean"' "$f") steps," \
     "$(cat "${f%.jsonl}.heldout.jsonl" 2>/dev/null | wc -l) held-out, $(grep -o '"equal": [a-z]*' "$f" | tail -n 1)"
 done

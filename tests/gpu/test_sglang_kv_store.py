@@ -4,7 +4,7 @@ place by a 0-dim float32 scale, cast to FP8). A Qwen3-8B-shaped layer's K and V 
 into random slots of a 1,024-slot pool: only those slots written, every value within one FP8 step of SGLang's,
 at most 4 % not bit-equal (2026-11-27, H200: 2.97 % of K; the first bound, 1 %, was a guess and failed); past
 464 SGLang's cast gives NaN where the fused kernel saturates at 448. The engine with the fused store equals a
-fresh one: test_sglang.py's `dense-int8+kv@fa3` with the switch on (scripts/gpu_job_kv_store.sh)."""
+fresh one: test_sglang.py's `dense-int8+kv@fa3` with the switch on (the GPU job `kv_store`, scripts/jobs/)."""
 
 from __future__ import annotations
 

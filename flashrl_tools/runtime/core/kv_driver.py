@@ -22,7 +22,6 @@ import contextvars
 import logging
 import time
 import uuid
-from typing import Protocol
 
 log = logging.getLogger("flashrl_tools.runtime")
 
@@ -34,10 +33,19 @@ def calibrating() -> bool:
     return _calibrating.get()
 
 
-class KVFront(Protocol):
-    """The adapter's front end (every method a coroutine; a synchronous engine's return at once)."""
+def shared_lock(owner) -> asyncio.Lock:
+    """`KVFront.lock` of an asynchronous front end: one lock per engine object (`owner`), so rollouts arriving while
+    a calibration runs wait for it."""
+    return owner.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
 
-    def lock(self) -> contextlib.AbstractAsyncContextManager: ...
+
+class KVFront:
+    """The adapter's front end: how each step of a calibration is done on its engine (every method a coroutine; a
+    synchronous engine's return at once). `calibrate` below is the one protocol; an adapter subclasses this and
+    implements every method without a default."""
+
+    def lock(self) -> contextlib.AbstractAsyncContextManager:
+        raise NotImplementedError
 
     def aside(self) -> contextlib.AbstractAsyncContextManager[int | None]:
         """Set the requests in flight aside for the calibration (frozen, their KV blocks kept), and
@@ -46,28 +54,42 @@ class KVFront(Protocol):
 
     async def stale(self) -> bool:
         """Whether the scales may not be those of the current weights."""
+        raise NotImplementedError
 
     async def in_flight(self) -> int:
         """Requests the engine is still serving."""
+        raise NotImplementedError
 
-    async def flush(self) -> bool: ...
+    async def flush(self) -> bool:
+        raise NotImplementedError
 
     def sequences(self) -> list[list[int]]:
         """The calibration token ids for this engine (kv_math.calibration_inputs)."""
+        raise NotImplementedError
 
-    async def arm(self) -> None: ...
+    async def arm(self) -> None:
+        raise NotImplementedError
 
     async def prefill(self, ids: list[int], rid: str) -> bool:
         """One calibration sequence, one token generated; False if the engine aborted it."""
+        raise NotImplementedError
 
-    # optional -- `prefill_all(items: list[tuple[ids, rid]]) -> bool`: every calibration sequence sent at once, the
-    # engine still prefilling each in a batch of its own (a fresh engine's batches: the same kernels' results) and
-    # in order; False if it aborted any. Saves a front-end round trip per sequence (SGLang: scheduler.py
-    # `one_calibration_per_batch`).
+    async def prefill_all(self, items: list[tuple[list[int], str]]) -> bool | None:
+        """Every calibration sequence sent at once, the engine still prefilling each in a batch of its own (a fresh
+        engine's batches: the same kernels' results) and in order; False if it aborted any; None (this default):
+        the engine takes them one `prefill` at a time. Saves a round trip per sequence (SGLang: scheduler.py
+        `one_calibration_per_batch`)."""
+        return None
 
-    async def finish(self, token: str, ok: bool, rescale: bool) -> bool:
-        """The model side writes the scales (ok) or goes back to the ones in use (not ok); False if
-        the scales were not written. `rescale`: requests set aside hold entries of the old scales."""
+    async def write_scales(self, token: str, rescale: bool) -> bool:
+        """The model side writes the calibrated scales; False if they were not written. `rescale`: requests set
+        aside hold entries of the old scales (re-encoded for the new ones)."""
+        raise NotImplementedError
+
+    async def abandon(self, token: str, rescale: bool) -> None:
+        """The calibration failed: the model side goes back to the scales in use (requests set aside go on with
+        them)."""
+        raise NotImplementedError
 
     def calibrated(self) -> None:
         """The calibration completed: the scales are those of the current weights."""
@@ -100,9 +122,8 @@ async def calibrate(front: KVFront) -> bool:
                     await front.arm()
                     t = time.perf_counter()
                     items = [(ids, calibration_rid(token, i)) for i, ids in enumerate(sequences)]
-                    if hasattr(front, "prefill_all"):
-                        sent = await front.prefill_all(items)
-                    else:
+                    sent = await front.prefill_all(items)
+                    if sent is None:
                         sent = True
                         for ids, rid in items:
                             if not await front.prefill(ids, rid):
@@ -112,7 +133,10 @@ async def calibrate(front: KVFront) -> bool:
             finally:
                 try:
                     t = time.perf_counter()
-                    written = await front.finish(token, sent, bool(kept))
+                    if sent:  # finish, or abandon: the one rule for every engine
+                        written = await front.write_scales(token, bool(kept))
+                    else:
+                        await front.abandon(token, bool(kept))
                     took["finish"] = time.perf_counter() - t
                 finally:
                     t = time.perf_counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from flashrl_tools.runtime.core.kv_driver import NoLock, calibrate, calibrating
+from flashrl_tools.runtime.core.kv_driver import KVFront, NoLock, calibrate, calibrating, shared_lock
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index, calibration_rid
 
@@ -30,7 +30,7 @@ def _served(out) -> bool:
     return (((out or {}).get("meta_info") or {}).get("finish_reason") or {}).get("type") != "abort"
 
 
-class TokenizerFront:
+class TokenizerFront(KVFront):
     """`KVFront` of SGLang's TokenizerManager. `original`: the unhooked `generate_request`."""
 
     def __init__(self, original, manager):
@@ -38,7 +38,7 @@ class TokenizerFront:
         self._first: list[int] = []
 
     def lock(self):
-        return self.manager.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
+        return shared_lock(self.manager)
 
     def aside(self):
         """Requests in flight are set aside by the schedulers at a continue after a retract or an in-place
@@ -103,15 +103,15 @@ class TokenizerFront:
             return True, None
         return False, out
 
-    async def finish(self, token: str, ok: bool, rescale: bool = False) -> bool:
-        """A last request makes the schedulers write the scales (and rescale the entries of requests set
-        aside). A failed calibration sends none -- the schedulers go back to the scales in use at the next
+    async def write_scales(self, token: str, rescale: bool) -> bool:
+        """A last request makes the schedulers write the scales (and rescale the entries of requests set aside)."""
+        return await self.prefill(self._first, calibration_rid(token, FINISH))
+
+    async def abandon(self, token: str, rescale: bool) -> None:
+        """A failed calibration sends no request -- the schedulers go back to the scales in use at the next
         request --, or, with requests set aside (`rescale`), ABANDON: they go on at once, on those scales."""
-        if ok:
-            return await self.prefill(self._first, calibration_rid(token, FINISH))
         if rescale:
             await self.prefill(self._first, calibration_rid(token, ABANDON))
-        return False
 
     def calibrated(self) -> None:
         setattr(self.manager, STALE, False)

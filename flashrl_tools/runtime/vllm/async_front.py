@@ -23,7 +23,7 @@ import logging
 
 from flashrl_tools.runtime.core.admission import admit
 from flashrl_tools.runtime.core.inflight import version_salt
-from flashrl_tools.runtime.core.kv_driver import calibrate, calibrating
+from flashrl_tools.runtime.core.kv_driver import KVFront, calibrate, calibrating, shared_lock
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 from flashrl_tools.runtime.vllm.requests import calibration_prompt
 
@@ -31,7 +31,7 @@ log = logging.getLogger("flashrl_tools.runtime")
 RESUMED = "_flashrl_resumed"  # AsyncLLM attribute while paused: an asyncio.Event set by the resume
 
 
-class AsyncLLMFront:
+class AsyncLLMFront(KVFront):
     """`KVFront` of `AsyncLLM`: requests arriving meanwhile wait on its lock."""
 
     def __init__(self, engine):
@@ -40,7 +40,7 @@ class AsyncLLMFront:
         self.kept_blocks: list[list[int]] | None = None  # their KV blocks, per KV-cache group
 
     def lock(self):
-        return self.engine.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
+        return shared_lock(self.engine)
 
     def aside(self):
         return aside(self)
@@ -71,12 +71,12 @@ class AsyncLLMFront:
             pass
         return True
 
-    async def finish(self, token: str, ok: bool, rescale: bool = False) -> bool:
-        if ok:
-            await self.engine.collective_rpc("flashrl_kv_finish", args=(self.kept_blocks if rescale else None,))
-        else:
-            await self.engine.collective_rpc("flashrl_kv_abandon")
-        return ok
+    async def write_scales(self, token: str, rescale: bool) -> bool:
+        await self.engine.collective_rpc("flashrl_kv_finish", args=(self.kept_blocks if rescale else None,))
+        return True
+
+    async def abandon(self, token: str, rescale: bool) -> None:
+        await self.engine.collective_rpc("flashrl_kv_abandon")
 
     def calibrated(self) -> None:
         pass

@@ -8,7 +8,7 @@ below (`AsyncLLM`'s front end, pause and resume: async_front.py)."""
 from __future__ import annotations
 
 from flashrl_tools.runtime.core.admission import admit
-from flashrl_tools.runtime.core.kv_driver import NoLock, calibrate, calibrating, run_sync
+from flashrl_tools.runtime.core.kv_driver import KVFront, NoLock, calibrate, calibrating, run_sync
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 
 
@@ -100,7 +100,7 @@ WORKER_METHODS = {f"flashrl_{f.__name__}": f for f in (sync_status, inplace_laye
 
 # -- the synchronous front end: vllm.LLM ------------------------------------------------------
 
-class LLMFront:
+class LLMFront(KVFront):
     """`KVFront` of `vllm.LLM` (no request runs while one is added: no step ever waits)."""
 
     def __init__(self, llm):
@@ -140,12 +140,12 @@ class LLMFront:
                                                                            detokenize=False), use_tqdm=False)
         return True
 
-    async def finish(self, token: str, ok: bool, rescale: bool = False) -> bool:
-        if ok:
-            self.llm.collective_rpc("flashrl_kv_finish")
-        else:
-            self.llm.collective_rpc("flashrl_kv_abandon")
-        return ok
+    async def write_scales(self, token: str, rescale: bool) -> bool:
+        self.llm.collective_rpc("flashrl_kv_finish")
+        return True
+
+    async def abandon(self, token: str, rescale: bool) -> None:
+        self.llm.collective_rpc("flashrl_kv_abandon")
 
     def calibrated(self) -> None:
         pass
