@@ -35,10 +35,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import D, PAGE, bench, make_batch  # noqa: E402
-from decode_attn_variants import SHAPES  # noqa: E402
+from shapes import QWEN3, QWEN25  # noqa: E402
 
 from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 from flashrl_tools.quant.kernels.xqa_decode import SCRATCH_BYTES, SEMAPHORE_BYTES  # noqa: E402
+
+
+SHAPES = {name: (cfg["num_attention_heads"], cfg["num_key_value_heads"])  # (query heads, KV heads)
+          for name, cfg in {**QWEN25, **QWEN3}.items() if name != "tiny"}
 
 
 def module_name(group: int, head_dim: int = D) -> str:
