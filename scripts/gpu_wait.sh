@@ -19,7 +19,7 @@ cat "$RES"/session.log 2>/dev/null | tail -n 5
 for f in "$RES"/trl/*.log "$RES"/verl/*.log "$RES"/*/trl/*.log "$RES"/*/verl/*.log "$RES"/*/verl/async-*.log "$RES"/check.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
 done
-for f in "$RES"/goal/*.log "$RES"/*/goal/*.log "$RES"/*/*.log "$RES"/speed/*.log "$RES"/j01/*.log "$RES"/dg/*.log "$RES"/aq/*.log "$RES"/*.log; do  # gpu_job_speed.sh / a JOB01 (gpu_job_sglang42.sh): last rows
+for f in "$RES"/goal/*.log "$RES"/*/goal/*.log "$RES"/*/*.log "$RES"/speed/*.log "$RES"/j01/*.log "$RES"/dg/*.log "$RES"/aq/*.log "$RES"/*.log; do  # rows (gpu_rows.sh) and logs: last lines
   [ -f "$f" ] && { echo "== $f"; grep -v '^\s*$' "$f" | tail -n 2 | cut -c1-240; }
 done
 for f in "$RES"/arms-*/*-s[0-9].jsonl "$RES"/*/arms-*/*-s[0-9].jsonl; do  # issue 44's arms: steps logged, held-out results, final check
