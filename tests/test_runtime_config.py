@@ -91,3 +91,18 @@ def test_converter_matches_offline_requantization(tiny_models, tmp_path):
             for c in (conv, online):
                 assert all(torch.equal(a, b) for (_, a), (_, b) in zip(c.convert(name, t.float()), c.convert(name, t)))
     assert WeightConverter(ConfigFn.bf16, set(), None).convert("x", torch.ones(2))[0][0] == "x"
+
+
+def test_settings_read_the_environment_as_it_is_now(monkeypatch):
+    """A library may replace `os.environ` (datasets' `Dataset.map(num_proc=...)` leaves a copy behind): the settings
+    read the mapping in force, not the one of import time."""
+    import copy
+    import os
+
+    from flashrl_tools.config.settings import settings
+
+    monkeypatch.setattr(os, "environ", copy.deepcopy(os.environ))
+    monkeypatch.setenv("FLASHRL_VERSION_CHECK", "0")
+    assert settings().version_check is False
+    monkeypatch.setenv("FLASHRL_VERSION_CHECK", "1")
+    assert settings().version_check is True

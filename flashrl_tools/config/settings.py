@@ -73,7 +73,9 @@ class Settings:
     version_check: bool  # an engine version not declared tested runs the start-up self-check (runtime/core/versions.py)
 
     @classmethod
-    def read(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+    def read(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """`environ` (default: `os.environ` as it is now -- a library that replaces the mapping, not a stale one)."""
+        environ = os.environ if environ is None else environ
         raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
         flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle", "fused_kv_store",
                  "version_check"}
