@@ -57,7 +57,11 @@ def choose_for_sglang(runner) -> None:
     """At model load with an FP8 KV cache: flashrl's kernels for this model's shape, or fa3 for every batch (logged
     once: `core.choose`)."""
     cfg, tp = runner.model_config, max(1, getattr(runner, "tp_size", 1))
-    core.choose(cfg.head_dim, cfg.num_attention_heads // tp, cfg.get_num_kv_heads(tp), "SGLang")
+    try:
+        shape = cfg.head_dim, cfg.num_attention_heads // tp, cfg.get_num_kv_heads(tp)
+    except (AttributeError, TypeError):  # another SGLang's config: the per-call check (`takes`) still decides
+        return
+    core.choose(*shape, "SGLang")
 
 
 def _scalar(descale):
