@@ -200,6 +200,14 @@ class Manager:
         self.sent, self.flushes, self.abort = [], 0, abort
         self.on_prefill = on_prefill
 
+    async def get_internal_state(self):
+        """The schedulers' answer (one DP group): their sync state through the adapter's sync_state hook."""
+        from flashrl_tools.runtime.sglang import pause
+
+        out = SimpleNamespace(internal_state={})
+        pause.sync_state(out, None)
+        return [out.internal_state]
+
     async def flush_cache(self):
         self.flushes += 1
         self.sent.append(("<flush>", []))

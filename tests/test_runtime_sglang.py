@@ -593,7 +593,7 @@ def _scheduler(waiting, running=()):
     return SimpleNamespace(waiting_queue=list(waiting), running_batch=SimpleNamespace(reqs=list(running)))
 
 
-def test_a_continue_before_the_sync_completed_aborts_what_the_pause_held(monkeypatch):
+def test_a_rank_still_incomplete_at_a_continue_aborts_what_it_kept(monkeypatch):
     from flashrl_tools.runtime.sglang import pause
 
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.schedule_batch",
@@ -615,6 +615,40 @@ def test_a_continue_before_the_sync_completed_aborts_what_the_pause_held(monkeyp
     s = _scheduler([], [kept])
     pause.scheduler_continue(lambda *a: None, s, SimpleNamespace())
     assert kept.to_finish is None
+
+
+def test_a_continue_before_the_sync_completed_is_refused_at_the_front_end():
+    """core/inflight.resume_refusal, the rule of both engines: the front end asks the schedulers' sync state
+    (get_internal_state, answered by a paused scheduler through the sync_state hook) and raises before the continue
+    reaches them -- the engine stays paused with what it kept; complete: the continue goes on."""
+    import asyncio
+
+    from flashrl_tools.runtime.core.session import SyncIncomplete
+    from flashrl_tools.runtime.sglang import pause
+
+    session = SimpleNamespace(completed=1, status=lambda: "a weight sync is in progress (3 of 10 tensors)")
+    process.sessions().append(session)
+    state = SimpleNamespace(internal_state={"load_format": "auto"})
+    assert pause.sync_state(state, object()) is None
+    assert state.internal_state[pause.SYNC_STATE] == "a weight sync is in progress (3 of 10 tensors)"
+
+    async def internal_state():
+        out = SimpleNamespace(internal_state={})
+        pause.sync_state(out, None)
+        return [out.internal_state]
+
+    calls = []
+
+    async def original(manager, obj):
+        calls.append("continue")
+
+    manager = SimpleNamespace(get_internal_state=internal_state, server_args=SimpleNamespace(kv_cache_dtype="auto"))
+    with pytest.raises(SyncIncomplete, match=r"before the weight sync completed \(a weight sync is in progress"):
+        asyncio.run(pause.front_continue(original, manager, SimpleNamespace()))
+    assert calls == []  # nothing reached the schedulers: still paused
+    session.status = lambda: None
+    asyncio.run(pause.front_continue(original, manager, SimpleNamespace()))
+    assert calls == ["continue"]
 
 
 def test_retracted_requests_wait_for_the_fp8_kv_scales_of_the_new_weights():

@@ -187,12 +187,16 @@ def verdict(mode: str, got: dict, fresh: dict) -> dict:
                   for x, y in zip(o["logprobs"][got["at_pause"][r]:], fresh["scored"][f"tf-{r}"]) if y is not None]
         row["kept_logprob_delta_mean"] = sum(deltas) / max(1, len(deltas))
         mid = got["mid_sync"]
-        row["mid_sync"] = {"held": sorted({(o["finish_reason"], (o["message"] or "")[:120]) for o in mid["held"].values()}),
-                           "refused": (mid["refused"]["finish_reason"], (mid["refused"]["message"] or "")[:160])}
-        checks["a continue mid-sync aborts the held requests with the reason"] = all(
-            o["finish_reason"] == "abort" and "before the weight sync completed" in (o["message"] or "")
-            for o in mid["held"].values())
-        checks["a request mid-sync is refused"] = mid["refused"]["finish_reason"] == "abort"
+        row["mid_sync"] = {"continue_refused": (mid["continue_refused"] or "")[:200], "new_waited": mid["new_waited"],
+                           "held": sorted({o["finish_reason"] for o in mid["held"].values()}),
+                           "new": mid["new"]["finish_reason"]}
+        checks["a continue mid-sync is refused with the reason (core/inflight.resume_refusal)"] = (
+            "before the weight sync completed" in (mid["continue_refused"] or ""))
+        checks["the requests it kept stay paused, then finish after the full push (none aborted)"] = all(
+            o["finish_reason"] != "abort" and len(o["tokens"]) > mid["held_at_refusal"][r]
+            for r, o in mid["held"].items())
+        checks["a request sent after the refused continue waits, then is served"] = (
+            mid["new_waited"] and mid["new"]["finish_reason"] != "abort")
         checks["after the sync completed a request = fresh engine"] = mid["full_push"][0] and _equal(
             mid["repeat0"], f["mid-repeat0"])
     if got.get("kv_scales") is not None:

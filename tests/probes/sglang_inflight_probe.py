@@ -182,8 +182,9 @@ async def run(engine, a: str, b: str, mode: str, requests: int, tokens: int, pau
 
 
 async def mid_sync(engine, s: Streams, a: str, b: str, tokens: int) -> dict:
-    """Requests in flight, pause in place, 3 tensors of A pushed (a sync begun), continue: what the pause
-    held is aborted with the reason and a new request refused; B again in full, then a request is served."""
+    """Requests in flight, pause in place, 3 tensors of A pushed (a sync begun), continue: refused with the reason
+    (the engine stays paused with what it kept); a request sent then waits; B in full, continue: the kept requests
+    finish, the waiting one is served, and a request = fresh engine."""
     from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
     tm = engine.tokenizer_manager
@@ -191,11 +192,18 @@ async def mid_sync(engine, s: Streams, a: str, b: str, tokens: int) -> dict:
     while not all(s.seen.get(r, 0) >= 4 for r in held):
         await asyncio.sleep(0.002)
     await tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
-    partial = await push(engine, a, count=3)
-    await tm.continue_generation(ContinueGenerationReqInput())
-    out = {"partial_push": partial, "held": {r: await t for r, t in held.items()},
-           "refused": await s.gen("mid-new", prompt(80), 8)}
+    out = {"partial_push": await push(engine, a, count=3), "continue_refused": None}
+    try:
+        await tm.continue_generation(ContinueGenerationReqInput())
+    except Exception as e:  # the refusal (SyncIncomplete)
+        out["continue_refused"] = str(e)
+    new = asyncio.create_task(s.gen("mid-new", prompt(80), 8))
+    await asyncio.sleep(0.5)
+    out["new_waited"] = not new.done() and "mid-new" not in s.first
+    out["held_at_refusal"] = {r: s.seen.get(r, 0) for r in held}
     out["full_push"] = await push(engine, b)
+    await tm.continue_generation(ContinueGenerationReqInput())
+    out.update(held={r: await t for r, t in held.items()}, new=await new)
     out["repeat0"] = await s.gen("mid-repeat0", prompt(0), 8, key("mid-repeat0"))
     return out
 

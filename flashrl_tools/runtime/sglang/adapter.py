@@ -68,8 +68,10 @@ HOOKS: tuple[Hook, ...] = declare("sglang", (
     Hook("pause", "sglang.srt.managers.scheduler.Scheduler.pause_generation", pause.scheduler_pause,
          HookKind.AROUND, "scheduler", "remember the pause's mode"),
     Hook("continue", "sglang.srt.managers.scheduler.Scheduler.continue_generation", pause.scheduler_continue,
-         HookKind.AROUND, "scheduler", "weights incomplete: abort what the pause held; stale FP8 KV scales: set "
-         "aside the retracted requests, or the running batch kept in place, until the scales are written"),
+         HookKind.AROUND, "scheduler", "stale FP8 KV scales: set aside the retracted requests, or the running batch "
+         "kept in place, until the scales are written (a rank still incomplete: abort what it kept)"),
+    Hook("sync_state", "sglang.srt.managers.scheduler.Scheduler.get_internal_state", pause.sync_state,
+         HookKind.AFTER, "scheduler", "the scheduler's sync state, for the front end's continue"),
     Hook("release_held", "sglang.srt.managers.scheduler.Scheduler.process_batch_result", pause.release_held,
          HookKind.AFTER, "scheduler", "FP8 KV: retracted and waiting requests set aside go on once the "
          "calibration's last request ran"),
@@ -88,8 +90,8 @@ HOOKS: tuple[Hook, ...] = declare("sglang", (
     Hook("front_pause", f"{_TOKENIZER}.pause_generation", pause.front_pause, HookKind.AROUND, "engine / server",
          "remember the pause's mode"),
     Hook("front_continue", f"{_TOKENIZER}.continue_generation", pause.front_continue, HookKind.AROUND,
-         "engine / server", "FP8 KV after a retract or in place: calibrate at the continue, beside the requests "
-         "set aside"),
+         "engine / server", "refused before the sync completed (the engine stays paused); FP8 KV after a retract "
+         "or in place: calibrate at the continue, beside the requests set aside"),
     Hook("kv_calibrate", f"{_TOKENIZER}.generate_request", kv_front.generate_request, HookKind.AROUND,
          "engine / server", "FP8 KV cache: calibrate before the next rollout after an update"),
     *(Hook(f"kv_after_{kind}", f"{_CONTROL}.update_weights_from_{kind}", kv_front.weights_changed, HookKind.AROUND,

@@ -7,8 +7,12 @@ the weights pushed while paused, `continue_generation`.
   whole, a new request never shares the prefix of a request kept in place. SGLang itself can only flush the
   cache when idle and asserts after an update with requests paused in flight (`flush_cache=True`, its
   default): the flush is skipped there (the namespaces keep the versions apart).
-- A `continue_generation` before the sync completed aborts the requests the pause held, with the reason
-  (they would decode on half-updated weights); new requests are refused by admission until the sync completes.
+- A `continue_generation` before the sync completed is refused (core/inflight.py `resume_refusal`, the rule of
+  both engines): the front end asks the schedulers' sync state (SGLang's `get_internal_state`, which a paused
+  scheduler answers) and raises before anything is sent: the engine stays paused with what the pause kept, new
+  requests wait for the next continue. A scheduler that still finds its own sync incomplete at a continue (a
+  rank the state query does not reach: SGLang answers it from each DP group's first rank) aborts what it kept
+  with the same message rather than decode on half-updated weights.
 - FP8 KV cache, no drain: at the continue (scales stale) each scheduler sets aside what the pause held --
   retracted requests (they hold no KV) and, in place, the running batch with its KV (`freeze`; a prefill
   cut into chunks mid-way is aborted through SGLang's own chunked abort) and requests not yet prefilled --
@@ -24,7 +28,8 @@ import logging
 
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import refusal
-from flashrl_tools.runtime.core.inflight import salted, version_salt, weights_version
+from flashrl_tools.runtime.core.inflight import resume_refusal, salted, version_salt, weights_version
+from flashrl_tools.runtime.core.session import SyncIncomplete
 from flashrl_tools.runtime.core.kv_driver import calibrate
 from flashrl_tools.runtime.core.kv_math import is_fp8_kv
 from flashrl_tools.runtime.core.kv_state import calibration_index
@@ -34,6 +39,7 @@ log = logging.getLogger("flashrl_tools.runtime")
 MODE = "_flashrl_pause_mode"  # Scheduler / TokenizerManager attribute: the mode of the pause in force
 HELD = "_flashrl_held"  # Scheduler attribute: retracted requests held for the FP8 KV calibration
 FINISH_REQ = "_flashrl_finish_req"  # Scheduler attribute: the calibration's finish request, once the scales are written
+SYNC_STATE = "flashrl_sync_status"  # get_internal_state's key: a scheduler's sync state (None: complete)
 FROZEN = "_flashrl_frozen"  # Scheduler attribute: the running batch kept in place, set aside for the calibration
 
 
@@ -72,14 +78,14 @@ def scheduler_pause(original, scheduler, recv_req, *args, **kwargs):
 
 
 def scheduler_continue(original, scheduler, recv_req, *args, **kwargs):
-    """AROUND `Scheduler.continue_generation`: abort what the pause held if the weights are incomplete;
-    with a stale FP8 KV cache after a retract, hold the retracted requests until the scales are written."""
+    """AROUND `Scheduler.continue_generation`: with a stale FP8 KV cache after a retract or an in-place pause, set
+    what the pause kept aside until the scales are written. (The front end refused a continue before the sync
+    completed; a rank it did not ask that is still incomplete aborts what it kept, with the same message.)"""
     mode = getattr(scheduler, MODE, None)
     setattr(scheduler, MODE, None)
-    problem = refusal(s.status() for s in process.sessions())
-    if problem:
-        abort_held(scheduler, f"flashrl: generation continued before the weight sync completed ({problem}); "
-                   "requests paused across it are aborted")
+    why = resume_refusal(s.status() for s in process.sessions())
+    if why is not None:
+        abort_kept(scheduler, why)
     elif mode in ("retract", "in_place") and any(kv.stale() for kv in process.kv_states()):
         if mode == "in_place":
             freeze(scheduler)
@@ -145,7 +151,7 @@ def busy(original, scheduler, *args, **kwargs):
     return original(scheduler, *args, **kwargs)
 
 
-def abort_held(scheduler, why: str) -> None:
+def abort_kept(scheduler, why: str) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     running = [r for r in scheduler.running_batch.reqs if not r.finished()]
@@ -154,8 +160,16 @@ def abort_held(scheduler, why: str) -> None:
     for req in scheduler.waiting_queue:
         if getattr(req, "finished_reason", None) is None:
             req.set_finish_with_abort(why)
-    if running or scheduler.waiting_queue:
-        log.error("%s (%d)", why, len(running) + len(scheduler.waiting_queue))
+    log.error("%s -- on this rank the requests it kept are aborted (%d)", why,
+              len(running) + len(scheduler.waiting_queue))
+
+
+def sync_state(result, scheduler, *args, **kwargs) -> None:
+    """AFTER `Scheduler.get_internal_state`: the scheduler's sync state (None: complete), for the front end's
+    continue (`front_continue`)."""
+    state = getattr(result, "internal_state", None)
+    if isinstance(state, dict):
+        state[SYNC_STATE] = refusal(s.status() for s in process.sessions())
 
 
 def finish_queued(scheduler, req) -> None:
@@ -193,9 +207,13 @@ async def front_pause(original, manager, obj, *args, **kwargs):
 
 
 async def front_continue(original, manager, obj, *args, **kwargs):
-    """AROUND `TokenizerManager.continue_generation`: with an FP8 KV cache whose scales are stale after a
-    retract or an in-place pause, calibrate right after the continue, beside the requests the schedulers
-    set aside (scheduler_continue)."""
+    """AROUND `TokenizerManager.continue_generation`: refused before every scheduler's sync completed (raised: the
+    engine stays paused); with an FP8 KV cache whose scales are stale after a retract or an in-place pause,
+    calibrate right after the continue, beside the requests the schedulers set aside (scheduler_continue)."""
+    why = resume_refusal(s.get(SYNC_STATE) for s in await manager.get_internal_state() if isinstance(s, dict))
+    if why is not None:
+        log.error("%s", why)
+        raise SyncIncomplete(why)
     mode = getattr(manager, MODE, None)
     setattr(manager, MODE, None)
     fp8 = is_fp8_kv(getattr(manager.server_args, "kv_cache_dtype", "auto"))

@@ -4,9 +4,9 @@ trainers' engines): request admission, the FP8 KV calibration, and in-flight wei
 
 - Every request is salted with the weights' version (vLLM's `cache_salt`): after an update no request
   reuses prefix-cache blocks computed by the old weights, while requests kept in flight keep theirs.
-- While the engine is paused a new request waits for the resume (vLLM would queue it); the resume is
-  refused (the engine stays paused, the trainer can push the rest) while any worker's weights are
-  incomplete, so kept requests never decode on half-updated weights.
+- While the engine is paused a new request waits for the resume (vLLM would queue it); a resume before
+  every worker's sync completed is refused (core/inflight.py `resume_refusal`: the engine stays paused with
+  the requests it kept, the trainer pushes the rest).
 - With an FP8 KV cache the resume calibrates the new weights' scales before any request runs, with the
   requests kept in flight set aside in the engine core (pause.py `hold`): the calibration's prefills run
   alone -- the batches of a fresh engine --, the workers write the scales and re-encode the kept
@@ -22,7 +22,8 @@ import contextlib
 import logging
 
 from flashrl_tools.runtime.core.admission import admit
-from flashrl_tools.runtime.core.inflight import version_salt
+from flashrl_tools.runtime.core.inflight import resume_refusal, version_salt
+from flashrl_tools.runtime.core.session import SyncIncomplete
 from flashrl_tools.runtime.core.kv_driver import KVFront, calibrate, calibrating, shared_lock
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 from flashrl_tools.runtime.vllm.requests import calibration_prompt
@@ -185,7 +186,9 @@ async def resume_generation(original, engine, *args, **kwargs):
     """AROUND `AsyncLLM.resume_generation`: refused while any worker's weights are incomplete; with an
     FP8 KV cache, the scales of the new weights are calibrated (kept requests set aside, their entries
     rescaled) before the engine resumes."""
-    admit(await engine.collective_rpc("flashrl_sync_status"))
+    why = resume_refusal(await engine.collective_rpc("flashrl_sync_status"))
+    if why is not None:
+        raise SyncIncomplete(why)
     engine._flashrl_ready_epoch = None  # the next request asks the workers again (and reads the version)
     if is_fp8_kv(engine.vllm_config.cache_config.cache_dtype):
         await calibrate(AsyncLLMFront(engine))
