@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU job runner (scripts/GPU.md): runs the job files scripts/jobs/JOB.job one after another (a NAME.queue
 # there lists job names, one a line), after the staging their NEEDS name. A job file is bash variables:
-#   NEEDS="vllm sglang trainers model xqa sq"  what must be staged (checked here; NO_CHECK=1 skips the check)
+#   NEEDS="vllm sglang trainers ray model xqa sq"  what must be staged (checked here; NO_CHECK=1 skips the check)
 #   GPUS=N                                     GPUs it uses (the host must have them)
 #   TESTS="name:jobs:engine:node ids" lines    scripts/gpu_tests.sh's TEST_GROUPS (`default`: its own groups)
 #   ROWS="GPU:ENGINE:SHAPE[:CONFIGS[:SHARE[:ENV]]]" lines, ROW_ARGS="..."   scripts/gpu_rows.sh's QUEUES and ARGS
@@ -33,7 +33,7 @@ check() {  # check JOB: its GPUs present and its NEEDS staged, or one line sayin
     [ "$n" -ge "${GPUS:-1}" ] || { echo "gpu_job.sh: $1 needs $GPUS GPUs, this host has $n"; exit 1; }
     for x in ${NEEDS:-}; do
       case $x in vllm) p=/tmp/site/vllm ;; sglang) p=/tmp/site_sgl/sgl_kernel/flash_ops.abi3.so ;; sq) p=/root/sq ;;
-        trainers) p=/tmp/site/verl ;; model) p=/root/gguf ;; xqa) p=$(compgen -G "/tmp/site/flashinfer/data/aot/xqa_*" | head -n 1) ;;
+        trainers) p=/tmp/site/verl ;; ray) p=/tmp/site/ray ;; model) p=/root/gguf ;; xqa) p=$(compgen -G "/tmp/site/flashinfer/data/aot/xqa_*" | head -n 1) ;;
         *) echo "gpu_job.sh: $1 names an unknown NEED '$x'"; exit 1 ;; esac
       [ -n "$p" ] && [ -e "$p" ] || { echo "gpu_job.sh: $1 needs $x staged (scripts/GPU.md; ${p:-its files} missing)"; exit 1; }
     done ) >&2
