@@ -16,7 +16,8 @@ the bubble -- the longest stretch around the update in which no request got a to
 still in flight when the first token after the resume arrived (0 would mean a drain). Prints a table,
 writes JSON. Same prompts and lengths for every config.
 
-    python benchmarks/async_stream.py --shapes 7b --configs bf16,int8,int8+kv --json benchmarks/results/async_stream_7b.json
+    python benchmarks/async_stream.py --shapes 7b --configs bf16,int8,int8+kv \
+        --json benchmarks/results/inflight/async_stream_7b.json
     python benchmarks/async_stream.py --engine sglang --shapes 7b --configs bf16,int8,int8+kv   # SGLang 0.5.17 (GPU)
     python benchmarks/async_stream.py --preset smoke     # CPU, config-only tiny shape (CI)
 """

@@ -8,7 +8,7 @@ bit-identical, prints a table and writes JSON. Conversion only: the vLLM loader 
 are timed by weight_sync.py.
 
     python benchmarks/moe_convert.py --shape 30b-a3b --fns int8,fp8_tensor,fp8_channel,fp8_block \
-        --json benchmarks/results/moe_convert_cpu.json
+        --json benchmarks/results/moe/convert_cpu.json
 """
 
 from __future__ import annotations

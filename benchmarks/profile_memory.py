@@ -114,7 +114,7 @@ print(json.dumps({"peak_rss_bytes": hwm, "wall_s": time.perf_counter() - t, "sum
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="7b")
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/profile_memory.json"))
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/profile_memory/profile_memory.json"))
     ap.add_argument("--workdir", type=Path, default=None, help="where to build the pair (needs ~23 GB for 7b)")
     args = ap.parse_args()
     from rich.console import Console

@@ -4,7 +4,7 @@ For each model shape (config-only, benchmarks/shapes.py), quantizes every linear
 layer-set the size of the model (the shapes a full sync converts) on the GPU, both ways, and
 checks the outputs are bit-identical. Prints a table and writes JSON.
 
-    python benchmarks/quantize_kernel.py --shapes 7b,14b,32b --json benchmarks/results/quantize_kernel.json
+    python benchmarks/quantize_kernel.py --shapes 7b,14b,32b --json benchmarks/results/weight_sync/quantize_kernel.json
 """
 
 from __future__ import annotations

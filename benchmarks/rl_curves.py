@@ -2,7 +2,7 @@
 how much faster is its step?
 
     python benchmarks/rl_curves.py --out docs/rl/verl-smollm2 bf16/0=logs/bf16-s0.jsonl int8/0=... ...
-    python benchmarks/rl_curves.py --out docs/rl/arms --dir benchmarks/results/verl_arms_mul21   # every run there
+    python benchmarks/rl_curves.py --out docs/rl/arms --dir benchmarks/results/training_arms   # every run there
 
 Each RUN is CONFIG/SEED=PATH. PATH is a log of examples/trl_grpo.py (one JSON object per step) or
 verl's file logger (`trainer.logger=[...,"file"]`: {"step", "data": {...}} per step); the format is

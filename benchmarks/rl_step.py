@@ -18,7 +18,7 @@ KV capacity (tokens; how many full-length sequences fit), peak device memory, ra
 runtime logged them, FLASHRL_SYNC_TIMING, in every engine process -- SGLang's schedulers included;
 `flashrl_decode_attn_ran`: whether decode batches went through flashrl's FP8 attention kernel).
 
-    python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step_7b.json
+    python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step/7b.json
     python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
     python benchmarks/rl_step.py --preset dapo      # Qwen3-8B / 7B / 14B, prompts of 1-2k tokens, responses <= 16k
     python benchmarks/rl_step.py --preset colocated --stats  # verl's colocated share (0.5 of the GPU), 256 sequences

@@ -5,7 +5,7 @@ T=1 with the sampled token's logprob (as RL rollouts do). Per (shape, config): o
 KV-cache capacity (tokens), engine start time. Qwen2.5 7B/14B/32B shapes use dummy weights
 (config.json + load_format="dummy"); `default` is the embedded model with real weights (CPU).
 
-    python benchmarks/rollout_throughput.py --shapes 7b,14b,32b --json benchmarks/results/rollout_throughput.json
+    python benchmarks/rollout_throughput.py --shapes 7b,14b,32b --json benchmarks/results/rollout_throughput/vllm.json
     python benchmarks/rollout_throughput.py --preset smoke   # CPU, embedded model, a few tokens
     python benchmarks/rollout_throughput.py --engine sglang --shapes 7b,14b ...   # GPU, SGLang 0.5.17
 

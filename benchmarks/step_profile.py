@@ -18,7 +18,8 @@ would otherwise be counted in the decode steps). `--engine sglang` (GPU): SGLang
 on, CUDA graphs, `--attention-backend`, default triton), traced by its own profiler in its scheduler's process
 (`Engine.start_profile` / `stop_profile`, GPU activity); its radix cache stands for prefix caching.
 
-    python benchmarks/step_profile.py --shapes 7b --configs bf16,int8,int8+kv --json benchmarks/results/step_profile_7b.json
+    python benchmarks/step_profile.py --shapes 7b --configs bf16,int8,int8+kv \
+        --json benchmarks/results/rl_step/step_profile_7b.json
     python benchmarks/step_profile.py --preset gpu --shapes 7b --configs bf16,int8+kv --plain --json prof.json
     python benchmarks/step_profile.py --preset gpu --shapes 7b --configs bf16,int8+kv --plain --cached-prompts \
         --prompt-len 4096 --bulk 64 --json prof_long.json      # decode at long contexts

@@ -5,7 +5,7 @@ few that explain them), floats to 6 significant digits (held-out accuracies exac
 A verl file-logger line carries ~150 keys (~4 KB); 21 runs of 60 steps would add ~6 MB to a working tree that
 travels with every GPU call (64 MiB in all): trimmed, ~1 MB.
 
-    python benchmarks/trim_logs.py RES/arms-mul21 benchmarks/results/verl_arms_mul21_h200   # every *-sN.jsonl
+    python benchmarks/trim_logs.py RES/arms-mul21 benchmarks/results/training_arms   # every *-sN.jsonl
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Reported: wall time of the sync, time in our conversion (quantization; FLASHRL_S
 synchronises the device around it), peak extra device memory during the sync (includes the one
 incoming BF16 tensor).
 
-    python benchmarks/weight_sync.py --shapes 7b,14b,32b --json benchmarks/results/weight_sync.json
+    python benchmarks/weight_sync.py --shapes 7b,14b,32b --json benchmarks/results/weight_sync/dense.json
     python benchmarks/weight_sync.py --preset smoke    # CPU, a tiny config-only shape (CI)
 """
 

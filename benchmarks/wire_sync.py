@@ -14,8 +14,8 @@ bucket by bucket) through vLLM's CUDA-IPC weight-transfer engine, packed, into t
 its own): BF16 vs the trainer's 8-bit tensors, each timed from `start_weight_update` to `finish_weight_update`
 (the 8-bit time includes the trainer's quantization).
 
-    python benchmarks/wire_sync.py --shapes 7b,14b,32b --configs int8,fp8_channel --json benchmarks/results/wire_sync.json
-    python benchmarks/wire_sync.py --ipc --preset gpu --json benchmarks/results/wire_sync_ipc.json
+    python benchmarks/wire_sync.py --shapes 7b,14b,32b --configs int8,fp8_channel --json benchmarks/results/wire/bytes.json
+    python benchmarks/wire_sync.py --ipc --preset gpu --json benchmarks/results/wire/times_ipc.json
     python benchmarks/wire_sync.py --preset smoke       # CPU, config-only tiny shape (CI)
 """
 

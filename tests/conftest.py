@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -28,12 +29,31 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
                           capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
+@contextlib.contextmanager
+def built_once(name: str):
+    """An exclusive lock on a build under $FLASHRL_HOME shared by pytest-xdist's workers (each runs the session
+    fixtures: the first builds, the others wait and reuse what it wrote)."""
+    import fcntl
+
+    from flashrl_tools.config.settings import flashrl_home
+
+    locks = flashrl_home() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """The BF16 SmolLM2-135M-Instruct checkpoint (built from the GGUF on first use)."""
     from flashrl_tools.models.default import ensure_default_model
 
-    return ensure_default_model()
+    with built_once("default-model"):
+        return ensure_default_model()
 
 
 @pytest.fixture(scope="session")
@@ -64,11 +84,12 @@ def smoothquant_checkpoint(default_model) -> Path:
     scripts = [REPO / "scripts" / n for n in ("llmcompressor_smoothquant.py", "make_smoothquant_fixture.sh")]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in scripts)).hexdigest()[:12]
     out = flashrl_home() / "fixtures" / f"smollm2-sq-w8a8-{key}"
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        res = subprocess.run(["bash", str(scripts[1]), str(default_model), str(out)],
-                             capture_output=True, text=True, timeout=1800)
-        assert res.returncode == 0, res.stderr[-4000:]
+    with built_once("smoothquant"):  # (and the llmcompressor venv it makes)
+        if not (out / "config.json").is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            res = subprocess.run(["bash", str(scripts[1]), str(default_model), str(out)],
+                                 capture_output=True, text=True, timeout=1800)
+            assert res.returncode == 0, res.stderr[-4000:]
     return out
 
 

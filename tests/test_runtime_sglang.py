@@ -20,10 +20,9 @@ from flashrl_tools.runtime.core.kv_state import CALIBRATION_RID, KVScaleState
 from flashrl_tools.runtime.core.session import SyncSession
 from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.sglang import adapter, plugin, scheduler
-from flashrl_tools.runtime.sglang import process as sglang_process
 from flashrl_tools.runtime.sglang.kv_scales import RadixAttentionScales
 from flashrl_tools.runtime.sglang.server_args import apply_plan, server_args
-from flashrl_tools.runtime.sglang import inplace
+from flashrl_tools.runtime.core import loader_slots as inplace
 from flashrl_tools.runtime.sglang.weight_sync import LoadedParams, LoaderWriter, loaders_back
 from sglang_standins import (QUANTIZED, CopyingMethod, KVRunner, Kinds, Manager, Model, RadixAttention, Registry,
                              ResolvedArgs, converter, generate, original_generate, prefill, served,
@@ -34,11 +33,9 @@ from sglang_standins import server_args as _args
 @pytest.fixture(autouse=True)
 def _fresh_plugin_state():
     process.reset()
-    sglang_process.reset()
     scheduler._warned.clear()
     yield
     process.reset()
-    sglang_process.reset()
 
 
 # -- the plugin and ServerArgs ----------------------------------------------------------------------

@@ -275,9 +275,18 @@ def write_results(name: str, data: dict) -> Path:
     out = Path(os.environ.get("FLASHRL_GPU_RESULTS", REPO / "benchmarks" / "results" / "gpu")) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "written": time.strftime("%F %T"),
+            "command": "python -m pytest " + " ".join(sys.argv[1:]), "commit": _commit(),
             "versions": {m: _version(m) for m in ("vllm", "sglang", "verl", "transformers")}}
-    out.write_text(json.dumps({**meta, **data}, indent=2, default=str))
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**meta, **data}, indent=2, default=str))
+    tmp.replace(out)
     return out
+
+
+def _commit() -> str | None:
+    """The tree's commit (FLASHRL_COMMIT where the copy has no .git)."""
+    res = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return os.environ.get("FLASHRL_COMMIT") or (res.stdout.strip() if res.returncode == 0 else None)
 
 
 def _version(module: str) -> str | None:

@@ -38,7 +38,7 @@ CONVERTED = "flashrl.converted"  # a marker tensor's name: the rest of this sync
 class WeightConverter:
     # Devices where `convert_group` stacks experts: on CUDA a small expert weight costs kernel
     # launches more than bytes; on CPU stacking only adds a copy (measured slower with 2 cores,
-    # benchmarks/results/moe_convert_cpu.json), so experts are converted one by one there.
+    # benchmarks/results/moe/convert_cpu.json), so experts are converted one by one there.
     batch_devices: frozenset[str] = frozenset({"cuda"})
 
     def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None,

@@ -6,15 +6,15 @@ imports SGLang at import time.
 
 SGLang only logs an exception raised by a plugin, so a config that cannot be read is raised from the
 first hook that runs (`ServerArgs.__post_init__`: the engine refuses to start). SGLang loads plugins
-once per process: the process's state is process.py, and an engine started after FLASHRL_CONFIG /
+once per process: the process's state is core/process.py, and an engine started after FLASHRL_CONFIG /
 FLASHRL_KV_CACHE_DTYPE changed is refused there (`check_env`)."""
 
 from __future__ import annotations
 
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
 from flashrl_tools.runtime.core.hooks import declare
-from flashrl_tools.runtime.sglang import (decode_attn, decode_gemm, kv_front, kv_store, pause, process, scheduler,
-                                          server_args, weight_sync)
+from flashrl_tools.runtime.sglang import (decode_attn, decode_gemm, kv_front, kv_store, pause, scheduler, server_args,
+                                          weight_sync)
 
 _CT = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
 _CT_INT8 = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_int8"
@@ -114,8 +114,6 @@ def register(registry=None, hook_type=None) -> None:
 
     if registry is None:
         from sglang.srt.plugins.hook_registry import HookRegistry as registry, HookType as hook_type
-    process.reset()
-    process.remember_env()
     try:
         rc, error = from_env(), None
     except FlashRLError as e:  # raised by the server_args hook, where SGLang does not swallow it

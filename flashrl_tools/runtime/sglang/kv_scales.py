@@ -17,13 +17,18 @@ FP8 stored as bytes): their slots are re-encoded for the new scales (kv_math.res
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flashrl_tools.runtime.core.kv_math import is_fp8_kv, rescale_fp8_
 from flashrl_tools.runtime.core.kv_state import REFERENCE_SCALE
 
+if TYPE_CHECKING:  # the engine objects read here (by their attributes: nothing of SGLang is imported at run time)
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
-def uses_fp8_kv(runner) -> bool:
+
+def uses_fp8_kv(runner: ModelRunner) -> bool:
     return is_fp8_kv(getattr(getattr(runner, "server_args", None), "kv_cache_dtype", "auto"))
 
 
@@ -32,7 +37,7 @@ class RadixAttentionScales:
 
     kinds = ("k", "v")
 
-    def __init__(self, runner):
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.layers = {name: m for name, m in runner.model.named_modules() if type(m).__name__ == "RadixAttention"}
         device = next(runner.model.parameters()).device
@@ -85,7 +90,7 @@ class RadixAttentionScales:
 TENSOR_SCALE_BACKENDS = frozenset({"fa3"})  # SGLang 0.5.17 decode backends that read layer.k_scale / v_scale
 
 
-def decode_backend(runner) -> str | None:
+def decode_backend(runner: ModelRunner) -> str | None:
     """The attention backend SGLang decodes with (its own rule: decode_attention_backend, else attention_backend)."""
     args = getattr(runner, "server_args", None)
     if hasattr(args, "get_attention_backends"):

@@ -65,12 +65,11 @@ def server_args(args, *_, **__) -> None:
     only in `Engine._launch_subprocesses`, after it): the first one that runs applies the config.
     Installed without FLASHRL_CONFIG too: SGLang loads plugins once per process, so an engine whose
     environment changed since is refused here."""
-    from flashrl_tools.runtime.core.process import config
-    from flashrl_tools.runtime.sglang.process import check_env
+    from flashrl_tools.runtime.core.process import check_env, config
 
     if getattr(args, "_flashrl_applied", False):
         return
-    check_env()
+    check_env("SGLang")
     rc = config()
     if rc is None:
         return  # no FLASHRL_CONFIG: plain SGLang

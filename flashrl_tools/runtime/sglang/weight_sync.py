@@ -77,7 +77,7 @@ def loaders_back(layers: list[tuple[torch.nn.Module, dict[str, torch.nn.Paramete
 
 class LoaderWriter:
     """Writes converted tensors through SGLang's own `load_weights`, in batches of `_FLUSH_BYTES` (SGLang
-    copies them at once: nothing of the caller's is kept past the call); with `slots` (inplace.py), the
+    copies them at once: nothing of the caller's is kept past the call); with `slots` (core/loader_slots.py), the
     tensors they cover are copied straight into the kernels' storage once a sync through the loaders has
     shown every slot holding what the loaders wrote."""
 
@@ -136,7 +136,7 @@ class LoaderWriter:
 
 
 def _slots(model: torch.nn.Module, loaded_dir: str, converter, layers) -> dict:
-    """In-place slots for the quantized linears' weights and scales (inplace.py); none when off."""
+    """In-place slots for the quantized linears' weights and scales (core/loader_slots.py); none when off."""
     from flashrl_tools.config.settings import settings
 
     if converter.served is None or settings().inplace_sync == "0" or not converter.quantized:
@@ -153,7 +153,7 @@ def _probed(model: torch.nn.Module, loaded_dir: str, converter, layers) -> dict:
 
     from flashrl_tools.model_structure import meta_model
     from flashrl_tools.quant.quantizer import output_specs
-    from flashrl_tools.runtime.sglang import inplace
+    from flashrl_tools.runtime.core import loader_slots
 
     bf16 = {n: tuple(t.shape) for n, t in meta_model(Path(loaded_dir)).state_dict().items()}
     shapes = {}
@@ -162,7 +162,7 @@ def _probed(model: torch.nn.Module, loaded_dir: str, converter, layers) -> dict:
             for suffix, spec in output_specs(converter.served, bf16[name], torch.bfloat16).items():
                 shapes[name.removesuffix(".weight") + "." + suffix] = tuple(spec.shape)
     with loaders_back(layers):
-        slots, slow = inplace.probe(model, model.load_weights, shapes)
+        slots, slow = loader_slots.probe(model, model.load_weights, shapes)
     if slow:
         reasons = sorted(set(slow.values()))
         log.info("flashrl: SGLang loaders for %d tensors (%s)", len(slow), "; ".join(reasons[:3]))

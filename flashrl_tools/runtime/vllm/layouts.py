@@ -19,7 +19,12 @@ is not known: those layers sync through vLLM's layerwise reload.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # the engine objects read here (by their attributes: nothing of vLLM is imported at run time)
+    from vllm.model_executor.layers.linear import LinearBase
 
 # kernel classes whose process_weights_after_loading leaves weight.t() (+ padding) and the
 # channel scale as loaded (vLLM 0.26: kernels/linear/scaled_mm/cutlass.py, triton.py)
@@ -29,7 +34,7 @@ ONLINE_FP8 = "OnlineFp8PerTensor"  # the layout name of vLLM's online per-tensor
 ONLINE_METHOD = "Fp8PerTensorOnlineLinearMethod"
 
 
-def layout(layer: torch.nn.Module) -> str | None:
+def layout(layer: LinearBase) -> str | None:
     """The known processed layout of a loaded layer, or None."""
     method = type(getattr(layer, "quant_method", None)).__name__
     if method not in ("CompressedTensorsLinearMethod", ONLINE_METHOD):
@@ -43,7 +48,7 @@ def layout(layer: torch.nn.Module) -> str | None:
     return ONLINE_FP8 if online else type(kernel).__name__
 
 
-def _compressed_tensors_kernel(layer: torch.nn.Module) -> tuple[object | None, torch.dtype | None]:
+def _compressed_tensors_kernel(layer: LinearBase) -> tuple[object | None, torch.dtype | None]:
     """A compressed-tensors W8A8 linear with channel weight scales and dynamic activations on a
     kernel whose layout is known: (kernel, weight dtype), else (None, None)."""
     scheme = getattr(layer, "scheme", None)
@@ -63,7 +68,7 @@ def _compressed_tensors_kernel(layer: torch.nn.Module) -> tuple[object | None, t
     return None, None
 
 
-def _online_fp8_kernel(layer: torch.nn.Module) -> tuple[object | None, torch.dtype | None]:
+def _online_fp8_kernel(layer: LinearBase) -> tuple[object | None, torch.dtype | None]:
     """vLLM 0.26's online per-tensor FP8 linear (quantization/online/fp8.py): `process_weights_
     after_loading` = `ops.scaled_fp8_quant(weight)` of the whole [N, K] BF16 weight (one scale for
     all shards of a fused layer), `weight` = that `.t()`, `weight_scale` [1] float32, then the
