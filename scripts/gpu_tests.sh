@@ -27,7 +27,7 @@ while IFS=: read -r name jobs engine tests; do
   path=$PYTHONPATH; [ "$engine" = sglang ] && path=/tmp/site_sgl_tf:/tmp/site_sgl:$PYTHONPATH
   log "start $name: $tests"
   # shellcheck disable=SC2086
-  (PYTHONPATH=$path FLASHRL_GPU_JOBS=$jobs python3 -m pytest -rA -p no:cacheprovider $tests > "$RES/$name.log" 2>&1
+  (PYTHONPATH=$path FLASHRL_GPU_JOBS=$jobs python3 -m pytest -rA -n 0 -p no:cacheprovider $tests > "$RES/$name.log" 2>&1
    log "end $name rc=$?") &
   pids+=($!)
 done <<< "$TEST_GROUPS"

@@ -128,6 +128,15 @@ def prepare_verl() -> None:
 GPU_TESTS = Path(__file__).parent / "gpu"
 
 
+def pytest_configure(config):
+    """On a CUDA machine one process (pyproject's `-n 2` is for the CPU suite): the GPU tests run their engines side
+    by side themselves (FLASHRL_GPU_JOBS). Before xdist's own configure (trylast), which starts the workers."""
+    import torch
+
+    if torch.cuda.is_available() and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses, config.option.dist = 0, "no"
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -345,9 +345,9 @@ def test_direct_loads_are_refused():
 
 def _calibrate(kv, runner, k_max, v_max, token="t"):
     for index, k in (("0", k_max), ("1", k_max / 2)):
-        assert kv.on_request(f"{CALIBRATION_RID}{token}-{index}") is None
+        assert scheduler.route(kv, f"{CALIBRATION_RID}{token}-{index}") is None
         prefill(runner, k, v_max)
-    kv.on_request(f"{CALIBRATION_RID}{token}-finish")
+    scheduler.route(kv, f"{CALIBRATION_RID}{token}-finish")
 
 
 def test_decode_graphs_that_read_the_scale_tensors_are_not_captured_again():
@@ -370,11 +370,11 @@ def test_decode_graphs_are_captured_again_only_when_the_scales_change():
     runner, session = KVRunner(), SimpleNamespace(completed=0)
     kv = KVScaleState(RadixAttentionScales(runner), session, checkpoint_scales=False)
     assert all(float(layer.k_scale) == 1.0 for layer in kv.kv.layers.values())  # SGLang's default
-    assert "not calibrated" in kv.on_request("rollout-1")  # never calibrated: refused, not served
-    kv.on_request(f"{CALIBRATION_RID}t-0")
+    assert "not calibrated" in scheduler.route(kv, "rollout-1")  # never calibrated: refused, not served
+    scheduler.route(kv, f"{CALIBRATION_RID}t-0")
     assert runner.prefill_cuda_graph_runner is None
     prefill(runner, 40.0, 10.0)
-    kv.on_request(f"{CALIBRATION_RID}t-finish")
+    scheduler.route(kv, f"{CALIBRATION_RID}t-finish")
     assert runner.prefill_cuda_graph_runner == "graphs" and runner.captures == 1
     first = kv.scales()
     session.completed = 1
@@ -391,12 +391,12 @@ def test_an_abandoned_calibration_is_refused_with_its_reason():
     _calibrate(kv, runner, 40.0, 10.0)
     in_use = kv.scales()
     session.completed = 1
-    kv.on_request(f"{CALIBRATION_RID}u-0")
-    assert "not calibrated" in kv.on_request("rollout")  # the front end gave up: still refused
+    scheduler.route(kv, f"{CALIBRATION_RID}u-0")
+    assert "not calibrated" in scheduler.route(kv, "rollout")  # the front end gave up: still refused
     assert not kv.armed and kv.scales() == in_use and runner.prefill_cuda_graph_runner == "graphs"
-    kv.on_request(f"{CALIBRATION_RID}v-0")  # a calibration that saw no attention layer fails, refused with why
-    kv.on_request(f"{CALIBRATION_RID}v-finish")
-    assert kv.stale() and kv.scales() == in_use and "calibration saw 0 of 2" in kv.on_request("rollout")
+    scheduler.route(kv, f"{CALIBRATION_RID}v-0")  # a calibration that saw no attention layer fails, refused with why
+    scheduler.route(kv, f"{CALIBRATION_RID}v-finish")
+    assert kv.stale() and kv.scales() == in_use and "calibration saw 0 of 2" in scheduler.route(kv, "rollout")
 
 
 def test_checkpoint_kv_scales_serve_until_the_first_sync():
@@ -405,9 +405,9 @@ def test_checkpoint_kv_scales_serve_until_the_first_sync():
         layer.k_scale, layer.v_scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False), torch.tensor(0.25)
         layer.k_scale_float, layer.v_scale_float = 0.5, 0.25
     kv = KVScaleState(RadixAttentionScales(runner), session, checkpoint_scales=True)
-    assert kv.on_request("rollout") is None and set(kv.scales()["1"].values()) == {0.5, 0.25}
+    assert scheduler.route(kv, "rollout") is None and set(kv.scales()["1"].values()) == {0.5, 0.25}
     session.completed = 1
-    assert kv.on_request("rollout") is not None
+    assert scheduler.route(kv, "rollout") is not None
 
 
 def test_a_stale_rollout_is_aborted_by_the_request_guard():

@@ -1,7 +1,7 @@
 """Request admission, for every engine: a request is refused (in the caller, the engine stays up to
 receive the rest of the weights) while any rank's weights are incomplete -- a sync in progress or
 failed, the weights discarded by a sleep -- and, where the model's process sees each request, while
-its FP8 KV scales are not those of its weights. The reasons come from the sync sessions
+its FP8 KV scales are not those of its weights (`KVScaleState.refusal`). The reasons come from the sync sessions
 (session.py) and KV states (kv_state.py); where a request enters is the adapter's."""
 
 from __future__ import annotations
@@ -22,8 +22,3 @@ def admit(reasons: Iterable[str | None]) -> None:
     if reason is not None:
         raise SyncIncomplete(reason)
 
-
-def model_refusal(sessions, kv_states=(), rid=None, kept=None) -> str | None:
-    """In the model's process: the sessions' state first, then the FP8 KV scales (which also route
-    the calibration's own requests by `rid`; `kept`: KVScaleState.finish's)."""
-    return refusal(s.status() for s in sessions) or refusal(kv.on_request(rid, kept) for kv in kv_states)

@@ -147,31 +147,13 @@ class KVScaleState:
     def scales(self) -> dict[str, dict[str, float]]:
         return {name: self.kv.read(layer) for name, layer in self.kv.layers.items()}
 
-    def on_request(self, rid, kept=None) -> str | None:
-        """For an engine whose calibration requests are routed by rid (the request's entry in the
-        model's process): arms on a calibration's first sequence, finishes on its last (`kept`: as for
-        `finish`), goes back to the scales in use on ABANDON; returns why a rollout must be refused (it
-        would read stale scales)."""
-        index = calibration_index(rid)
-        if index is None:
-            if self.armed:  # the front end gave up on a calibration
-                self.abandon()
-            if self.stale():
-                why = (f"the last calibration failed: {self.error}" if self.error else "the request did not pass "
-                       "the engine's front end, where the runtime calibrates them after a sync")
-                return f"flashrl: the FP8 KV scales are not calibrated for the current weights ({why})"
+    def refusal(self) -> str | None:
+        """Why a rollout must be refused here (it would read stale scales), or None."""
+        if not self.stale():
             return None
-        if index == "0" and self.stale():
-            self.arm()
-        elif index == ABANDON and self.armed:
-            self.abandon()
-        elif index == FINISH and self.armed:
-            try:
-                self.finish(kept)
-            except Exception as e:  # raised here, it would end the engine's process: rollouts are refused
-                self.error = f"{type(e).__name__}: {e}"
-                log.exception("flashrl: FP8 KV calibration failed; rollouts are refused until one succeeds")
-        return None
+        why = (f"the last calibration failed: {self.error}" if self.error else "the request did not pass "
+               "the engine's front end, where the runtime calibrates them after a sync")
+        return f"flashrl: the FP8 KV scales are not calibrated for the current weights ({why})"
 
     def _disarm(self) -> None:
         self._remove_hooks()

@@ -8,7 +8,7 @@ import json
 import logging
 
 from flashrl_tools.runtime.core import process
-from flashrl_tools.runtime.core.admission import model_refusal
+from flashrl_tools.runtime.core.admission import refusal
 from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index, calibration_token
 from flashrl_tools.runtime.core.logs import stall_watch, step_line, stepping
 
@@ -25,8 +25,9 @@ def add_request(scheduler, req, is_retracted=False, *args, **kwargs):
 
     index = calibration_index(req.rid)
     last = index in (FINISH, ABANDON)
-    problem = model_refusal(process.sessions(), process.kv_states(), req.rid,
-                            pause.kept_slots(scheduler) if last else None)
+    problem = (refusal(s.status() for s in process.sessions())
+               or refusal(route(kv, req.rid, pause.kept_slots(scheduler) if last else None)
+                          for kv in process.kv_states()))
     if last:  # the scales are written (or the calibration gave up): what was set aside for it goes on
         pause.finish_queued(scheduler, req)
     if index is not None:
@@ -40,6 +41,29 @@ def add_request(scheduler, req, is_retracted=False, *args, **kwargs):
                     "processed_logprobs are); importance weights computed from them are off. Sample with top_p=1, "
                     "top_k=-1, or ask return_sampling_mask=True (with a finite top_k) and read "
                     "meta_info['output_token_sampling_logprobs'] (renormalised over the sampled support)")
+
+
+def route(kv, rid, kept=None) -> str | None:
+    """SGLang's transport of the core's FP8 KV calibration (core/kv_driver.py; vLLM's is its workers' RPCs): the
+    calibration's requests reach the scheduler by rid -- its first sequence arms the scales' state, FINISH writes
+    the scales (`kept`: the slots of requests set aside in place, re-encoded), ABANDON goes back to the scales in
+    use -- and any other request is refused while the scales are stale (`KVScaleState.refusal`)."""
+    index = calibration_index(rid)
+    if index is None:
+        if kv.armed:  # the front end gave up on a calibration
+            kv.abandon()
+        return kv.refusal()
+    if index == "0" and kv.stale():
+        kv.arm()
+    elif index == ABANDON and kv.armed:
+        kv.abandon()
+    elif index == FINISH and kv.armed:
+        try:
+            kv.finish(kept)
+        except Exception as e:  # raised here, it would end the scheduler's process: rollouts are refused
+            kv.error = f"{type(e).__name__}: {e}"
+            log.exception("flashrl: FP8 KV calibration failed; rollouts are refused until one succeeds")
+    return None
 
 
 SAMPLING_PATH = ("temperature", "top_p", "top_k", "min_p")  # what SGLang picks a batch's sampler by
