@@ -53,7 +53,7 @@ def _vllm_ignores(module: str, ignore: list[str]) -> bool:
     return should_ignore_layer(module, ignore)
 
 
-@pytest.mark.parametrize("fn", [f.value for f in QuantFn])
+@pytest.mark.parametrize("fn", [f.value for f in QuantFn if not f.packed])  # 4-bit MoE: not built (issue 75)
 @pytest.mark.parametrize("arch", list(ROUTERS))
 def test_quantized_moe_checkpoint_is_what_its_config_says(moe_models, tmp_path, arch, fn):
     """Every tensor of the output read and checked against config.json's quantization_config:
@@ -140,7 +140,7 @@ def test_trainer_state_dict_lands_on_checkpoint_names(moe_models, tmp_path, arch
     got = dict(pair for n, t in trainer.items() for pair in conv.to_checkpoint(n, t))
     assert sorted(got) == sorted(ckpt.names())
     assert all(torch.equal(got[n], ckpt.get(n)) for n in got)
-    for fn in QuantFn:  # the runtime's path: each trainer tensor's group converted at once
+    for fn in (f for f in QuantFn if not f.packed):  # the runtime's path: each trainer tensor's group converted at once
         q = quantize(src, tmp_path / fn.value, fn.value).out
         qr = CheckpointReader(q)
         for stacked in (False, True):  # experts stacked per fused tensor (the CUDA path) or one by one

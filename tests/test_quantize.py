@@ -72,6 +72,7 @@ def test_config_is_accepted_by_vllm(fn, tiny_models, tmp_path):
         QuantFn.fp8_channel: ("CompressedTensorsW8A8Fp8", "channel"),
         QuantFn.fp8_tensor: ("CompressedTensorsW8A8Fp8", "tensor"),
         QuantFn.fp8_block: ("CompressedTensorsW8A8Fp8", "block"),
+        QuantFn.w4a16: ("CompressedTensorsWNA16", "group"),
     }[fn]
     strategy = getattr(scheme.strategy, "value", scheme.strategy)  # enum or str by scheme
     assert (type(scheme).__name__, strategy) == expected

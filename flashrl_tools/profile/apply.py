@@ -35,7 +35,7 @@ def requantize_tensor(profile: Profile, name: str, tensor: torch.Tensor,
         tensor = as_served(tensor)  # trainers push fp32 masters (quantizer.served_dtype)
     if name in kept:
         return [(name, kept_bf16(profile, name, tensor, on))]
-    entry = profile.linear(name) if fn.is_int else None
+    entry = profile.linear(name) if fn.calibratable else None
     if entry is not None:
         scale = on(f"{name}:scale", entry.weight_scale)
         q = requantize_int8(tensor, scale, on(f"{name}:in", entry.smooth_in), on(f"{name}:out", entry.smooth_out))
@@ -64,7 +64,7 @@ def _planned(profile: Profile, name: str, shape: tuple[int, ...], dtype: torch.d
     fn = QuantFn.parse(profile.meta.fn)
     if name in kept:
         return [PlannedTensor(name, shape, dtype)]
-    entry = profile.linear(name) if fn.is_int else None
+    entry = profile.linear(name) if fn.calibratable else None
     if entry is not None:
         return [PlannedTensor(name, shape, torch.int8),
                 PlannedTensor(f"{name}_scale", tuple(entry.weight_scale.shape), entry.weight_scale.dtype)]

@@ -88,6 +88,9 @@ def checkpoint_format(quantized_dir: Path) -> QuantFn:
         kind = (getattr(w.type, "value", w.type), w.num_bits, getattr(w.strategy, "value", w.strategy))
         raise FlashRLError(f"unsupported weight quantization {kind}", str(quantized_dir),
                            "supported: int8 per channel, fp8 per channel/tensor/block")
+    if fn.packed:
+        raise FlashRLError(f"{fn.value} checkpoints have no profile yet (a 4-bit sync re-quantizes from BF16 "
+                           "with the quantizer alone)", str(quantized_dir), "profile an 8-bit checkpoint")
     return fn
 
 
@@ -142,7 +145,7 @@ def build_profile(bf16_dir: Path, quantized_dir: Path, fn: QuantFn | str,
     meta = dict(fn=fn.value, flashrl_tools=__version__,
                 bf16_model=model_ref(bf16_dir, hash_files), quantized_model=model_ref(quantized_dir, hash_files),
                 quantized=quantized)
-    if not fn.is_int:  # FP8: which tensors, in which format; nothing is calibrated
+    if not fn.calibratable:  # FP8 / 4-bit: which tensors, in which format; nothing is calibrated
         return ProfileResult(Profile(ProfileMeta(**meta)), [], time.perf_counter() - t0)
 
     tensors: dict[str, torch.Tensor] = {}

@@ -42,7 +42,7 @@ def convert_flashrl_profile(pt_path: Path, quantized_dir: Path) -> Profile:
     q = CheckpointReader(quantized_dir)
     meta = dict(fn=fn.value, flashrl_tools=__version__, bf16_model=None,
                 quantized_model=model_ref(quantized_dir), source="flashrl-pt")
-    if not fn.is_int:
+    if not fn.calibratable:
         if not isinstance(raw, list) or not all(isinstance(n, str) for n in raw):
             raise FlashRLError("FlashRL FP8 profile must be a list of tensor names", str(pt_path))
         missing = [n for n in raw if n not in q]

@@ -22,6 +22,7 @@ class Strategy(str, Enum):
     channel = "channel"  # one scale per output row
     tensor = "tensor"  # one scale per tensor
     block = "block"  # one scale per 128x128 block
+    group = "group"  # one scale per 128 input columns of a row (4-bit weights)
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,26 @@ class QuantFn(str, Enum):
     fp8_channel = "fp8_channel"
     fp8_tensor = "fp8_tensor"
     fp8_block = "fp8_block"
+    w4a16 = "w4a16"
 
     @property
     def spec(self) -> FormatSpec:
         return FORMATS[self]
+
+    @property
+    def bits(self) -> int:
+        return self.spec.bits
+
+    @property
+    def packed(self) -> bool:
+        """Below 8 bits: stored packed in int32 words (compressed-tensors `pack-quantized`), BF16 activations."""
+        return self.spec.bits < 8
+
+    @property
+    def calibratable(self) -> bool:
+        """INT8: the one format whose checkpoints can be calibrated (SmoothQuant, GPTQ...), so whose profiles hold
+        recovered per-linear factors."""
+        return self.is_int and not self.packed
 
     @property
     def is_fp8(self) -> bool:
@@ -50,8 +67,7 @@ class QuantFn(str, Enum):
 
     @property
     def is_int(self) -> bool:
-        """INT8: the one format whose checkpoints can be calibrated (SmoothQuant, GPTQ...), so whose
-        profiles hold recovered per-linear factors."""
+        """Integer weights (INT8 per channel, INT4 per group)."""
         return self.spec.kind == "int"
 
     @property
@@ -82,6 +98,8 @@ FORMATS: dict[QuantFn, FormatSpec] = {
     # per-tensor weights and dynamic per-tensor activations, as vLLM's online FP8 (quant_config.py)
     QuantFn.fp8_tensor: FormatSpec("float", 8, Strategy.tensor, "FP8_DYNAMIC"),
     QuantFn.fp8_block: FormatSpec("float", 8, Strategy.block, "FP8_BLOCK"),  # 1x128 activation groups
+    # symmetric INT4 per group of 128 input columns, BF16 activations (vLLM: Marlin / Machete; CPU: CPUWNA16)
+    QuantFn.w4a16: FormatSpec("int", 4, Strategy.group, "W4A16"),
 }
 
 
@@ -119,6 +137,9 @@ class ConfigFn(str, Enum):
         try:
             return cls(FN_ALIASES.get(name, name))
         except ValueError:
+            if name in {f.value for f in QuantFn if f.packed}:
+                raise ValueError(f"fn '{name}': 4-bit rollouts are not served yet (`flashrl quantize --fn {name}` "
+                                 "writes the checkpoint; its syncs are not built); use int8 or fp8") from None
             known = ", ".join([f.value for f in cls] + list(FN_ALIASES))
             raise ValueError(f"unknown fn '{name}' (known: {known})") from None
 

@@ -37,7 +37,8 @@ def scheme_for(fn: QuantFn) -> QuantizationScheme:
 
 def quantization_config(fn: QuantFn, ignore: list[str] | None = None) -> dict[str, Any]:
     """The dict stored under config.json's `quantization_config`."""
-    fmt = CompressionFormat.int_quantized if fn.is_int else CompressionFormat.float_quantized
+    fmt = (CompressionFormat.pack_quantized if fn.packed else
+           CompressionFormat.int_quantized if fn.is_int else CompressionFormat.float_quantized)
     cfg = QuantizationConfig(
         config_groups={"group_0": scheme_for(fn)},
         format=fmt.value,

@@ -22,7 +22,8 @@ from flashrl_tools.fsutil import atomic_output_dir, check_output_dir
 from flashrl_tools.quant.mixed import KeepSpec, kept_modules, kept_weights
 from flashrl_tools.model_structure import model_layout, read_config
 from flashrl_tools.quant.quant_config import FP8_POW2_KEY, quantization_config
-from flashrl_tools.quant.quantizer import QuantFn, as_served, output_specs, quantize_weight, served_dtype
+from flashrl_tools.quant.quantizer import (INT4_GROUP, QuantFn, as_served, checkpoint_specs, checkpoint_tensors, quantize_weight,
+                                          served_dtype)
 from flashrl_tools.safetensors_io import INDEX_NAME, CheckpointReader, PlannedTensor, write_checkpoint
 
 # Files beside the weights that a serving engine needs (tokenizer, chat template, generation).
@@ -63,24 +64,29 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
         if not reader.dtype(name).is_floating_point or reader.dtype(name).itemsize < 2:
             raise FlashRLError(f"weight {name} has dtype {reader.dtype(name)}, not a float",
                                str(src), "pass the unquantized (BF16/FP16/FP32) checkpoint")
+    if fn.packed:
+        ragged = [n for n in targets if reader.shape(n)[-1] % INT4_GROUP]
+        if ragged:
+            modules = sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n in ragged})
+            raise FlashRLError(f"{len(ragged)} linear weights have input columns that are not a multiple of "
+                               f"{INT4_GROUP} (first: {ragged[0]}, {reader.shape(ragged[0])[-1]} columns): "
+                               f"{fn.value} groups {INT4_GROUP} columns per scale", str(src),
+                               "keep them in BF16 (" + " ".join(f"--keep-bf16 '*.{m}'" for m in modules)
+                               + ") or use --fn int8")
     target_set = set(targets)
 
     plan: list[PlannedTensor] = []
     for name in reader.names():
         if name in target_set:
-            specs = output_specs(fn, reader.shape(name), served_dtype(reader.dtype(name)))
-            plan.append(PlannedTensor(name, specs["weight"].shape, specs["weight"].dtype))
-            plan.append(PlannedTensor(f"{name}_scale", specs["weight_scale"].shape,
-                                      specs["weight_scale"].dtype))
+            plan += [PlannedTensor(n, spec.shape, spec.dtype)
+                     for n, spec in checkpoint_specs(fn, name, reader.shape(name), served_dtype(reader.dtype(name)))]
         else:
             plan.append(PlannedTensor(name, reader.shape(name), reader.dtype(name)))
 
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in reader.iter_tensors():
             if name in target_set:
-                q = quantize_weight(fn, as_served(tensor), pow2)
-                yield name, q.weight
-                yield f"{name}_scale", q.weight_scale
+                yield from checkpoint_tensors(fn, name, quantize_weight(fn, as_served(tensor), pow2))
             else:
                 yield name, tensor
 

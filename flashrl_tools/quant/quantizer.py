@@ -23,6 +23,9 @@ from flashrl_tools.quant.formats import QuantFn, Strategy  # noqa: F401  (QuantF
 INT8_MIN, INT8_MAX = -128, 127
 # compressed-tensors divides the symmetric range (qmax - qmin) / 2 = 255 / 2.
 INT8_HALF_RANGE = 127.5
+INT4_MIN, INT4_MAX = -8, 7
+INT4_HALF_RANGE = 7.5  # (7 - -8) / 2
+INT4_GROUP = 128  # input columns per scale (compressed-tensors' W4A16 preset)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 FP8_BLOCK = (128, 128)
@@ -32,8 +35,9 @@ _FP8_ZERO_SCALE = torch.finfo(torch.float32).eps
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    weight: torch.Tensor  # int8 or float8_e4m3fn, shape of the BF16 weight
-    weight_scale: torch.Tensor  # [out, 1] (channel), [1] (tensor), [ceil(out/128), ceil(in/128)] (block)
+    weight: torch.Tensor  # int8 or float8_e4m3fn, shape of the BF16 weight (4-bit: int8 codes in [-8, 7])
+    weight_scale: torch.Tensor  # [out, 1] (channel), [1] (tensor), [ceil(out/128), ceil(in/128)] (block),
+    #                             [out, in/128] (group)
 
 
 def served_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,11 +65,33 @@ def output_specs(fn: QuantFn, shape: tuple[int, ...], dtype: torch.dtype) -> dic
     """What `quantize_weight(fn, w)` returns for a weight of this shape/dtype, without computing it."""
     _check_2d(shape)
     out, inp = shape
+    if fn.packed:
+        _check_groups(shape)
+        return {"weight": TensorSpec(shape, torch.int8), "weight_scale": TensorSpec((out, inp // INT4_GROUP), dtype)}
     if fn.is_int:
         return {"weight": TensorSpec(shape, torch.int8), "weight_scale": TensorSpec((out, 1), dtype)}
     scale_shape = {Strategy.channel: (out, 1), Strategy.tensor: (1,),
                    Strategy.block: (math.ceil(out / FP8_BLOCK[0]), math.ceil(inp / FP8_BLOCK[1]))}[fn.strategy]
     return {"weight": TensorSpec(shape, FP8_DTYPE), "weight_scale": TensorSpec(scale_shape, torch.float32)}
+
+
+def checkpoint_specs(fn: QuantFn, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, TensorSpec]]:
+    """The checkpoint tensors a quantized linear weight `name` ("....weight") is stored as: `name` + `name_scale`
+    (8-bit), `name_packed` + `name_scale` + `name_shape` (4-bit, compressed-tensors `pack-quantized`)."""
+    specs = output_specs(fn, shape, dtype)
+    if not fn.packed:
+        return [(name, specs["weight"]), (f"{name}_scale", specs["weight_scale"])]
+    out, inp = shape
+    return [(f"{name}_packed", TensorSpec((out, inp // 8), torch.int32)), (f"{name}_scale", specs["weight_scale"]),
+            (f"{name}_shape", TensorSpec((2,), torch.int32))]
+
+
+def checkpoint_tensors(fn: QuantFn, name: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+    """`checkpoint_specs`' tensors of one quantized weight."""
+    if not fn.packed:
+        return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
+    return [(f"{name}_packed", pack_int4(q.weight)), (f"{name}_scale", q.weight_scale),
+            (f"{name}_shape", torch.tensor(list(q.weight.shape), dtype=torch.int32))]
 
 
 def quantize_weight(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> QuantizedWeight:
@@ -76,6 +102,8 @@ def quantize_weight(fn: QuantFn, w: torch.Tensor, pow2: bool = False) -> Quantiz
     _check_2d(tuple(w.shape))
     if pow2 and not fn.is_fp8:
         raise ValueError(f"power-of-two scales are an FP8 option, not for {fn.value}")
+    if fn.packed:
+        return QuantizedWeight(*_int4_group(w))
     if fn.is_int:
         return QuantizedWeight(*_int8_channel(w))
     if fn.strategy is Strategy.block:
@@ -135,6 +163,49 @@ def _int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_int8_with_scale(w, scale), scale
 
 
+def _int4_group(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 per group of 128 input columns, as compressed-tensors' W4A16 (scale = group absmax / 7.5 in
+    the weight's dtype, zero scales -> eps, the quotient in that dtype, rounded, clamped to [-8, 7]): int8 codes."""
+    _check_groups(tuple(w.shape))
+    out, inp = w.shape
+    groups = w.reshape(out, inp // INT4_GROUP, INT4_GROUP)
+    scale = _div(groups.float().abs().amax(dim=2), INT4_HALF_RANGE).to(w.dtype)  # [out, in / 128]
+    scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(scale.dtype).eps), scale)
+    q = torch.round(groups.to(scale.dtype) / scale[:, :, None])
+    return torch.clamp(q, INT4_MIN, INT4_MAX).to(torch.int8).reshape(out, inp), scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """INT4 codes [out, in] (int8 in [-8, 7]) packed 8 to an int32 word along the columns, the first code in the
+    lowest bits, offset by 8 (compressed-tensors' `pack_to_int32(q, 4)`): [out, in / 8] int32."""
+    out, inp = q.shape
+    if inp % 8:
+        raise ValueError(f"4-bit packing needs a multiple of 8 columns, got {inp}")
+    u = (q.to(torch.int32) + 8).reshape(out, inp // 8, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
+    return _words(u, shifts)
+
+
+def _words(u: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """Eight 4-bit fields (int32 in [0, 15], last dim) or-ed into one int32 word each (bit 31 wraps negative)."""
+    word = torch.zeros(u.shape[:-1], dtype=torch.int32, device=u.device)
+    for i in range(u.shape[-1]):
+        word |= u[..., i] << shifts[i]
+    return word
+
+
+def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """`pack_int4` undone: int8 codes [out, columns]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    u = (packed[..., None] >> shifts) & 0xF
+    return (u.reshape(*packed.shape[:-1], -1)[..., :columns] - 8).to(torch.int8)
+
+
+def _check_groups(shape: tuple[int, ...]) -> None:
+    if shape[-1] % INT4_GROUP:
+        raise ValueError(f"4-bit weights need input columns in groups of {INT4_GROUP}, got {shape[-1]} columns")
+
+
 def _fp8_block(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     out, inp = w.shape
     bo, bi = FP8_BLOCK
@@ -150,7 +221,9 @@ def _fp8_block(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch
 def dequantize(fn: QuantFn, q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The real-valued weight a quantized tensor stands for (what the engine computes with)."""
     w, s = q.weight.float(), q.weight_scale.float()
-    if fn.strategy is Strategy.block:
+    if fn.strategy is Strategy.group:
+        s = s.repeat_interleave(INT4_GROUP, 1)
+    elif fn.strategy is Strategy.block:
         out, inp = w.shape
         bo, bi = FP8_BLOCK
         s = s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
@@ -226,6 +299,8 @@ def fake_quant_activation(fn: QuantFn, x: torch.Tensor) -> torch.Tensor:
     (fp8_tensor) or per token and 128-column group (fp8_block). For sensitivity estimates
     (`flashrl tune`), computed in fp32."""
     xf = x.float()
+    if fn.packed:  # BF16 activations
+        return x
     if fn.is_int:
         scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-12)
         return (torch.round(xf / scale).clamp(INT8_MIN, INT8_MAX) * scale).to(x.dtype)
