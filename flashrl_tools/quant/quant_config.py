@@ -21,7 +21,13 @@ from flashrl_tools.quant.quantizer import QuantFn
 TARGETS = ["Linear"]
 IGNORE = ["lm_head"]
 # Tensors a quantized checkpoint adds beside the weights it quantizes (not in the BF16 model).
-QUANT_EXTRA_SUFFIXES = ("_scale", "_zero_point", ".input_scale", "_global_scale")
+QUANT_EXTRA_SUFFIXES = ("_scale", "_zero_point", ".input_scale", "_global_scale", ".weight_shape")
+PACKED = ".weight_packed"  # pack-quantized (4-bit): `<linear>.weight_packed` stores `<linear>.weight`
+
+
+def weight_name(name: str) -> str:
+    """The BF16 name a checkpoint tensor stores (`....weight_packed` -> `....weight`; others: themselves)."""
+    return name.removesuffix("_packed") if name.endswith(PACKED) else name
 
 
 def scheme_for(fn: QuantFn) -> QuantizationScheme:

