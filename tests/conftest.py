@@ -20,6 +20,33 @@ FIXTURES = Path(__file__).parent / "fixtures"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist (pyproject: two workers on CI's two cores) each worker and the engines it starts keep to a
+    core of their own: vLLM-CPU binds its OpenMP threads to every core by default, and two workers' engines each
+    spinning two threads on the same two cores ran slower than one process. (A test that needs both cores -- TP = 2
+    -- sets VLLM_CPU_OMP_THREADS_BIND itself.)"""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = os.cpu_count() or 1
+    if not worker.startswith("gw") or count < 2 or count > cores:
+        return
+    index = int(worker[2:])
+    share = cores // count
+    mine = list(range(index * share, (index + 1) * share))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)) if share > 1 else str(mine[0]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
+    try:
+        os.sched_setaffinity(0, mine)
+    except (AttributeError, OSError):
+        pass
+    import torch
+
+    torch.set_num_threads(share)  # (torch may be imported before this file: OMP_NUM_THREADS came too late)
+
+
+_one_core_per_worker()
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `flashrl ARGS` as a user would (its own process, real exit code and streams)."""
     import os
@@ -137,6 +164,15 @@ def pytest_configure(config):
         config.option.numprocesses, config.option.dist = 0, "no"
 
 
+# The files that start the most engines, longest first: pytest-xdist hands files to its two workers in collection
+# order, so these start at once and the short files fill the gaps (alphabetically they came last: one worker ran
+# the tail alone). A rough order is enough; a file not listed runs after them, in pytest's order.
+LONGEST_FIRST = ("test_verify.py", "test_runtime_vllm.py", "test_runtime_contract.py", "test_inflight.py",
+                 "test_wire.py", "test_kv_cache.py", "test_arch_matrix.py", "test_tune.py", "test_profile.py",
+                 "test_benchmarks.py", "test_versions.py", "test_lifecycle.py", "test_vllm_int8.py", "test_moe.py",
+                 "test_trl_grpo.py", "test_setup.py", "test_verl_recipe.py", "test_runtime_sglang.py", "test_w4a16.py")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -146,6 +182,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if not torch.cuda.is_available():
                 item.add_marker(skip)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: pytest's order within
 
 
 @pytest.fixture(scope="session")

@@ -366,8 +366,8 @@ def test_a_stalled_engine_process_prints_where_it_waits_and_lives_on(tmp_path):
         "from flashrl_tools.runtime.core.logs import watch_stacks\n"
         f"watch_stacks(Path({str(tmp_path / 'pids')!r}))\n"
         "def waiting_for_the_finish_request():\n"
+        "    print('ready', flush=True)\n"  # from inside: a signal after `ready` finds the process waiting here
         "    while True: time.sleep(0.05)\n"
-        "print('ready', flush=True)\n"
         "waiting_for_the_finish_request()\n")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
