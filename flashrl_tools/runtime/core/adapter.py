@@ -6,19 +6,24 @@ and what the core asks of it. An adapter (`runtime/<engine>/adapter.py`) is data
   engine table is rendered from it (tests/test_runtime_contract.py compares them).
 - `hooks`: a table of `Hook`s, installed by one function (hooks.py for vLLM; SGLang's HookRegistry),
   the table being the documentation of where the runtime touches the engine.
-- for a loaded model: a `ModelWriter` (session.py: how converted tensors reach the storage the kernels
-  read) and, with an FP8 KV cache, `KVLayers` (kv_state.py: where its attention keeps the scales);
-  in the front end, a `KVFront` (kv_driver.py: how a calibration's steps are done on this engine).
+- for a loaded model: a `ModelWriter` (how converted tensors reach the storage the kernels read; the sync loop
+  is session.py's) and, with an FP8 KV cache, `KVLayers` (where its attention keeps the scales; the state is
+  kv_state.py's); in the front end, a `KVFront` (how each step of a calibration is done on this engine; the
+  protocol is kv_driver.py's `calibrate`). All three below, every method declared.
 Everything else -- the sync loop, conversion, the serving plan, KV calibration, admission, settings --
 is the core's, written once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Protocol
+
+import torch
 
 from flashrl_tools.config.settings import VARIABLES, Settings
 from flashrl_tools.errors import FlashRLError
@@ -143,3 +148,111 @@ def hook_table(hooks) -> str:
     rows = [f"| {h.name} | `{h.target.replace('|', '` / `')}` | {h.kind.value} | {h.process} | {h.does} |"
             for h in hooks]
     return "\n".join(["| hook | target | kind | process | what it does |", "| --- | --- | --- | --- | --- |", *rows])
+
+
+# -- what the core asks of an adapter's objects ------------------------------------------------------
+
+@dataclass
+class Converted:
+    """One trainer tensor after conversion: the checkpoint tensors the engine loads, and the trainer's
+    own tensors they came from (a writer that keeps tensors past the call must not keep views of
+    those: trainers reuse their buffers)."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    sources: list[torch.Tensor]
+
+
+class ModelWriter(Protocol):
+    """The adapter's side of a sync: how converted tensors reach the storage its kernels read."""
+
+    def begin(self, reopen: bool) -> None:
+        """A sync opens. `reopen`: the previous one never completed (close what it left half-loaded)."""
+
+    def load(self, converted: Iterator[Converted], *args, **kwargs) -> set[str]:
+        """Write these tensors (a run of one sync); returns the engine parameter names loaded."""
+
+    def finish(self) -> None:
+        """Every expected tensor has arrived: whatever the engine does after a full load."""
+
+
+class KVLayers(Protocol):
+    """The adapter's attention layers with an FP8 KV cache."""
+
+    kinds: tuple[str, ...]  # the scales the engine's FP8 cache uses: ("q", "k", "v") or ("k", "v")
+    layers: dict[str, torch.nn.Module]
+
+    def read(self, layer: torch.nn.Module) -> dict[str, float]: ...
+
+    def write(self, layer: torch.nn.Module, scales: dict[str, float]) -> None:
+        """In place (captured graphs keep the tensors' addresses), with any float copies."""
+
+    def inputs(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+        """The kinds' tensors of one forward pre-hook call, padding rows cut off."""
+
+    def eager(self, on: bool) -> None:
+        """While calibrating, forwards run eagerly (a compiled or captured graph skips the hooks)."""
+
+    def changed(self) -> None:
+        """New scales were written (an engine that bakes them into captured graphs captures again)."""
+
+    def rescale(self, layer: torch.nn.Module, old: dict[str, float], new: dict[str, float], kept) -> None:
+        """Re-encode the FP8 entries of the requests kept across an update (`kept`: the adapter's
+        description of their blocks), written with `old`, for `new`, in place (kv_math.rescale_fp8_
+        on the engine's K and V halves)."""
+
+
+class KVFront:
+    """The adapter's front end: how each step of a calibration is done on its engine (every method a coroutine; a
+    synchronous engine's return at once). `calibrate` below is the one protocol; an adapter subclasses this and
+    implements every method without a default."""
+
+    def lock(self) -> contextlib.AbstractAsyncContextManager:
+        raise NotImplementedError
+
+    def aside(self) -> contextlib.AbstractAsyncContextManager[int | None]:
+        """Set the requests in flight aside for the calibration (frozen, their KV blocks kept), and
+        bring them back after it: yields how many, or None where the engine cannot (then the
+        calibration waits for them to finish)."""
+        raise NotImplementedError
+
+    async def stale(self) -> bool:
+        """Whether the scales may not be those of the current weights."""
+        raise NotImplementedError
+
+    async def in_flight(self) -> int:
+        """Requests the engine is still serving."""
+        raise NotImplementedError
+
+    async def flush(self) -> bool:
+        raise NotImplementedError
+
+    def sequences(self) -> list[list[int]]:
+        """The calibration token ids for this engine (kv_math.calibration_inputs)."""
+        raise NotImplementedError
+
+    async def arm(self) -> None:
+        raise NotImplementedError
+
+    async def prefill(self, ids: list[int], rid: str) -> bool:
+        """One calibration sequence, one token generated; False if the engine aborted it."""
+        raise NotImplementedError
+
+    async def prefill_all(self, items: list[tuple[list[int], str]]) -> bool | None:
+        """Every calibration sequence sent at once, the engine still prefilling each in a batch of its own (a fresh
+        engine's batches: the same kernels' results) and in order; False if it aborted any; None (this default):
+        the engine takes them one `prefill` at a time. Saves a round trip per sequence (SGLang: scheduler.py
+        `one_calibration_per_batch`)."""
+        return None
+
+    async def write_scales(self, token: str, rescale: bool) -> bool:
+        """The model side writes the calibrated scales; False if they were not written. `rescale`: requests set
+        aside hold entries of the old scales (re-encoded for the new ones)."""
+        raise NotImplementedError
+
+    async def abandon(self, token: str, rescale: bool) -> None:
+        """The calibration failed: the model side goes back to the scales in use (requests set aside go on with
+        them)."""
+        raise NotImplementedError
+
+    def calibrated(self) -> None:
+        """The calibration completed: the scales are those of the current weights."""

@@ -17,11 +17,12 @@ synchronous front end (vLLM's `LLM`), whose steps never wait.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import time
 import uuid
+
+from flashrl_tools.runtime.core.adapter import KVFront
 
 log = logging.getLogger("flashrl_tools.runtime")
 
@@ -37,62 +38,6 @@ def shared_lock(owner) -> asyncio.Lock:
     """`KVFront.lock` of an asynchronous front end: one lock per engine object (`owner`), so rollouts arriving while
     a calibration runs wait for it."""
     return owner.__dict__.setdefault("_flashrl_kv_lock", asyncio.Lock())
-
-
-class KVFront:
-    """The adapter's front end: how each step of a calibration is done on its engine (every method a coroutine; a
-    synchronous engine's return at once). `calibrate` below is the one protocol; an adapter subclasses this and
-    implements every method without a default."""
-
-    def lock(self) -> contextlib.AbstractAsyncContextManager:
-        raise NotImplementedError
-
-    def aside(self) -> contextlib.AbstractAsyncContextManager[int | None]:
-        """Set the requests in flight aside for the calibration (frozen, their KV blocks kept), and
-        bring them back after it: yields how many, or None where the engine cannot (then the
-        calibration waits for them to finish)."""
-
-    async def stale(self) -> bool:
-        """Whether the scales may not be those of the current weights."""
-        raise NotImplementedError
-
-    async def in_flight(self) -> int:
-        """Requests the engine is still serving."""
-        raise NotImplementedError
-
-    async def flush(self) -> bool:
-        raise NotImplementedError
-
-    def sequences(self) -> list[list[int]]:
-        """The calibration token ids for this engine (kv_math.calibration_inputs)."""
-        raise NotImplementedError
-
-    async def arm(self) -> None:
-        raise NotImplementedError
-
-    async def prefill(self, ids: list[int], rid: str) -> bool:
-        """One calibration sequence, one token generated; False if the engine aborted it."""
-        raise NotImplementedError
-
-    async def prefill_all(self, items: list[tuple[list[int], str]]) -> bool | None:
-        """Every calibration sequence sent at once, the engine still prefilling each in a batch of its own (a fresh
-        engine's batches: the same kernels' results) and in order; False if it aborted any; None (this default):
-        the engine takes them one `prefill` at a time. Saves a round trip per sequence (SGLang: scheduler.py
-        `one_calibration_per_batch`)."""
-        return None
-
-    async def write_scales(self, token: str, rescale: bool) -> bool:
-        """The model side writes the calibrated scales; False if they were not written. `rescale`: requests set
-        aside hold entries of the old scales (re-encoded for the new ones)."""
-        raise NotImplementedError
-
-    async def abandon(self, token: str, rescale: bool) -> None:
-        """The calibration failed: the model side goes back to the scales in use (requests set aside go on with
-        them)."""
-        raise NotImplementedError
-
-    def calibrated(self) -> None:
-        """The calibration completed: the scales are those of the current weights."""
 
 
 async def calibrate(front: KVFront) -> bool:

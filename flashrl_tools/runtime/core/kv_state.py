@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
 
 import torch
 
+from flashrl_tools.runtime.core.adapter import KVLayers
 from flashrl_tools.runtime.core.kv_math import AbsMax
 
 log = logging.getLogger("flashrl_tools.runtime")
@@ -41,32 +41,6 @@ def calibration_index(rid) -> str | None:
     if not isinstance(rid, str) or not rid.startswith(CALIBRATION_RID):
         return None
     return rid.rsplit("-", 1)[-1]
-
-
-class KVLayers(Protocol):
-    """The adapter's attention layers with an FP8 KV cache."""
-
-    kinds: tuple[str, ...]  # the scales the engine's FP8 cache uses: ("q", "k", "v") or ("k", "v")
-    layers: dict[str, torch.nn.Module]
-
-    def read(self, layer: torch.nn.Module) -> dict[str, float]: ...
-
-    def write(self, layer: torch.nn.Module, scales: dict[str, float]) -> None:
-        """In place (captured graphs keep the tensors' addresses), with any float copies."""
-
-    def inputs(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
-        """The kinds' tensors of one forward pre-hook call, padding rows cut off."""
-
-    def eager(self, on: bool) -> None:
-        """While calibrating, forwards run eagerly (a compiled or captured graph skips the hooks)."""
-
-    def changed(self) -> None:
-        """New scales were written (an engine that bakes them into captured graphs captures again)."""
-
-    def rescale(self, layer: torch.nn.Module, old: dict[str, float], new: dict[str, float], kept) -> None:
-        """Re-encode the FP8 entries of the requests kept across an update (`kept`: the adapter's
-        description of their blocks), written with `old`, for `new`, in place (kv_math.rescale_fp8_
-        on the engine's K and V halves)."""
 
 
 class KVScaleState:

@@ -20,11 +20,11 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from flashrl_tools.config.settings import settings
+from flashrl_tools.runtime.core.adapter import Converted, ModelWriter
 from flashrl_tools.runtime.core.convert import WeightConverter
 
 log = logging.getLogger("flashrl_tools.runtime")
@@ -92,29 +92,6 @@ class SyncState:
         except SyncIncomplete as e:
             return str(e)
         return None
-
-
-@dataclass
-class Converted:
-    """One trainer tensor after conversion: the checkpoint tensors the engine loads, and the trainer's
-    own tensors they came from (a writer that keeps tensors past the call must not keep views of
-    those: trainers reuse their buffers)."""
-
-    tensors: list[tuple[str, torch.Tensor]]
-    sources: list[torch.Tensor]
-
-
-class ModelWriter(Protocol):
-    """The adapter's side of a sync: how converted tensors reach the storage its kernels read."""
-
-    def begin(self, reopen: bool) -> None:
-        """A sync opens. `reopen`: the previous one never completed (close what it left half-loaded)."""
-
-    def load(self, converted: Iterator[Converted], *args, **kwargs) -> set[str]:
-        """Write these tensors (a run of one sync); returns the engine parameter names loaded."""
-
-    def finish(self) -> None:
-        """Every expected tensor has arrived: whatever the engine does after a full load."""
 
 
 class SyncSession:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from flashrl_tools.runtime.core.kv_driver import KVFront, NoLock, calibrate, calibrating, shared_lock
+from flashrl_tools.runtime.core.adapter import KVFront
+from flashrl_tools.runtime.core.kv_driver import NoLock, calibrate, calibrating, shared_lock
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index, calibration_rid
 

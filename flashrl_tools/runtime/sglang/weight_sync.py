@@ -20,7 +20,8 @@ from contextlib import contextmanager
 import torch
 
 from flashrl_tools.errors import FlashRLError
-from flashrl_tools.runtime.core.session import Converted, SyncSession, open_session
+from flashrl_tools.runtime.core.adapter import Converted
+from flashrl_tools.runtime.core.session import SyncSession, open_session
 
 log = logging.getLogger("flashrl_tools.runtime")
 _FLUSH_BYTES = 256 << 20  # converted tensors loaded at once (bounds the memory a whole-model push takes)

@@ -24,7 +24,8 @@ import logging
 from flashrl_tools.runtime.core.admission import admit
 from flashrl_tools.runtime.core.inflight import resume_refusal, version_salt
 from flashrl_tools.runtime.core.session import SyncIncomplete
-from flashrl_tools.runtime.core.kv_driver import KVFront, calibrate, calibrating, shared_lock
+from flashrl_tools.runtime.core.adapter import KVFront
+from flashrl_tools.runtime.core.kv_driver import calibrate, calibrating, shared_lock
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 from flashrl_tools.runtime.vllm.requests import calibration_prompt
 

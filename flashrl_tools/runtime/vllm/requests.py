@@ -8,7 +8,8 @@ below (`AsyncLLM`'s front end, pause and resume: async_front.py)."""
 from __future__ import annotations
 
 from flashrl_tools.runtime.core.admission import admit
-from flashrl_tools.runtime.core.kv_driver import KVFront, NoLock, calibrate, calibrating, run_sync
+from flashrl_tools.runtime.core.adapter import KVFront
+from flashrl_tools.runtime.core.kv_driver import NoLock, calibrate, calibrating, run_sync
 from flashrl_tools.runtime.core.kv_math import calibration_inputs, is_fp8_kv
 
 

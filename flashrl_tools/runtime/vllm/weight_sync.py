@@ -16,7 +16,8 @@ import torch
 
 from flashrl_tools.runtime.core.convert import WeightConverter
 from flashrl_tools.runtime.core.kv_math import has_kv_scales, is_fp8_kv
-from flashrl_tools.runtime.core.session import Converted, SyncSession, open_session
+from flashrl_tools.runtime.core.adapter import Converted
+from flashrl_tools.runtime.core.session import SyncSession, open_session
 from flashrl_tools.runtime.vllm import inplace
 from flashrl_tools.runtime.vllm.inplace import InPlacePlan
 
