@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from flashrl_tools.quant.quantizer import (QuantFn, checkpoint_tensors, dequantize, pack_int4, quantize_weight,
-                                          unpack_int4)
+from flashrl_tools.quant.packing import pack_int4, unpack_int4
+from flashrl_tools.quant.quantizer import QuantFn, checkpoint_tensors, dequantize, quantize_weight
 
 W4 = QuantFn.w4a16
 

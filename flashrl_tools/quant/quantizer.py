@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrl_tools.quant.formats import QuantFn, Strategy  # noqa: F401  (QuantFn: imported from here too)
+from flashrl_tools.quant.packing import pack_int4
 
 INT8_MIN, INT8_MAX = -128, 127
 # compressed-tensors divides the symmetric range (qmax - qmin) / 2 = 255 / 2.
@@ -173,32 +174,6 @@ def _int4_group(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(scale.dtype).eps), scale)
     q = torch.round(groups.to(scale.dtype) / scale[:, :, None])
     return torch.clamp(q, INT4_MIN, INT4_MAX).to(torch.int8).reshape(out, inp), scale
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """INT4 codes [out, in] (int8 in [-8, 7]) packed 8 to an int32 word along the columns, the first code in the
-    lowest bits, offset by 8 (compressed-tensors' `pack_to_int32(q, 4)`): [out, in / 8] int32."""
-    out, inp = q.shape
-    if inp % 8:
-        raise ValueError(f"4-bit packing needs a multiple of 8 columns, got {inp}")
-    u = (q.to(torch.int32) + 8).reshape(out, inp // 8, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
-    return _words(u, shifts)
-
-
-def _words(u: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """Eight 4-bit fields (int32 in [0, 15], last dim) or-ed into one int32 word each (bit 31 wraps negative)."""
-    word = torch.zeros(u.shape[:-1], dtype=torch.int32, device=u.device)
-    for i in range(u.shape[-1]):
-        word |= u[..., i] << shifts[i]
-    return word
-
-
-def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
-    """`pack_int4` undone: int8 codes [out, columns]."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    u = (packed[..., None] >> shifts) & 0xF
-    return (u.reshape(*packed.shape[:-1], -1)[..., :columns] - 8).to(torch.int8)
 
 
 def _check_groups(shape: tuple[int, ...]) -> None:
