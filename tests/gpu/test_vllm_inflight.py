@@ -26,7 +26,7 @@ import torch
 
 import gpu_harness as h
 
-KEEP = ["keep-bf16", "keep-int8", "keep-fp8", "keep-int8+kv", "keep-moe-fp8", "keep-int8+kv-compiled",
+KEEP = ["keep-bf16", "keep-int8", "keep-fp8", "keep-w4a16", "keep-int8+kv", "keep-moe-fp8", "keep-int8+kv-compiled",
         "keep-int8-compiled"]
 # `-ipc=HOW`: the full push from the probe's GPU through vLLM's CUDA-IPC weight-transfer engine (the engine core
 # in its own process): BF16, or the trainer's 8-bit tensors (`wire`: flashrl_tools.wire), packed or not

@@ -17,10 +17,12 @@ import pytest
 
 import gpu_harness as h
 
-CASES = ["int8", "fp8", "fp8_channel", "bf16+kv", "int8+kv", "fp8+kv", "fp8_channel+kv", "int8+kv@xqa",
-         "int8+kv@xqa-graphs"]
+CASES = ["int8", "fp8", "fp8_channel", "w4a16", "bf16+kv", "int8+kv", "fp8+kv", "fp8_channel+kv", "w4a16+kv",
+         "int8+kv@xqa", "int8+kv@xqa-graphs"]
 GRAPHS = {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48]}}
-FRESH = {"bf16": None, "int8": "int8", "fp8": None, "fp8_channel": "fp8_channel"}  # its offline checkpoint
+# its offline checkpoint (`flashrl quantize`); w4a16: pack-quantized INT4, served by vLLM's WNA16 kernels (Machete /
+# Marlin on Hopper: the reload re-packs the synced weights into the kernel's layout)
+FRESH = {"bf16": None, "int8": "int8", "fp8": None, "fp8_channel": "fp8_channel", "w4a16": "w4a16"}
 
 
 def run_case(case: str, work) -> dict:

@@ -41,6 +41,15 @@ def prompt(i: int) -> list[int]:
     return PREFIX + [100 + i, 200 + i]  # ids below 384: the GPU tests' models
 
 
+def admitted_prompt(i: int) -> list[int]:
+    """A request admitted beside the kept ones: it shares no KV block with their prompt, so that `repeat0` (their
+    prompt, after the drain) can only find the blocks the old weights computed, which the weights' version in the
+    cache salt must keep from it. (Blocks prefilled beside decoding requests are batch-dependent in BF16 -- the
+    GEMM's tiling follows the batch -- so a shared prefix would make repeat0 differ from a fresh engine for a
+    reason that is not the update.)"""
+    return PREFIX[::-1] + [100 + i, 200 + i]
+
+
 async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, requests: int, tokens: int,
               pause_after: int, floor: bool = False, transfer: bool = False, ipc: str | None = None,
               nccl: str | None = None, reference: str = "fresh") -> dict:
@@ -85,7 +94,7 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
     phase("pause")
     await engine.pause_generation(mode=mode, clear_cache=clear_cache)
     at_pause = {r: len(completion(streams[r][-1][1])["tokens"]) for r in kept}
-    during = asyncio.create_task(gen("during", prompt(50), short))  # waits for the resume
+    during = asyncio.create_task(gen("during", admitted_prompt(50), short))  # waits for the resume
     phase("partial push")
     await engine.collective_rpc(push_checkpoint(b, count=3))
     try:
@@ -111,7 +120,7 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
     t_resume = time.perf_counter()
     await engine.resume_generation()
     t_resumed = time.perf_counter()
-    after = asyncio.create_task(gen("after", prompt(60), short))
+    after = asyncio.create_task(gen("after", admitted_prompt(60), short))
     while not streams.get("after"):
         await alive([after])
         await asyncio.sleep(0.0005)
@@ -125,13 +134,13 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
     res["finish_reasons"] = sorted({f["finish_reason"] for f in finished.values()})
     res["kept_tokens_after_pause"] = {r: len(f["tokens"]) - at_pause[r] for r, f in finished.items()}
     admitted = {"during": await during, "after": await after}
+    admitted["repeat0"] = await gen("repeat0", prompt(0), short)  # the kept requests' own prompt, after the drain
     resubmit = {}
     if mode == "abort":  # AReaL-style: prompt + the tokens the aborted request had, continued
         for r, f in finished.items():
             ids = prompt(int(r[1:])) + f["tokens"]
             resubmit[r] = (ids, await gen(f"re-{r}", ids, SamplingParams(
                 max_tokens=tokens - len(f["tokens"]), temperature=0.0, logprobs=0, ignore_eos=True)))
-    admitted["repeat0"] = await gen("repeat0", prompt(0), short)  # the kept requests' own prompt, after the drain
     scales = await kv_scales(engine)
     engine.shutdown()
 
@@ -143,7 +152,7 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
         await fresh.collective_rpc(push_checkpoint(b))
     else:
         fresh = start(b, engine_args)
-    fresh_out = {"during": prompt(50), "after": prompt(60), "repeat0": prompt(0)}
+    fresh_out = {"during": admitted_prompt(50), "after": admitted_prompt(60), "repeat0": prompt(0)}
     res["admitted_equal_fresh"] = {}
     for r, ids in fresh_out.items():
         got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, short, f"f-{r}")][-1])

