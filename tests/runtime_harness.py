@@ -52,7 +52,9 @@ def served_checkpoint(config: str, bf16: Path, work: Path) -> Path:
         from flashrl_tools.runtime.core.plan import checkpoint_for
 
         return Path(checkpoint_for(rc, rc.fn.quant_fn, str(bf16)))
-    out = quantize(bf16, work, rc.fn.quant_fn.value, force=True).out
+    from flashrl_tools.quant.mixed import KeepSpec
+
+    out = quantize(bf16, work, rc.fn.quant_fn.value, force=True, keep=KeepSpec.of(rc.entry)).out
     (out / "flashrl_source.json").write_text(json.dumps({"bf16_model": str(bf16)}))  # as the online cache marks it
     return out
 

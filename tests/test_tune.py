@@ -40,6 +40,26 @@ def test_search_keeps_the_most_sensitive_units_first():
     assert search.pick(order, BYTES, synthetic, points[2:], 0.1).kept == 2
 
 
+FOUR = {"a": 0.004, "c": 0.0003, "d": 0.0001, "e": 0.002}  # each unit's extra KL at 4 bits (b: kept BF16)
+
+
+def test_the_4bit_step_moves_the_least_sensitive_8bit_units_while_the_budget_holds():
+    """From an 8-bit pick keeping `b`: units ranked by their extra KL at 4 bits, the curve moves the first m (bytes:
+    BF16 1, 8-bit 0.5, W4A16 (0.5 + 2/128) / 2 of a parameter's BF16 bytes), candidates the most units under target."""
+    eight = {"a", "c", "d", "e"}
+    measure = lambda four: synthetic(eight) + sum(FOUR[u] for u in four)  # noqa: E731
+    order = sorted(FOUR, key=FOUR.get)
+    assert order == ["d", "c", "e", "a"]
+    points = search.four_bit_curve(order, BYTES, {"b"}, measure)
+    assert [p.four for p in points] == [0, 1, 2, 3, 4]
+    assert points[0].bytes_vs_bf16 == pytest.approx((10 + 0.5 * 90) / 100)
+    w4 = (0.5 + 2 / 128) / 2
+    assert points[2].bytes_vs_bf16 == pytest.approx((10 + 0.5 * 50 + w4 * 40) / 100)
+    base = synthetic(eight)
+    assert [p.four for p in search.pick_four(points, base + 0.0005)] == [2, 1]
+    assert search.pick_four(points, base) == []  # moving nothing is not a 4-bit pick
+
+
 def test_fp8_block_keeps_the_layers_vllm_cannot_serve_in_blocks():
     """vLLM 0.26 (TP=1) needs input widths that are multiples of 128 (activations in 1x128 groups)
     and each shard of a fused layer but the last a multiple of 128 rows: of SmolLM2-135M (hidden
@@ -165,13 +185,14 @@ def test_fp8_block_on_a_model_vllm_cannot_serve_in_blocks_is_one_clear_error(tmp
 @pytest.mark.vllm
 def test_tune_end_to_end_on_a_tiny_model(tiny_models, tmp_path):
     """Ranking of the 8 units of a 2-layer model, the curve, a budget met by the verified pick
-    (engine drift on the odd prompts), config + report + PNG; the written config is a mixed one
-    that the runtime's schema accepts."""
+    (engine drift on the odd prompts), then (`--w4a16`) the 4-bit step from that pick: each 8-bit unit's
+    sensitivity at 4 bits, the KL-vs-bytes curve, a verified 4-bit mix; config + report + PNG; the written
+    config is a mixed one that the runtime's schema accepts."""
     from flashrl_tools.config.schema import load_config
 
     cfg, report = tmp_path / "c.yaml", tmp_path / "r.json"
     res = run_cli("tune", "-m", tiny_models["llama-untied"], "--fn", "int8", "-o", cfg, "--report", report,
-                  "--n-tune", "4", "-n", "8", "--max-tokens", "8", "--max-kl", "5", timeout=900)
+                  "--n-tune", "4", "-n", "8", "--max-tokens", "8", "--max-kl", "5", "--w4a16", timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(report.read_text())
     assert len(r["units"]) == 8 and sorted(u["rank"] for u in r["units"]) == list(range(1, 9))
@@ -179,6 +200,11 @@ def test_tune_end_to_end_on_a_tiny_model(tiny_models, tmp_path):
     assert r["curve"][-1]["kl"] == 0.0 and r["curve"][0]["fraction_8bit"] == 1.0
     assert r["budget"]["max_kl"] == 5 and r["met"] and r["verifications"][-1]["passed"]
     assert report.with_suffix(".png").stat().st_size > 0
+    four = r["four_bit"]
+    assert four["eligible"] == 8 - len(r["pick"]["kept_units"]) and len(four["sensitivity"]) == four["eligible"]
+    assert [p["four"] for p in four["curve"]][0] == 0 and four["verifications"][-1]["passed"]
+    assert four["pick"] and r["pick"]["w4a16_units"] == four["pick"] and r["pick"]["bytes_vs_bf16"] < 0.5
     entry = load_config(cfg).configs[0]
     assert entry.fn.value == "int8" and entry.keep_bf16 == r["pick"]["kept_units"]
-    assert "picked:" in res.stdout
+    assert entry.w4a16_layers == four["pick"]
+    assert "picked:" in res.stdout and "at 4 bits" in res.stdout

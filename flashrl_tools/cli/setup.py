@@ -14,7 +14,7 @@ from flashrl_tools.setup.write import build_entry, parse_assignments, setup
 def command(
     model: Path = typer.Option(None, "-m", "--model", help="the 8-bit checkpoint (with a profile)"),
     profile: Path = typer.Option(None, "-p", "--profile", help="profile file from `flashrl profile`"),
-    fn: str = typer.Option("int8", "--fn", help="bf16 | fp8 | int8 | fp8_channel | fp8_tensor | fp8_block"),
+    fn: str = typer.Option("int8", "--fn", help="bf16 | fp8 | int8 | fp8_channel | fp8_tensor | fp8_block | w4a16"),
     output: Path = typer.Option(Path("~/.flashrl_config.yaml"), "-o", "--config-output",
                                 help="config file to write"),
     append: bool = typer.Option(False, "-a", "--append", help="add an entry to an existing file"),

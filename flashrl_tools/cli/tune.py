@@ -1,4 +1,4 @@
-"""`flashrl tune`: pick the fewest layers to keep in BF16 for a drift budget."""
+"""`flashrl tune`: pick the fewest layers to keep in BF16 (and, with --w4a16, the most at 4 bits) for a drift budget."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from flashrl_tools.fsutil import check_writable
 def command(
     model: str = ModelOption,
     fn: str = typer.Option("int8", "--fn", help="int8 | fp8_channel | fp8_tensor | fp8_block"),
-    output: Path = typer.Option(..., "-o", "--output", help="config YAML to write (with keep_bf16)"),
+    output: Path = typer.Option(..., "-o", "--output", help="config YAML to write (with keep_bf16, w4a16_layers)"),
     max_kl: float = typer.Option(None, "--max-kl", help="token KL budget of the engine (`verify drift` k3)"),
     max_kl_ratio: float = typer.Option(None, "--max-kl-ratio", help="budget as a multiple of the BF16 engine's "
                                        "own drift (default 3)"),
@@ -29,6 +29,8 @@ def command(
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
     seed: int = typer.Option(0, "--seed"),
     pow2_scales: bool = typer.Option(False, "--pow2-scales", help="FP8: scales rounded up to powers of two"),
+    w4a16: bool = typer.Option(False, "--w4a16", help="then move the 8-bit layers least sensitive at 4 bits to W4A16 "
+                               "while the budget holds (w4a16_layers)"),
 ) -> None:
     """Measure each layer's share of the drift, keep the fewest layers in BF16 that meet the budget,
     verify the pick with the engine (`verify drift`, fresh prompts), write the config and a report."""
@@ -55,7 +57,8 @@ def command(
             bar.update(task, description=text, completed=0, total=None)
 
         result = tune(src, fn_, output, report, settings, config, prompts, progress=step,
-                      bar=lambda done, total: bar.update(task, completed=done, total=total), pow2=pow2_scales)
+                      bar=lambda done, total: bar.update(task, completed=done, total=total), pow2=pow2_scales,
+                      four_bit=w4a16)
     show(result, report)
     if not result["met"]:
         raise typer.Exit(1)
@@ -84,10 +87,24 @@ def show(r: dict, report: Path) -> None:
     for v in r["verifications"]:
         out.print(f"verify drift with {v['kept']} layers BF16 ({v['fraction_8bit']:.1%} of bytes 8-bit): "
                   f"token KL {v['engine_kl']:.4g} (floor {v['floor']:.4g}) -> {'pass' if v['passed'] else 'miss'}")
+    four = r.get("four_bit")
+    if four and four.get("curve"):
+        t = Table(title=f"then m of {four['eligible']} 8-bit layers at 4 bits, least sensitive first (fake-quant)")
+        for col in ("layers 4-bit", "bytes vs BF16", "fake-quant KL", "estimated engine KL"):
+            t.add_column(col, justify="right")
+        for p in four["curve"]:
+            t.add_row(str(p["four"]), f"{p['bytes_vs_bf16']:.3f}", f"{p['kl']:.2e}", f"{b['floor'] + b['alpha'] * p['kl']:.2e}")
+        out.print(t)
+        for v in four["verifications"]:
+            out.print(f"verify drift with {v['four']} layers at 4 bits ({v['bytes_vs_bf16']:.3f}x BF16's bytes): token KL "
+                      f"{v['engine_kl']:.4g} -> {'pass' if v['passed'] else 'miss'}")
+    elif four:
+        out.print(f"4-bit step skipped: {four['skipped']}")
     if r["met"]:
         p = r["pick"]
         out.print(f"picked: {len(p['kept_units'])} layers in BF16 ({p['bf16_bytes'] / 2**20:.1f} MiB), "
-                  f"{p['fraction_8bit']:.1%} of linear-weight bytes in 8 bit; config written to {p['config']}")
+                  + (f"{len(p['w4a16_units'])} at 4 bits, " if p["w4a16_units"] else "")
+                  + f"{p['bytes_vs_bf16']:.3f}x BF16's linear-weight bytes; config written to {p['config']}")
     else:
         err.print("[bold red]tune:[/] no verified config meets the budget (see the curve); nothing written")
     out.print(f"report: {report} (+ {report.with_suffix('.png').name})")

@@ -44,6 +44,9 @@ class RolloutConfig(BaseModel):
     keep_bf16: list[str] = []  # glob patterns of module names
     first_layers_bf16: NonNegativeInt = 0
     last_layers_bf16: NonNegativeInt = 0
+    # 4-bit layers of an 8-bit config: glob patterns of module names served W4A16 (fused partners too;
+    # keep_bf16 wins where both match)
+    w4a16_layers: list[str] = []
     fp8_scale_pow2: bool = False  # FP8 formats quantized online: scales rounded up to powers of two
 
     @property
@@ -55,8 +58,9 @@ class RolloutConfig(BaseModel):
     def _aliases(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("fn") in FN_ALIASES:
             data = {**data, "fn": FN_ALIASES[data["fn"]]}
-        if isinstance(data, dict) and isinstance(data.get("keep_bf16"), str):  # one pattern
-            data = {**data, "keep_bf16": [data["keep_bf16"]]}
+        for key in ("keep_bf16", "w4a16_layers"):
+            if isinstance(data, dict) and isinstance(data.get(key), str):  # one pattern
+                data = {**data, key: [data[key]]}
         if isinstance(data, dict) and data.get("fn") == "int8_prune":
             raise ValueError("fn 'int8_prune' (flash-llm-rl dead-neuron pruning) is not supported; use 'int8'")
         return data
@@ -76,6 +80,15 @@ class RolloutConfig(BaseModel):
                              "or 'fp8_block'")
         if any(not p.strip() for p in self.keep_bf16):
             raise ValueError("keep_bf16 has an empty pattern")
+        if self.w4a16_layers:
+            if self.fn.quant_fn is None or self.fn.quant_fn.packed:
+                raise ValueError(f"w4a16_layers mixes 4-bit layers into an 8-bit config: fn '{self.fn.value}' is not one "
+                                 "(use fn int8, fp8_channel, fp8_tensor or fp8_block; fn w4a16 serves every layer in 4 bits)")
+            if self.model is not None:
+                raise ValueError("w4a16_layers applies to online quantization: a given `model` (and its profile) "
+                                 "serves its own formats")
+            if any(not p.strip() for p in self.w4a16_layers):
+                raise ValueError("w4a16_layers has an empty pattern")
         if self.fp8_scale_pow2 and not (self.fn.quant_fn is not None and self.fn.quant_fn.is_fp8):
             raise ValueError(f"fp8_scale_pow2 needs fn fp8_channel, fp8_tensor or fp8_block (fn '{self.fn.value}'"
                              + (" is vLLM's online FP8, which computes its own scales)" if self.fn.vllm_online_fp8

@@ -20,7 +20,7 @@ from flashrl_tools.model_structure import model_layout, read_config
 from flashrl_tools.profile.format import ModelRef, Profile, ProfileMeta
 from flashrl_tools.profile.groups import layer_groups
 from flashrl_tools.profile.recover import Member, Stats, fit_factors, score
-from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, ignored_by
+from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, ignored_by, layer_formats
 from flashrl_tools.quant.quantize import parse_fn
 from flashrl_tools.quant.quantizer import QuantFn, smooth_norm
 from flashrl_tools.safetensors_io import CheckpointReader
@@ -78,7 +78,9 @@ def checkpoint_format(quantized_dir: Path) -> QuantFn:
                            "pass the quantized model with -qm")
     try:
         cfg = QuantizationConfig.model_validate(qc)
-        (scheme,) = cfg.config_groups.values()
+        groups = list(cfg.config_groups.values())
+        # a mixed checkpoint (quant_config.py): the `Linear` group, beside groups naming their modules
+        (scheme,) = groups if len(groups) == 1 else [g for g in groups if "Linear" in g.targets]
     except (ValueError, TypeError) as e:
         raise FlashRLError(f"unsupported quantization_config ({str(e).splitlines()[0]})",
                            str(quantized_dir), "one scheme group of W8A8 INT8 or FP8 is supported") from None
@@ -124,10 +126,11 @@ def build_profile(bf16_dir: Path, quantized_dir: Path, fn: QuantFn | str,
     t0 = time.perf_counter()
     fn = parse_fn(fn)
     found = checkpoint_format(quantized_dir)
-    if found.packed:
-        raise FlashRLError(f"{found.value} checkpoints have no profile yet (a 4-bit sync re-quantizes from BF16 "
-                           "with the quantizer alone: FLASHRL_CONFIG=w4a16)", str(quantized_dir),
-                           "profile an 8-bit checkpoint")
+    four = any(f.packed for f in layer_formats(read_config(quantized_dir).get("quantization_config")).values())
+    if found.packed or four:
+        raise FlashRLError(f"{'mixed 4/8-bit' if four else found.value} checkpoints have no profile yet (a 4-bit "
+                           "sync re-quantizes from BF16 with the quantizer alone: FLASHRL_CONFIG=w4a16 or "
+                           "w4a16_layers)", str(quantized_dir), "profile an 8-bit checkpoint")
     if found is not fn:
         raise FlashRLError(f"the quantized checkpoint is {found.value}, not --fn {fn.value}",
                            str(quantized_dir), f"pass --fn {found.value}")

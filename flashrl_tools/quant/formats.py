@@ -103,6 +103,10 @@ FORMATS: dict[QuantFn, FormatSpec] = {
 }
 
 
+# the format a config's `w4a16_layers` serves beside its 8-bit `fn` (quant/mixed.py picks the layers)
+LAYERS_4BIT = QuantFn.w4a16
+
+
 class ConfigFn(str, Enum):
     """What a rollout config serves (`fn:` of a config entry)."""
 

@@ -1,6 +1,6 @@
 """Mixed precision: which linear weights stay in BF16 (`keep_bf16`, `first_layers_bf16`,
-`last_layers_bf16`). One function decides it for quantize, profile, setup, verify, tune and the
-runtime.
+`last_layers_bf16`) and which an 8-bit config serves in 4 bits (`w4a16_layers`). One function each
+decides it for quantize, profile, setup, verify, tune and the runtime.
 
 vLLM fuses q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`; Mixtral w1/w3) into one layer that
 must have one scheme, so keeping one member keeps its fused partners (a "unit"). A MoE layer's
@@ -29,19 +29,23 @@ class KeepSpec:
     patterns: tuple[str, ...] = ()  # fnmatch globs on module names ("model.layers.0.mlp.down_proj", "*.o_proj")
     first_layers: int = 0
     last_layers: int = 0
+    four_bit: tuple[str, ...] = ()  # globs of the modules an 8-bit config serves W4A16 (`w4a16_layers`)
 
     def __bool__(self) -> bool:
-        return bool(self.patterns or self.first_layers or self.last_layers)
+        return bool(self.patterns or self.first_layers or self.last_layers or self.four_bit)
 
     @classmethod
     def of(cls, entry) -> KeepSpec:
         """From a config entry (RolloutConfig) or None."""
         if entry is None:
             return cls()
-        return cls(tuple(entry.keep_bf16), entry.first_layers_bf16, entry.last_layers_bf16)
+        return cls(tuple(entry.keep_bf16), entry.first_layers_bf16, entry.last_layers_bf16, tuple(entry.w4a16_layers))
 
     def fingerprint(self) -> str:
-        return "" if not self else f"keep={list(self.patterns)}:first={self.first_layers}:last={self.last_layers}"
+        if not self:
+            return ""
+        return (f"keep={list(self.patterns)}:first={self.first_layers}:last={self.last_layers}"
+                + (f":w4a16={list(self.four_bit)}" if self.four_bit else ""))
 
     def cli_args(self) -> list[str]:
         args = [a for p in self.patterns for a in ("--keep-bf16", p)]
@@ -49,12 +53,12 @@ class KeepSpec:
             args += ["--first-layers-bf16", str(self.first_layers)]
         if self.last_layers:
             args += ["--last-layers-bf16", str(self.last_layers)]
-        return args
+        return args + [a for p in self.four_bit for a in ("--w4a16-layers", p)]
 
 
 def parse_keep_args(args: list[str]) -> KeepSpec:
     """The inverse of `KeepSpec.cli_args` (for child processes)."""
-    patterns, first, last = [], 0, 0
+    patterns, first, last, four = [], 0, 0, []
     for flag, value in zip(args[::2], args[1::2]):
         if flag == "--keep-bf16":
             patterns.append(value)
@@ -62,7 +66,9 @@ def parse_keep_args(args: list[str]) -> KeepSpec:
             first = int(value)
         elif flag == "--last-layers-bf16":
             last = int(value)
-    return KeepSpec(tuple(patterns), first, last)
+        elif flag == "--w4a16-layers":
+            four.append(value)
+    return KeepSpec(tuple(patterns), first, last, tuple(four))
 
 
 def layer_index(name: str) -> int | None:
@@ -118,6 +124,36 @@ def kept_weights(linear_weights: Iterable[str], spec: KeepSpec, source: str | No
                            "weights)", source, "keep attention layers instead (keep_bf16: ['*.self_attn.*'])")
     grouped = units(names)
     return {n for name in picked for n in grouped[unit_of(name)]}
+
+
+def four_bit_weights(linear_weights: Iterable[str], spec: KeepSpec, kept: set[str], source: str | None = None,
+                     group: int = 128, columns: dict[str, int] | None = None) -> set[str]:
+    """The linear weights (checkpoint names) an 8-bit config serves W4A16 (`w4a16_layers`), fused partners
+    included, those kept in BF16 left out. `columns`: weight name -> input columns, checked against the 4-bit
+    format's groups of `group`."""
+    names = set(linear_weights)
+    if not spec.four_bit:
+        return set()
+    picked = set()
+    for pattern in spec.four_bit:
+        hits = {n for n in names if fnmatch.fnmatchcase(n.removesuffix(".weight"), pattern)
+                or fnmatch.fnmatchcase(unit_of(n), pattern)}
+        if not hits:
+            raise FlashRLError(f"w4a16_layers pattern {pattern!r} matches no linear layer of the model", source,
+                               "patterns match module names such as 'model.layers.0.mlp.down_proj' or '*.mlp.down_proj'")
+        picked |= hits
+    experts = sorted(n for n in picked if unit_of(n).endswith(".experts"))
+    if experts:
+        raise FlashRLError(f"4-bit MoE experts are not served yet ({experts[0]}, {len(experts)} expert weights)",
+                           source, "name attention or dense MLP layers in w4a16_layers (e.g. '*.self_attn.*')")
+    grouped = units(names)
+    out = {n for name in picked for n in grouped[unit_of(name)]} - set(kept)
+    ragged = sorted(n for n in out if columns is not None and columns[n] % group)
+    if ragged:
+        raise FlashRLError(f"{len(ragged)} weights of w4a16_layers have input columns that are not a multiple of "
+                           f"{group} (first: {ragged[0]}, {columns[ragged[0]]} columns): w4a16 groups {group} "
+                           "columns per scale", source, "leave those layers out of w4a16_layers (they stay 8-bit)")
+    return out
 
 
 def kept_modules(kept: Iterable[str]) -> list[str]:

@@ -16,6 +16,7 @@ from compressed_tensors.quantization import (
     preset_name_to_scheme,
 )
 
+from flashrl_tools.quant.formats import LAYERS_4BIT
 from flashrl_tools.quant.quantizer import QuantFn
 
 TARGETS = ["Linear"]
@@ -41,17 +42,44 @@ def scheme_for(fn: QuantFn) -> QuantizationScheme:
     return QuantizationScheme(targets=TARGETS, weights=weights, input_activations=acts)
 
 
-def quantization_config(fn: QuantFn, ignore: list[str] | None = None) -> dict[str, Any]:
-    """The dict stored under config.json's `quantization_config`."""
-    fmt = (CompressionFormat.pack_quantized if fn.packed else
-           CompressionFormat.int_quantized if fn.is_int else CompressionFormat.float_quantized)
+def compression_format(fn: QuantFn) -> str:
+    return (CompressionFormat.pack_quantized if fn.packed else
+            CompressionFormat.int_quantized if fn.is_int else CompressionFormat.float_quantized).value
+
+
+def quantization_config(fn: QuantFn, ignore: list[str] | None = None,
+                        four_bit: list[str] | None = None) -> dict[str, Any]:
+    """The dict stored under config.json's `quantization_config`. `four_bit`: modules (unfused names) stored
+    W4A16 beside `fn`'s layers -- a second scheme group naming them (vLLM matches a layer's name, then a fused
+    layer's members, before the `Linear` class), each group with its own format."""
+    groups = {"group_0": scheme_for(fn)}
+    fmt = compression_format(fn)
+    if four_bit:
+        groups["group_0"] = groups["group_0"].model_copy(update={"format": fmt})
+        w4 = LAYERS_4BIT
+        groups["group_1"] = scheme_for(w4).model_copy(update={"targets": list(four_bit),
+                                                              "format": compression_format(w4)})
+        fmt = CompressionFormat.mixed_precision.value
     cfg = QuantizationConfig(
-        config_groups={"group_0": scheme_for(fn)},
-        format=fmt.value,
+        config_groups=groups,
+        format=fmt,
         quantization_status=QuantizationStatus.COMPRESSED,
         ignore=list(IGNORE if ignore is None else ignore),
     )
     return cfg.model_dump(mode="json")
+
+
+def layer_formats(qc: dict[str, Any]) -> dict[str, QuantFn]:
+    """Module name -> format for the modules a checkpoint's scheme groups name one by one (the 4-bit layers of
+    a mixed checkpoint); the rest take the `Linear` group's format (profile/build.py `checkpoint_format`)."""
+    out: dict[str, QuantFn] = {}
+    for group in (qc or {}).get("config_groups", {}).values():
+        w = group.get("weights") or {}
+        fn = QuantFn.from_scheme(w.get("type"), w.get("num_bits"), w.get("strategy"))
+        for target in group.get("targets", []):
+            if fn is not None and target != "Linear" and not target.startswith("re:"):
+                out[target] = fn
+    return out
 
 
 # config.json key (top level, beside quantization_config) of a checkpoint whose FP8 scales are

@@ -1,5 +1,6 @@
-"""The BF16 policy in transformers with any set of units (mixed.units) fake-quantized, and the
-token KL of that model from the BF16 one on fixed sequences: the ranking signal of `flashrl tune`.
+"""The BF16 policy in transformers with any set of units (mixed.units) fake-quantized (8-bit, or W4A16 where it
+can be served), and the token KL of that model from the BF16 one on fixed sequences: the ranking signal of
+`flashrl tune`.
 
 A quantized linear computes with the dequantized 8-bit weight and a dynamically fake-quantized
 input, as the engine's W8A8 / FP8 kernels do (quantizer.py has the math). Under a SmoothQuant
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import torch
 
+from flashrl_tools.quant.formats import LAYERS_4BIT
 from flashrl_tools.quant.mixed import units
 from flashrl_tools.profile.format import Profile
-from flashrl_tools.quant.quantizer import QuantFn, dequantize, fake_quant_activation, quantize_weight, requantize_int8
+from flashrl_tools.quant.quantizer import (INT4_GROUP, QuantFn, dequantize, fake_quant_activation, quantize_weight,
+                                          requantize_int8)
 
 
 @dataclass
@@ -27,6 +30,7 @@ class _Linear:
     original: torch.Tensor  # fp32 weight
     quantized: torch.Tensor  # fp32 dequantized weight (column-smoothed under a profile)
     col_div: torch.Tensor | None  # the input is divided by this before the 8-bit matmul
+    four: torch.Tensor | None = None  # fp32 dequantized W4A16 weight (BF16 activations), where it can be served
 
 
 class FakeQuantModel:
@@ -46,17 +50,24 @@ class FakeQuantModel:
             for name in weights:
                 module = self.model.get_submodule(name.removesuffix(".weight"))
                 quantized, col_div = _fake_weight(fn, name, bf16[name], profile, pow2)
-                self.linears[name] = _Linear(module, module.weight.detach().clone(), quantized, col_div)
+                four = None if profile is not None or bf16[name].shape[1] % INT4_GROUP else \
+                    dequantize(LAYERS_4BIT, quantize_weight(LAYERS_4BIT, bf16[name]))
+                self.linears[name] = _Linear(module, module.weight.detach().clone(), quantized, col_div, four)
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self.unit_bytes = {u: sum(self.linears[n].original.numel() * 2 for n in ws) for u, ws in self.units.items()}
 
-    def set_quantized(self, quantized_units: set[str]) -> None:
-        """Quantize exactly these units (the others compute with the original weights)."""
+    def four_bit_ok(self, unit: str) -> bool:
+        """Whether a unit can be served W4A16 (input columns in groups of 128, no calibrated profile, no experts)."""
+        return not unit.endswith(".experts") and all(self.linears[n].four is not None for n in self.units[unit])
+
+    def set_quantized(self, quantized_units: set[str], four_bit_units: set[str] = frozenset()) -> None:
+        """Quantize exactly these units, `four_bit_units` to W4A16 (the others compute with the original weights)."""
         for unit, weights in self.units.items():
-            on = unit in quantized_units
+            four = unit in four_bit_units
+            on = unit in quantized_units and not four
             for name in weights:
                 lin = self.linears[name]
-                lin.module.weight.data = lin.quantized if on else lin.original
+                lin.module.weight.data = lin.four if four else lin.quantized if on else lin.original
                 if on and name not in self._hooks:
                     self._hooks[name] = lin.module.register_forward_pre_hook(self._input_hook(lin))
                 elif not on and name in self._hooks:

@@ -10,8 +10,11 @@
    fake-quant: the scale `alpha`).
 4. Pick: the fewest units with alpha x fake KL <= K - floor, then `verify drift` of that config on
    prompts and samples not used to tune; a miss moves to the next curve point (up to `tries`).
-The config (YAML, `keep_bf16` listing the kept units) and a report (JSON + PNG curve) are written
-atomically; the prompts are split: even-numbered for tuning, odd-numbered for the verification.
+5. With `--w4a16`, from the verified 8-bit pick: each 8-bit unit W4A16 can serve moved to 4 bits alone (the rest
+   as picked), ranked least sensitive first; the KL-vs-bytes curve of moving the first m; the most units whose
+   estimate meets the budget, verified with `verify drift` (a miss tries fewer).
+The config (YAML, `keep_bf16` listing the kept units, `w4a16_layers` the 4-bit ones) and a report (JSON + PNG
+curve) are written atomically; the prompts are split: even-numbered for tuning, odd-numbered for the verification.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def base_entry(fn: QuantFn, config: Path | None, pow2: bool = False) -> RolloutC
 
 def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings: TuneSettings = TuneSettings(),
          config: Path | None = None, prompts_file: Path | None = None, progress=lambda s: None,
-         bar=lambda done, total: None, pow2: bool = False) -> dict:
+         bar=lambda done, total: None, pow2: bool = False, four_bit: bool = False) -> dict:
     from flashrl_tools.model_structure import model_layout
     from flashrl_tools.profile.format import load_profile
     from flashrl_tools.tune.fakequant import FakeQuantModel, SequenceBatch, sample_responses, token_kl
@@ -74,6 +77,13 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
     ratio = settings.max_kl_ratio if settings.max_kl is None else None
     ratio = DEFAULT_RATIO if settings.max_kl is None and ratio is None else ratio
     entry = base_entry(fn, config, pow2)
+    _BF16_RUNS.clear()  # this tune's own
+    if fn.packed:
+        raise FlashRLError(f"tune --fn {fn.value}: tune starts from an 8-bit format", None,
+                           "use --fn int8 (or an FP8 format) with --w4a16 to move layers to 4 bits")
+    if four_bit and entry.profile:
+        raise FlashRLError("--w4a16 with a calibrated --config: 4-bit layers beside a profile are not served yet",
+                           str(config), "drop --config (round-to-nearest int8) or --w4a16")
     profile = load_profile(Path(entry.profile)) if entry.profile else None
     linear = set(profile.meta.quantized) if profile else set(model_layout(bf16).linear_weights)
     prompts = load_prompts(prompts_file)
@@ -92,9 +102,9 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
     fq.cache_layer_outputs(batch)
     logp = fq.response_logprobs(batch)
 
-    def measure(quantized: set[str]) -> float:
-        fq.set_quantized(quantized)
-        first = min((layer_index(u) for u in quantized if layer_index(u) is not None), default=0)
+    def measure(quantized: set[str], four: set[str] = frozenset()) -> float:
+        fq.set_quantized(quantized, four)
+        first = min((layer_index(u) for u in quantized | four if layer_index(u) is not None), default=0)
         return token_kl(fq.response_logprobs(batch, replay_layers=first), logp)
 
     # fp8_block: units vLLM cannot serve in blocks stay BF16 in every config tried (first in `order`)
@@ -145,7 +155,12 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
                 if v["kl"] <= budget:
                     picked = (k, keep, fraction)
                     break
-        seconds["pick_and_verify"] = time.perf_counter() - t0
+        seconds["pick_and_verify"], t0 = time.perf_counter() - t0, time.perf_counter()
+        four = None
+        if four_bit:
+            four = _four_bit_step(fq, order, picked, measure, target, budget, entry, bf16, work, verify_file,
+                                  settings, progress, bar)
+            seconds["four_bit"] = time.perf_counter() - t0
 
     report = {
         "model": str(bf16), "fn": fn.value, "base_config": str(config) if config else fn.value,
@@ -161,11 +176,15 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
         "met": picked is not None,
         "seconds": seconds,
     }
+    if four is not None:
+        report["four_bit"] = four
     if picked is not None:
         k, keep, fraction = picked
-        chosen_entry = entry.model_copy(update={"keep_bf16": keep})
+        w4 = (four or {}).get("pick") or []
+        chosen_entry = entry.model_copy(update={"keep_bf16": keep, "w4a16_layers": w4})
         report["pick"] = {"kept_units": keep, "kept_modules": kept_modules(
-            [w for u in keep for w in fq.units[u]]), "fraction_8bit": fraction,
+            [w for u in keep for w in fq.units[u]]), "fraction_8bit": fraction, "w4a16_units": w4,
+            "bytes_vs_bf16": search.bytes_vs_bf16(fq.unit_bytes, set(keep), set(w4)),
             "bf16_bytes": sum(fq.unit_bytes[u] for u in keep), "config": str(out_config)}
         from flashrl_tools.setup.write import setup
 
@@ -176,20 +195,54 @@ def tune(bf16: Path, fn: QuantFn, out_config: Path, report_path: Path, settings:
     return report
 
 
+def _four_bit_step(fq, order: list[str], picked, measure, target: float, budget: float, entry: RolloutConfig,
+                   bf16: Path, work: Path, verify_file: Path, settings: TuneSettings, progress, bar) -> dict:
+    """Step 5 (module docstring): which 8-bit units of the verified pick go to W4A16; `pick` the verified ones."""
+    if picked is None:
+        return {"skipped": "no 8-bit config met the budget", "pick": None}
+    keep = set(picked[1])
+    eight = set(order) - keep
+    eligible = [u for u in order if u in eight and fq.four_bit_ok(u)]
+    if not eligible:
+        return {"skipped": "no 8-bit layer can be served W4A16 (input columns not in groups of 128)", "pick": None}
+    progress(f"4-bit sensitivity of {len(eligible)} layers (each moved from 8 to 4 bits alone)")
+    sens = search.sensitivities(eligible, lambda four: measure(eight, four), bar)
+    ranked = sorted(eligible, key=lambda u: (sens[u], eligible.index(u)))  # least sensitive first
+    progress("KL vs bytes with the least sensitive layers at 4 bits")
+    points = search.four_bit_curve(ranked, fq.unit_bytes, keep, lambda four: measure(eight, four), bar)
+    out = {"eligible": len(eligible), "sensitivity": sens, "order": ranked, "curve": [p.to_dict() for p in points],
+           "verifications": [], "pick": None}
+    for p in search.pick_four(points, target)[: settings.tries]:
+        units = ranked[: p.four]
+        progress(f"verify drift with {p.four} layers at 4 bits (fresh prompts and samples)")
+        v = _drift(entry, list(picked[1]), bf16, work / f"four{p.four}.yaml", verify_file, settings,
+                   settings.seed + 1, units)
+        out["verifications"].append({"four": p.four, "bytes_vs_bf16": p.bytes_vs_bf16, "engine_kl": v["kl"],
+                                     "floor": v["floor"], "passed": v["kl"] <= budget})
+        if v["kl"] <= budget:
+            out["pick"] = units
+            break
+    return out
+
+
+_BF16_RUNS: dict = {}  # the BF16 engine's rollouts per prompts / sampling, shared by one tune's verifications
+
+
 def _drift(entry: RolloutConfig, keep: list[str], bf16: Path, yaml_path: Path, prompts: Path,
-           settings: TuneSettings, seed: int) -> dict:
+           settings: TuneSettings, seed: int, four: list[str] = ()) -> dict:
     from flashrl_tools.config.resolve import resolve
     from flashrl_tools.setup.write import setup
     from flashrl_tools.verify.drift import Settings, run_drift
 
-    setup(yaml_path, entry.model_copy(update={"keep_bf16": keep}))
+    setup(yaml_path, entry.model_copy(update={"keep_bf16": keep, "w4a16_layers": list(four)}))
     report = run_drift(resolve(str(yaml_path)), bf16, Settings(n=settings.n_verify, max_tokens=settings.max_tokens,
-                                                              seed=seed), prompts)
+                                                              seed=seed), prompts, bf16_runs=_BF16_RUNS)
     return {"floor": report["engines"]["bf16"]["metrics"]["kl_k3"],
             "kl": report["engines"]["quantized"]["metrics"]["kl_k3"]}
 
 
 def plot_curve(report: dict, path: Path) -> None:
+    """KL against linear-weight bytes (over BF16's): the 8-bit curve, the 4-bit step's, the engine's checks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,17 +250,24 @@ def plot_curve(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     b = report["budget"]
-    xs = [p["fraction_8bit"] for p in report["curve"]]
-    ys = [max(p["kl"] * b["alpha"] + b["floor"], 1e-6) for p in report["curve"]]
-    ax.plot(xs, ys, "o-", label="estimate: floor + alpha x fake-quant KL (tuning sample)")
+    est = lambda kl: max(kl * b["alpha"] + b["floor"], 1e-6)  # noqa: E731
+    ax.plot([1 - p["fraction_8bit"] / 2 for p in report["curve"]], [est(p["kl"]) for p in report["curve"]], "o-",
+            label="8-bit, k layers BF16: floor + alpha x fake-quant KL (tuning sample)")
+    four = report.get("four_bit") or {}
+    if four.get("curve"):
+        ax.plot([p["bytes_vs_bf16"] for p in four["curve"]], [est(p["kl"]) for p in four["curve"]], "s-",
+                color="purple", label="then m layers W4A16 (estimate)")
     ax.axhline(b["max_kl"], color="red", ls="--", label=f"budget {b['max_kl']:.3g}")
     ax.axhline(b["floor"], color="gray", ls=":", label=f"BF16 engine floor {b['floor']:.3g}")
-    ax.plot([1.0], [b["all_8bit_engine_kl"]], "ks", label="engine, all 8-bit (tuning sample)")
+    ax.plot([0.5], [b["all_8bit_engine_kl"]], "ks", label="engine, all 8-bit (tuning sample)")
     for v in report["verifications"]:
-        ax.plot([v["fraction_8bit"]], [v["engine_kl"]], "g*" if v["passed"] else "rx", ms=11,
+        ax.plot([1 - v["fraction_8bit"] / 2], [v["engine_kl"]], "g*" if v["passed"] else "rx", ms=11,
                 label=f"engine, {v['kept']} layers BF16 (fresh sample)")
+    for v in four.get("verifications", []):
+        ax.plot([v["bytes_vs_bf16"]], [v["engine_kl"]], "m*" if v["passed"] else "rx", ms=11,
+                label=f"engine, {v['four']} layers 4-bit (fresh sample)")
     ax.set_yscale("log")
-    ax.set_xlabel("fraction of linear-weight bytes in 8 bit")
+    ax.set_xlabel("linear-weight bytes / BF16's")
     ax.set_ylabel("token KL (rollout || trainer)")
     base = report["base_config"]
     start = report["fn"] if base == report["fn"] else f"{report['fn']} from {Path(base).name}"
@@ -218,4 +278,3 @@ def plot_curve(report: dict, path: Path) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(path)
-

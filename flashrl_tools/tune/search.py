@@ -1,4 +1,5 @@
-"""Sensitivity of each unit, the KL-vs-8-bit-fraction curve, and the pick against a budget.
+"""Sensitivity of each unit, the KL-vs-8-bit-fraction curve, and the pick against a budget; then, from that pick,
+the 4-bit step: the 8-bit units least sensitive at 4 bits moved there while the KL stays under the budget.
 
 Pure functions over a `measure(quantized_units) -> KL` callable, so the search is testable with
 a synthetic KL and runs on the fake-quantized model (fakequant.py) in `flashrl tune`.
@@ -77,3 +78,39 @@ def pick(order: list[str], unit_bytes: dict[str, int], measure: Callable[[set[st
         else:
             lo = mid
     return best
+
+
+W4_BYTES = 0.5 + 2 / 128  # bytes per parameter of a W4A16 weight: packed codes + one BF16 scale per 128 columns
+
+
+def bytes_vs_bf16(unit_bytes: dict[str, int], kept: set[str], four: set[str]) -> float:
+    """Linear-weight bytes of a BF16 / 8-bit / 4-bit mix over the all-BF16 model's."""
+    per = {u: 1.0 if u in kept else W4_BYTES / 2 if u in four else 0.5 for u in unit_bytes}
+    return sum(unit_bytes[u] * per[u] for u in unit_bytes) / sum(unit_bytes.values())
+
+
+@dataclass(frozen=True)
+class FourPoint:
+    four: int  # units moved from 8 to 4 bits (the least sensitive first)
+    bytes_vs_bf16: float
+    kl: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def four_bit_curve(order: list[str], unit_bytes: dict[str, int], kept: set[str], measure: Callable[[set[str]], float],
+                   progress: Callable[[int, int], None] = lambda i, n: None) -> list[FourPoint]:
+    """KL with the first m units of `order` (least sensitive at 4 bits first) at 4 bits, m on `grid`."""
+    points = []
+    ms = grid(len(order))
+    for i, m in enumerate(ms):
+        four = set(order[:m])
+        points.append(FourPoint(m, bytes_vs_bf16(unit_bytes, kept, four), measure(four)))
+        progress(i + 1, len(ms))
+    return points
+
+
+def pick_four(points: list[FourPoint], target: float) -> list[FourPoint]:
+    """The curve points under the target, most units at 4 bits first (the candidates to verify)."""
+    return sorted((p for p in points if p.kl <= target and p.four > 0), key=lambda p: -p.four)

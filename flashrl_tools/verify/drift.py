@@ -8,6 +8,8 @@ against the trainer come from flashrl_tools.correction.
 
 from __future__ import annotations
 
+import json
+
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -69,7 +71,10 @@ def engine_report(train: list[list[float]], rollouts: list[dict], cap: float) ->
 
 
 def run_drift(rc: RuntimeConfig, bf16: Path, settings: Settings, prompts_file: Path | None = None,
-              thresholds: Thresholds = Thresholds(), progress=lambda s: None, engine: str = "vllm") -> dict:
+              thresholds: Thresholds = Thresholds(), progress=lambda s: None, engine: str = "vllm",
+              bf16_runs: dict | None = None) -> dict:
+    """`bf16_runs`: a dict a caller keeps across calls (tune's verifications): the BF16 engine's rollouts of the
+    same prompts and sampling (a deterministic engine, the same inputs) are sampled once and reused."""
     engine_job(engine)  # an unknown or missing engine fails before any work
     prompt_ids = tokenize(load_prompts(prompts_file), bf16)
     prompts = [prompt_ids[i % len(prompt_ids)] for i in range(settings.n)]
@@ -84,6 +89,11 @@ def run_drift(rc: RuntimeConfig, bf16: Path, settings: Settings, prompts_file: P
     engines["quantized"] = (rc.source, kv)
     rollouts, kernels = {}, {}
     for key, (config, kv_dtype) in engines.items():
+        reuse = json.dumps([str(bf16), engine, config, kv_dtype, step]) if config == "bf16" and bf16_runs is not None \
+            else None
+        if reuse in (bf16_runs or {}):
+            rollouts[key], kernels[key] = bf16_runs[reuse]
+            continue
         progress(f"sampling {settings.n} rollouts with FLASHRL_CONFIG={config}"
                  + (f", FLASHRL_KV_CACHE_DTYPE={kv_dtype}" if kv_dtype else ""))
         with tempfile.TemporaryDirectory(prefix="flashrl-drift-") as tmp:
@@ -91,6 +101,8 @@ def run_drift(rc: RuntimeConfig, bf16: Path, settings: Settings, prompts_file: P
             rollouts[key] = run_engine(bf16, [step], config, f"{key} rollout", kv_cache_dtype=kv_dtype,
                                        engine=engine, log=log)[0]["rollouts"]
             kernels[key] = decode_attn.kernels_in(log.read_text(errors="replace"))
+        if reuse is not None:
+            bf16_runs[reuse] = (rollouts[key], kernels[key])
     progress("scoring the rollouts with the BF16 policy (HF transformers)")
     responses = [r["token_ids"] for key in engines for r in rollouts[key]]
     scores = score_rollouts(bf16, prompts * len(engines), responses, settings.temperature)

@@ -24,9 +24,9 @@ import torch
 from flashrl_tools.model_structure import has_weights, meta_model, model_layout, read_config, unquantized_names
 from flashrl_tools.profile.apply import requantize_tensor
 from flashrl_tools.profile.format import Profile, load_profile
-from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales, weight_name
-from flashrl_tools.quant.quantizer import (QuantFn, as_served, checkpoint_tensors, output_specs, quantize_weight,
-                                          quantize_weights)
+from flashrl_tools.quant.quant_config import QUANT_EXTRA_SUFFIXES, has_pow2_scales, layer_formats, weight_name
+from flashrl_tools.quant.quantizer import (QuantFn, as_served, checkpoint_specs, checkpoint_tensors, output_specs,
+                                          quantize_weight, quantize_weights)
 from flashrl_tools.safetensors_io import CheckpointReader
 from flashrl_tools.config.schema import ConfigFn
 from flashrl_tools.trainer_names import TrainerNames
@@ -44,13 +44,14 @@ class WeightConverter:
 
     def __init__(self, fn: ConfigFn, quantized: set[str], profile: Profile | None = None,
                  model_dir: Path | None = None, expected: set[str] | None = None,
-                 served: QuantFn | None = None, pow2: bool = False):
+                 served: QuantFn | None = None, pow2: bool = False, formats: dict[str, QuantFn] | None = None):
         self.fn = fn
         self.pow2 = pow2  # the checkpoint's FP8 scales are powers of two (quantize --pow2-scales)
         # the 8-bit format of the tensors the engine loaded; None when it loaded BF16 (bf16, vLLM's
         # online fp8). FLASHRL_CONFIG=fp8 on a MoE model serves our fp8_channel checkpoint.
         self.served = served if served is not None else fn.quant_fn
-        self.quantized = quantized  # checkpoint names of the linear weights the engine holds in 8 bit
+        self.quantized = quantized  # checkpoint names of the linear weights the engine holds quantized
+        self.formats = dict(formats or {})  # those of them in another format than `served` (4-bit layers of a mix)
         self.profile = profile
         # linears the profile smooths but the engine keeps in BF16 (mixed precision)
         self.kept = frozenset() if profile is None else frozenset(
@@ -73,15 +74,22 @@ class WeightConverter:
         model's structure when it is config-only: dummy weights)."""
         profile = load_profile(Path(profile_path)) if profile_path else None
         served = served_format(loaded_dir)
-        pow2 = has_pow2_scales(read_config(loaded_dir))
+        config = read_config(loaded_dir)
+        pow2 = has_pow2_scales(config)
+        formats = {f"{m}.weight": f for m, f in layer_formats(config.get("quantization_config")).items() if f != served}
+        expected = cls.expected_names(loaded_dir)
         if not has_weights(loaded_dir):  # config only: the linears its quantization_config does not ignore
-            ignored = {f"{m}.weight" for m in read_config(loaded_dir).get("quantization_config", {}).get("ignore", [])}
+            ignored = {f"{m}.weight" for m in config.get("quantization_config", {}).get("ignore", [])}
             quantized = model_layout(loaded_dir, allow_quantized=True).linear_weights - ignored if served else set()
-            return cls(fn, set(quantized), profile, loaded_dir, cls.expected_names(loaded_dir), served, pow2)
+            return cls(fn, set(quantized), profile, loaded_dir, expected, served, pow2, formats)
         reader = CheckpointReader(loaded_dir)
         quantized = {weight_name(n) for n in reader.names()
                      if f"{weight_name(n)}_scale" in reader and not n.endswith(QUANT_EXTRA_SUFFIXES)}
-        return cls(fn, quantized, profile, loaded_dir, cls.expected_names(loaded_dir), served, pow2)
+        return cls(fn, quantized, profile, loaded_dir, expected, served, pow2, formats)
+
+    def format_of(self, name: str) -> QuantFn | None:
+        """The format the engine holds a quantized linear weight in."""
+        return self.formats.get(name, self.served)
 
     @staticmethod
     def expected_names(loaded_dir: Path) -> set[str]:
@@ -126,40 +134,55 @@ class WeightConverter:
                 halves[kind] = t.clone()
 
     def _prequantized_half(self, name: str, tensor: torch.Tensor) -> tuple[str, str, torch.Tensor] | None:
-        """(weight name, "weight" | "scale", tensor) for half of a pre-quantized weight, else None."""
+        """(weight name, "weight" | "scale" | "shape", tensor) for part of a pre-quantized weight, else None:
+        an 8-bit weight under its own name, a 4-bit one under `_packed` (with its `_shape`), their `_scale`."""
         if name in self.quantized and tensor.dtype.itemsize == 1:
             return name, "weight", tensor
-        if name.endswith("_scale") and name.removesuffix("_scale") in self.quantized:
-            return name.removesuffix("_scale"), "scale", tensor
+        for suffix, kind in (("_scale", "scale"), ("_packed", "weight"), ("_shape", "shape")):
+            base = name.removesuffix(suffix)
+            if base != name and base in self.quantized and (kind == "scale" or self.format_of(base).packed):
+                return base, kind, tensor
         return None
 
     def _pair(self, weight: str, kind: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """The pre-quantized weight once all its parts arrived (the weight under its BF16 name: `convert_group`
+        gives it the checkpoint's), checked against the served format; None until then."""
         halves = self._halves.setdefault(weight, {})
         halves[kind] = tensor
-        if len(halves) < 2:
+        if len(halves) < (3 if self.format_of(weight).packed else 2):
             return None
         del self._halves[weight]
-        self.check_prequantized(weight, halves["weight"], halves["scale"])
-        return [(weight, halves["weight"]), (f"{weight}_scale", halves["scale"])]
+        self.check_prequantized(weight, halves)
+        return [(weight, halves["weight"]), (f"{weight}_scale", halves["scale"])] + (
+            [(f"{weight}_shape", halves["shape"])] if "shape" in halves else [])
 
-    def check_prequantized(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    def check_prequantized(self, name: str, parts: dict[str, torch.Tensor]) -> None:
         """A pre-quantized weight must be exactly what this engine's conversion would produce."""
         from flashrl_tools.errors import FlashRLError
 
         fix = "quantize on the trainer with the engine's FLASHRL_CONFIG (flashrl_tools.wire), or push BF16"
-        if self.served is None or (self.profile is not None and not self.converted):
-            raise FlashRLError(f"8-bit tensor {name} pushed, but this engine "
-                               + ("serves BF16" if self.served is None else "converts with a calibrated profile "
+        fmt = self.format_of(name)
+        if fmt is None or (self.profile is not None and not self.converted):
+            raise FlashRLError(f"{'4' if 'shape' in parts else '8'}-bit tensor {name} pushed, but this engine "
+                               + ("serves BF16" if fmt is None else "converts with a calibrated profile "
                                   f"and the sync did not start with {CONVERTED}")
                                + ": it takes only BF16 tensors", None, fix)
+        weight = parts["weight"]
         if weight.dim() != 2:
             raise FlashRLError(f"pre-quantized {name} has shape {tuple(weight.shape)}: a linear weight is 2-D", None, fix)
-        spec = output_specs(self.served, tuple(weight.shape), torch.bfloat16)
-        got = {"weight": weight, "weight_scale": scale}
-        bad = [f"{k} {tuple(got[k].shape)} {got[k].dtype} (expected {tuple(v.shape)} {v.dtype})"
-               for k, v in spec.items() if tuple(got[k].shape) != tuple(v.shape) or got[k].dtype != v.dtype]
+        if fmt.packed:  # the BF16 shape from the `_shape` tensor, checked against the packed words below
+            shape = tuple(int(x) for x in parts["shape"].tolist()) if parts["shape"].numel() == 2 else (0, 0)
+            spec = {k.removeprefix(f"{name}_").replace("packed", "weight"): v
+                    for k, v in checkpoint_specs(fmt, name, shape, torch.bfloat16)} if min(shape) > 0 else {}
+            if not spec:
+                raise FlashRLError(f"pre-quantized {name}: `_shape` {parts['shape'].tolist()} is not [out, in]",
+                                   None, fix)
+        else:
+            spec = {k.replace("weight_", ""): v for k, v in output_specs(fmt, tuple(weight.shape), torch.bfloat16).items()}
+        bad = [f"{k} {tuple(parts[k].shape)} {parts[k].dtype} (expected {tuple(v.shape)} {v.dtype})"
+               for k, v in spec.items() if tuple(parts[k].shape) != tuple(v.shape) or parts[k].dtype != v.dtype]
         if bad:
-            raise FlashRLError(f"pre-quantized {name} does not match this engine's {self.served.value} format: "
+            raise FlashRLError(f"pre-quantized {name} does not match this engine's {fmt.value} format: "
                                + "; ".join(bad), None, fix)
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -169,7 +192,8 @@ class WeightConverter:
             return requantize_tensor(self.profile, name, tensor, self.kept,
                                      on=lambda key, t: self._on(key, t, tensor.device))
         if name in self.quantized:  # trainers push fp32 masters (quantizer.served_dtype)
-            return checkpoint_tensors(self.served, name, quantize_weight(self.served, as_served(tensor), self.pow2))
+            fmt = self.format_of(name)
+            return checkpoint_tensors(fmt, name, quantize_weight(fmt, as_served(tensor), self.pow2 and fmt.is_fp8))
         return [(name, tensor)]
 
     def convert_group(self, group: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -177,8 +201,10 @@ class WeightConverter:
         per expert): quantized together in chunks of stacked slices when they are all 8-bit
         weights of one shape (bit-identical with one `convert` each; thousands of experts per
         sync otherwise pay thousands of small kernels)."""
-        if len(group) == 2 and group[1][0] == f"{group[0][0]}_scale" and group[0][1].dtype.itemsize == 1:
-            return group  # pre-quantized on the trainer (checked when paired)
+        if len(group) >= 2 and group[1][0] == f"{group[0][0]}_scale" and group[0][0] in self.quantized and not (
+                group[0][1].dtype.is_floating_point and group[0][1].dtype.itemsize > 1):  # pre-quantized (checked
+            name, weight = group[0]  # when paired); a 4-bit weight is stored under `_packed`
+            return [(f"{name}_packed" if self.format_of(name).packed else name, weight), *group[1:]]
         if self.converted:  # a converted sync (CONVERTED): norms already rescaled, BF16 layers as served
             return group
         if not self._batchable(group):
@@ -186,11 +212,12 @@ class WeightConverter:
         out: list[tuple[str, torch.Tensor]] = []
         rows, cols = group[0][1].shape
         step = max(1, _CHUNK_ELEMENTS // (rows * cols))
+        fmt = self.format_of(group[0][0])
         for start in range(0, len(group), step):
             chunk = group[start:start + step]
             stacked = as_served(torch.stack([t for _, t in chunk]))
-            for (name, _), q in zip(chunk, quantize_weights(self.served, stacked, self.pow2)):
-                out += checkpoint_tensors(self.served, name, q)
+            for (name, _), q in zip(chunk, quantize_weights(fmt, stacked, self.pow2 and fmt.is_fp8)):
+                out += checkpoint_tensors(fmt, name, q)
         return out
 
     def _batchable(self, group: list[tuple[str, torch.Tensor]]) -> bool:
@@ -199,7 +226,7 @@ class WeightConverter:
         first = group[0][1]
         return first.dim() == 2 and first.device.type in self.batch_devices and all(
             name in self.quantized and t.shape == first.shape and t.dtype == first.dtype
-            and t.device == first.device for name, t in group)
+            and t.device == first.device and self.format_of(name) == self.format_of(group[0][0]) for name, t in group)
 
     def convert_all(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:

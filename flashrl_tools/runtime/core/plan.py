@@ -20,7 +20,7 @@ from flashrl_tools.config.schema import RolloutConfig
 from flashrl_tools.config.settings import settings
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.model_structure import is_moe
-from flashrl_tools.quant.formats import QuantFn
+from flashrl_tools.quant.formats import LAYERS_4BIT, QuantFn
 from flashrl_tools.quant.mixed import KeepSpec
 from flashrl_tools.runtime.core.adapter import Capabilities, check_settings
 from flashrl_tools.runtime.core.kv_math import is_fp8_kv
@@ -56,6 +56,9 @@ def served_format(rc: RuntimeConfig, caps: Capabilities, moe: bool) -> tuple[Qua
 def refuse_unserved(rc: RuntimeConfig, caps: Capabilities, fmt: QuantFn | None, moe: bool, model: str) -> None:
     if fmt is None:
         return
+    if rc.entry.w4a16_layers and LAYERS_4BIT not in caps.formats:
+        raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {caps.engine} does not serve w4a16 layers (w4a16_layers)",
+                           None, f"drop w4a16_layers on {caps.engine} (its layers then serve {fmt.value})")
     if fmt not in caps.formats:
         raise FlashRLError(f"FLASHRL_CONFIG={rc.source}: {caps.engine} does not serve {fmt.value} checkpoints"
                            f"{' (a MoE model)' if moe else ''} ({caps.formats_note})", None,
