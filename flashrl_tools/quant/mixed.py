@@ -156,6 +156,14 @@ def four_bit_weights(linear_weights: Iterable[str], spec: KeepSpec, kept: set[st
     return out
 
 
+def four_bit_targets(four: Iterable[str]) -> list[str]:
+    """The 4-bit scheme group's targets: each module, and the fused layer vLLM builds of it (qkv_proj, gate_up_proj).
+    vLLM matches a layer's own name before its class ("Linear", the 8-bit group) in every version; only newer
+    ones try a fused layer's members before the class."""
+    names = kept_modules(four)
+    return names + sorted({unit_of(n) for n in four} - set(names))
+
+
 def kept_modules(kept: Iterable[str]) -> list[str]:
     """Module names for a compressed-tensors `ignore` list, sorted in model order."""
     return [n.removesuffix(".weight") for n in sorted(kept, key=lambda n: (layer_index(n) or 0, n))]

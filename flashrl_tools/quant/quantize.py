@@ -20,7 +20,7 @@ from flashrl_tools import __version__
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.fsutil import atomic_output_dir, check_output_dir
 from flashrl_tools.quant.formats import LAYERS_4BIT
-from flashrl_tools.quant.mixed import KeepSpec, four_bit_weights, kept_modules, kept_weights
+from flashrl_tools.quant.mixed import KeepSpec, four_bit_targets, four_bit_weights, kept_modules, kept_weights
 from flashrl_tools.model_structure import model_layout, read_config
 from flashrl_tools.quant.quant_config import FP8_POW2_KEY, quantization_config
 from flashrl_tools.quant.quantizer import (INT4_GROUP, QuantFn, as_served, checkpoint_specs, checkpoint_tensors, quantize_weight,
@@ -100,7 +100,7 @@ def quantize(src: Path, dst: Path, fn: QuantFn | str, force: bool = False,
     with atomic_output_dir(dst) as tmp:
         write_checkpoint(tmp, plan, produce, max_shard_bytes=max_shard_bytes,
                          metadata={"format": "pt", "flashrl_tools": __version__, "fn": fn.value})
-        write_config(src, tmp, fn, list(layout.excluded) + kept_modules(kept), pow2, kept_modules(four))
+        write_config(src, tmp, fn, list(layout.excluded) + kept_modules(kept), pow2, four_bit_targets(four))
         copy_side_files(src, tmp)
     bytes_in = sum(f.stat().st_size for f in reader.files)
     bytes_out = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
@@ -119,7 +119,7 @@ def quantize_config_only(src: Path, dst: Path, fn: QuantFn | str, keep: KeepSpec
     kept = kept_weights(layout.linear_weights, keep, str(src))
     four = four_bit_weights(layout.linear_weights, keep, kept, str(src))
     with atomic_output_dir(Path(dst)) as tmp:
-        write_config(src, tmp, fn, list(layout.excluded) + kept_modules(kept), pow2, kept_modules(four))
+        write_config(src, tmp, fn, list(layout.excluded) + kept_modules(kept), pow2, four_bit_targets(four))
         copy_side_files(src, tmp)
     return Path(dst)
 
