@@ -46,6 +46,9 @@ YAMLS = {  # configs that are YAML files (written into the work dir)
     "fp8_channel": "- fn: fp8_channel\n  logprobs_mode: processed_logprobs\n",
     "fp8_block": "- fn: fp8_block\n  logprobs_mode: processed_logprobs\n",
     "int8_keep": "- fn: int8\n  logprobs_mode: processed_logprobs\n  first_layers_bf16: 1\n  keep_bf16: ['*.down_proj']\n",
+    # 4-bit layers in an 8-bit config: a fused unit (qkv) and a plain one (down) W4A16, the rest W8A8
+    "w4a16_mix": "- fn: int8\n  logprobs_mode: processed_logprobs\n  w4a16_layers: ['*.mlp.down_proj', "
+                 "'model.layers.1.self_attn.qkv_proj']\n",
 }
 # small vLLM engines side by side: a fixed KV cache skips vLLM's memory profiling (whose "free memory grew"
 # assertion other processes on the GPU trip)

@@ -27,7 +27,7 @@ from pathlib import Path
 import gpu_harness as h
 
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "dense-fp8_channel", "dense-fp8_block", "dense-int8_keep",
-         "dense-w4a16", "moe-int8", "moe-fp8"]
+         "dense-w4a16", "dense-w4a16_mix", "moe-int8", "moe-fp8"]
 ARCH = {"dense": "qwen2", "moe": "qwen3_moe"}
 
 

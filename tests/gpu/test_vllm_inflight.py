@@ -26,8 +26,8 @@ import torch
 
 import gpu_harness as h
 
-KEEP = ["keep-bf16", "keep-int8", "keep-fp8", "keep-w4a16", "keep-int8+kv", "keep-moe-fp8", "keep-int8+kv-compiled",
-        "keep-int8-compiled"]
+KEEP = ["keep-bf16", "keep-int8", "keep-fp8", "keep-w4a16", "keep-w4a16_mix", "keep-int8+kv", "keep-moe-fp8",
+        "keep-int8+kv-compiled", "keep-int8-compiled"]
 # `-ipc=HOW`: the full push from the probe's GPU through vLLM's CUDA-IPC weight-transfer engine (the engine core
 # in its own process): BF16, or the trainer's 8-bit tensors (`wire`: flashrl_tools.wire), packed or not
 IPC = ["keep-int8-ipc=wire", "abort-int8+kv-ipc=wire-packed", "keep-fp8-ipc=bf16-packed", "keep-moe-fp8-ipc=bf16"]
@@ -53,13 +53,15 @@ def run_case(case: str, work) -> dict:
     kv = config.endswith("+kv")
     config = config.removesuffix("+kv")
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
-    if config == "sq-int8":
+    calibrated = config == "sq-int8"  # serves its own checkpoint: compared with an engine synced with nothing in flight
+    if calibrated:
         from lifecycle import make_sq
 
         orig, pert, yaml = make_sq(work, SQ)[:3]
         config = str(yaml)
     else:
         orig, pert = h.model_pair(work, "qwen3_moe" if moe else "qwen2")
+        config = h.config_value(work, config)  # a YAML of gpu_harness (w4a16_mix), else the shortcut
     env.update(FLASHRL_CONFIG=config, VLLM_ALLOW_INSECURE_SERIALIZATION="1", **({"FLASHRL_KV_CACHE_DTYPE": "fp8"}
                                                                                  if kv else {}))
     engine = {**h.VLLM_ENGINE, "enforce_eager": not compiled}
@@ -67,7 +69,7 @@ def run_case(case: str, work) -> dict:
             "--mode", "keep" if mode == "keepclear" else mode, "--engine-args", json.dumps(engine),
             "--prefix", json.dumps(h.SEQS[0] * 6), "--tokens", "96", "--requests", "8", "--pause-after", "12"]
     args += ["--clear-cache"] if mode == "keepclear" else []
-    args += ["--reference", "sync"] if config.endswith(".yaml") else []
+    args += ["--reference", "sync"] if calibrated else []
     args += ["--floor"] if kv and mode == "keep" else []
     if ipc or nccl:  # CUDA IPC needs the engine core in a process of its own (NCCL: GPU 0, the trainer GPU 1)
         args += ["--ipc", ipc] if ipc else ["--nccl", nccl]
