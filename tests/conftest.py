@@ -169,8 +169,8 @@ def pytest_configure(config):
 # the tail alone). A rough order is enough; a file not listed runs after them, in pytest's order.
 LONGEST_FIRST = ("test_verify.py", "test_runtime_vllm.py", "test_verify_engines.py", "test_runtime_contract.py",
                  "test_inflight.py", "test_wire.py", "test_kv_cache.py", "test_arch_matrix.py", "test_tune.py", "test_profile.py",
-                 "test_benchmarks.py", "test_versions.py", "test_lifecycle.py", "test_vllm_int8.py", "test_moe.py",
-                 "test_trl_grpo.py", "test_setup.py", "test_verl_recipe.py", "test_runtime_sglang.py", "test_w4a16.py")
+                 "test_w4a16.py", "test_benchmarks.py", "test_versions.py", "test_lifecycle.py", "test_vllm_int8.py",
+                 "test_moe.py", "test_trl_grpo.py", "test_setup.py", "test_verl_recipe.py", "test_runtime_sglang.py")
 
 
 def pytest_collection_modifyitems(config, items):

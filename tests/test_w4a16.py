@@ -282,3 +282,18 @@ def test_4bit_weights_over_the_wire_are_a_quarter_of_bf16s_bytes(tiny_models):
     with pytest.raises(FlashRLError, match="does not match this engine's w4a16 format") as refused:
         list(engine.checkpoint_groups(bad, set()))
     assert "\n" not in str(refused.value)
+
+
+def test_setup_writes_a_mixed_config_and_verify_reload_passes_it(tiny_models, tmp_path):
+    """`flashrl setup --fn int8 w4a16_layers=[GLOB]` writes the key; `flashrl verify reload -c` that YAML (engines in
+    their own processes, as a user runs it): every sync = a fresh engine, the update changes the outputs, the
+    restore = the first sync."""
+    yaml = tmp_path / "mix.yaml"
+    res = run_cli("setup", "--fn", "int8", "-o", yaml, "w4a16_layers=[*.mlp.down_proj]")
+    assert res.returncode == 0, res.stderr
+    from flashrl_tools.config.schema import load_config
+
+    assert load_config(yaml).configs[0].w4a16_layers == ["*.mlp.down_proj"]
+    res = run_cli("verify", "reload", "-c", yaml, "-m", tiny_models["qwen2-untied"], timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "all reload checks passed" in res.stdout
