@@ -104,24 +104,33 @@ def kept_weights(linear_weights: Iterable[str], spec: KeepSpec, source: str | No
     if spec.first_layers + spec.last_layers > count:
         raise FlashRLError(f"first_layers_bf16 + last_layers_bf16 = {spec.first_layers + spec.last_layers} "
                            f"but the model has {count} layers", source, "lower them")
-    picked = set()
-    for name in names:
-        idx = layer_index(name)
-        module = name.removesuffix(".weight")
-        if idx is not None and (idx < spec.first_layers or idx >= count - spec.last_layers):
-            picked.add(name)
-        elif any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(unit_of(name), p) for p in spec.patterns):
-            picked.add(name)
-    for pattern in spec.patterns:
-        if not any(fnmatch.fnmatchcase(n.removesuffix(".weight"), pattern) or fnmatch.fnmatchcase(unit_of(n), pattern)
-                   for n in names):
-            raise FlashRLError(f"keep_bf16 pattern {pattern!r} matches no linear layer of the model", source,
-                               "patterns match module names such as 'model.layers.0.self_attn.q_proj' or "
-                               "'*.mlp.down_proj' (see `flashrl tune`'s report for the names)")
+    picked = {n for n in names if layer_index(n) is not None
+              and (layer_index(n) < spec.first_layers or layer_index(n) >= count - spec.last_layers)}
+    picked |= _matching(names, spec.patterns, "keep_bf16", source)
     experts = sorted(n for n in picked if unit_of(n).endswith(".experts"))
     if experts:
         raise FlashRLError(f"keeping MoE experts in BF16 is not supported ({experts[0]}, {len(experts)} expert "
                            "weights)", source, "keep attention layers instead (keep_bf16: ['*.self_attn.*'])")
+    return _with_partners(names, picked)
+
+
+def _matching(names: set[str], patterns: Iterable[str], key: str, source: str | None) -> set[str]:
+    """The weights whose module or unit (mixed.unit_of) name matches one of the globs; a glob matching none is an
+    error naming the config key."""
+    picked = set()
+    for pattern in patterns:
+        hits = {n for n in names if fnmatch.fnmatchcase(n.removesuffix(".weight"), pattern)
+                or fnmatch.fnmatchcase(unit_of(n), pattern)}
+        if not hits:
+            raise FlashRLError(f"{key} pattern {pattern!r} matches no linear layer of the model", source,
+                               "patterns match module names such as 'model.layers.0.self_attn.q_proj' or "
+                               "'*.mlp.down_proj' (see `flashrl tune`'s report for the names)")
+        picked |= hits
+    return picked
+
+
+def _with_partners(names: set[str], picked: set[str]) -> set[str]:
+    """`picked` with the fused partners of each (a vLLM layer has one scheme)."""
     grouped = units(names)
     return {n for name in picked for n in grouped[unit_of(name)]}
 
@@ -134,20 +143,12 @@ def four_bit_weights(linear_weights: Iterable[str], spec: KeepSpec, kept: set[st
     names = set(linear_weights)
     if not spec.four_bit:
         return set()
-    picked = set()
-    for pattern in spec.four_bit:
-        hits = {n for n in names if fnmatch.fnmatchcase(n.removesuffix(".weight"), pattern)
-                or fnmatch.fnmatchcase(unit_of(n), pattern)}
-        if not hits:
-            raise FlashRLError(f"w4a16_layers pattern {pattern!r} matches no linear layer of the model", source,
-                               "patterns match module names such as 'model.layers.0.mlp.down_proj' or '*.mlp.down_proj'")
-        picked |= hits
+    picked = _matching(names, spec.four_bit, "w4a16_layers", source)
     experts = sorted(n for n in picked if unit_of(n).endswith(".experts"))
     if experts:
         raise FlashRLError(f"4-bit MoE experts are not served yet ({experts[0]}, {len(experts)} expert weights)",
                            source, "name attention or dense MLP layers in w4a16_layers (e.g. '*.self_attn.*')")
-    grouped = units(names)
-    out = {n for name in picked for n in grouped[unit_of(name)]} - set(kept)
+    out = _with_partners(names, picked) - set(kept)
     ragged = sorted(n for n in out if columns is not None and columns[n] % group)
     if ragged:
         raise FlashRLError(f"{len(ragged)} weights of w4a16_layers have input columns that are not a multiple of "
