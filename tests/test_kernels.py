@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -437,6 +439,46 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
         fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, **sc)
         assert torch.equal(out, again)
+        plain = torch.zeros_like(out)  # V cast inside the dot's operand read: the same values, the same bits
+        fp8_decode_attn.fp8_decode_attention(q, k, v, plain, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
+                                             sm_count=sms, v_f16_first=False, **sc)
+        assert torch.equal(out, plain)
+
+
+def _hopper_ptx(v_asm: bool, heads: int) -> str:
+    """flashrl's FP8 decode split kernel compiled for sm_90 on this host (Triton's NVIDIA backend and its bundled
+    ptxas; no GPU), with the divisibility the JIT gives a real launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+
+    split, _ = fp8_decode_attn._kernels()
+    ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32", "lens_ptr": "*i32",
+            "qsl_ptr": "*i32", "out_ptr": "*bf16"}
+    const = dict(GROUP=8 // heads, GROUP_PAD=16, D=128, PAGE=16, BLOCK_N=64 if heads > 1 else 128, SPLITS=2,
+                 Q_FP8=True, Q_SCALED=True, HPP=heads, V_ASM=v_asm)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32" if n.endswith("_ptr") else
+                                                      "fp32" if n == "sm_scale" else "i32") for n in split.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(split.arg_names)
+             if n.endswith("_ptr") or n.startswith("stride")}
+    return triton.compile(ASTSource(split, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+
+
+@pytest.mark.parametrize("heads", [2, 1])
+def test_fp8_decode_attention_reads_v_as_fp16_tiles_on_hopper(heads):
+    """Issue 74: the FP8 V tile is converted to FP16 in the layout it was loaded in, then reaches the P.V dot through
+    a transposing ldmatrix -- no byte-wide shared-memory reads (8-bit data has no transposing ldmatrix; Triton's
+    plain cast reads V a byte at a time: 3-7 % of the kernel on an H200) -- and the cache arrives by 16-byte async
+    copies. Compiled for sm_90 here; the GPU test above checks the same bits as the plain cast."""
+    pytest.importorskip("triton.backends.nvidia")
+    ptx = _hopper_ptx(True, heads)
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+    assert not re.search(r"ld\.shared\.[us]?b?8\b|ld\.shared\.u8", ptx), "byte-wide shared loads left"
+    sizes = set(re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]+\], \[[^]]+\], (0x\w+)", ptx))
+    assert sizes == {"0x10"}, sizes
 
 
 @cuda
