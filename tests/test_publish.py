@@ -157,6 +157,22 @@ def test_publish_one_commit_then_resolve_pinned_and_latest(hub, local_config, tm
     assert ok_entry(resolve("alice/tiny/flashrl.yaml", node))["logprobs_mode"] == "raw_logprobs"
 
 
+def test_a_mixed_4_and_8_bit_config_publishes_and_resolves_with_its_4bit_layers(hub, tmp_path):
+    """Issue 75: an online 8-bit config that serves some layers in 4 bits (`w4a16_layers`; no checkpoint, no
+    profile: the engine quantizes the trainer's BF16 model layer by layer) publishes as one file; a node resolving
+    the pinned ref gets the same layers, and the card names them."""
+    cfg = tmp_path / "cfg" / "flashrl.yaml"
+    setup(cfg, build_entry("int8", None, None, {"w4a16_layers": ["*.mlp.down_proj"]}))
+    line = pinned_line(publish([cfg, "--repo", "alice/mix"], env_for(hub.url, tmp_path, "publisher",
+                                                                      HF_TOKEN="hf_alice")))
+    files = repo_files(hub, "alice/mix", line.rsplit("@", 1)[1])
+    assert set(files) - {".gitattributes"} == {"flashrl.yaml", "README.md"}  # no profile to carry
+    assert yaml.safe_load(files["flashrl.yaml"])["configs"][0]["w4a16_layers"] == ["*.mlp.down_proj"]
+    assert "| 4-bit (W4A16): `*.mlp.down_proj` |" in files["README.md"].decode()
+    entry = ok_entry(resolve(line, env_for(hub.url, tmp_path, "node")))
+    assert entry["w4a16_layers"] == ["*.mlp.down_proj"] and entry["fn"] == "int8" and entry["model"] is None
+
+
 def test_revision_branch(hub, local_config, tmp_path):
     env = env_for(hub.url, tmp_path, "publisher", HF_TOKEN="hf_alice")
     line = pinned_line(publish([local_config["config"], "--repo", "alice/br", "--revision", "exp",

@@ -284,10 +284,10 @@ def test_4bit_weights_over_the_wire_are_a_quarter_of_bf16s_bytes(tiny_models):
     assert "\n" not in str(refused.value)
 
 
-def test_setup_writes_a_mixed_config_and_verify_reload_passes_it(tiny_models, tmp_path):
+def test_setup_writes_a_mixed_config_and_verify_reload_and_drift_take_it(tiny_models, tmp_path):
     """`flashrl setup --fn int8 w4a16_layers=[GLOB]` writes the key; `flashrl verify reload -c` that YAML (engines in
     their own processes, as a user runs it): every sync = a fresh engine, the update changes the outputs, the
-    restore = the first sync."""
+    restore = the first sync; `flashrl verify drift -c` it: the report of the mixed engine against the BF16 one."""
     yaml = tmp_path / "mix.yaml"
     res = run_cli("setup", "--fn", "int8", "-o", yaml, "w4a16_layers=[*.mlp.down_proj]")
     assert res.returncode == 0, res.stderr
@@ -297,3 +297,14 @@ def test_setup_writes_a_mixed_config_and_verify_reload_passes_it(tiny_models, tm
     res = run_cli("verify", "reload", "-c", yaml, "-m", tiny_models["qwen2-untied"], timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "all reload checks passed" in res.stdout
+    # verify drift of the same YAML: the mixed engine's tokens scored by the BF16 model (limits loosened: a random
+    # tiny model), its mismatch on top of the BF16 engine's own
+    js = tmp_path / "drift.json"
+    res = run_cli("verify", "drift", "-c", yaml, "-m", tiny_models["qwen2-untied"], "-n", "8", "--max-tokens", "12",
+                  "--json", js, "--max-kl", "100", "--max-mean-abs", "100", "--max-truncated", "1", "--min-ess", "0",
+                  timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(js.read_text())
+    assert report["config"] == str(yaml) and report["passed"]
+    mixed, bf16 = report["engines"]["quantized"]["metrics"], report["engines"]["bf16"]["metrics"]
+    assert mixed["sequences"] == bf16["sequences"] == 8 and mixed["kl_k3"] > bf16["kl_k3"]

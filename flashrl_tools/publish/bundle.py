@@ -101,11 +101,20 @@ def local_models(config: ConfigFile) -> list[str]:
     return [Path(e.model).name if e.model else "the trainer's policy" for e in config.configs]
 
 
+def _layers(entry) -> str:
+    """The layers an entry serves in another format than its fn's: BF16 ones, 4-bit ones (drift a reader must see)."""
+    bf16 = [f"`{g}`" for g in entry.keep_bf16] + [f"first {entry.first_layers_bf16}"] * bool(entry.first_layers_bf16) \
+        + [f"last {entry.last_layers_bf16}"] * bool(entry.last_layers_bf16)
+    parts = ([f"BF16: {', '.join(bf16)}"] if bf16 else []) + \
+        ([f"4-bit (W4A16): {', '.join(f'`{g}`' for g in entry.w4a16_layers)}"] if entry.w4a16_layers else [])
+    return "; ".join(parts) or "none"
+
+
 def model_card(bundle: Bundle, model_names: list[str]) -> str:
     rows = []
     for i, (entry, name) in enumerate(zip(bundle.config.configs, model_names)):
         profile = f"`{entry.profile}` (sha256 `{entry.profile_sha256[:16]}…`)" if entry.profile else "none"
-        rows.append(f"| {i} | `{entry.fn.value}` | {name} | {profile} |")
+        rows.append(f"| {i} | `{entry.fn.value}` | {name} | {profile} | {_layers(entry)} |")
     hub_models = [parse_model_ref(e.model) for e in bundle.config.configs if e.model]
     models = sorted({ref.repo_id for ref in hub_models if ref is not None})
     fns = sorted({e.fn.value for e in bundle.config.configs})
@@ -121,8 +130,8 @@ def model_card(bundle: Bundle, model_names: list[str]) -> str:
         "8-bit rollouts in vLLM for RL training, with online re-quantization of every weight sync.",
         f"Published with flashrl_tools {__version__}.",
         "",
-        "| entry | fn | model | profile |",
-        "|---|---|---|---|",
+        "| entry | fn | model | profile | other layers |",
+        "|---|---|---|---|---|",
         *rows,
         "",
         "## Use",
