@@ -32,7 +32,7 @@ from shapes import QWEN3, QWEN25  # noqa: E402
 from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
 PAGE, D = 16, 128
-SWEEP = {"splits": [1, 2, 4, 8, 16], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+SWEEP = {"splits": [1, 2, 4, 8, 16], "block_n": [32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [2, 3]}
 
 
 def bench(fn) -> float:

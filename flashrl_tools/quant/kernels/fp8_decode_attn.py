@@ -9,8 +9,8 @@ are merged by a second kernel when there is more than one). A group too wide to 
 KV head count keeps one head a program. Measured (RESULTS "flashrl's FP8 decode attention", "Two KV heads a
 program", "Where the FP8 decode kernel's time goes"): one head a program read the cache at ~2.4 TB/s (FA3's FP8 speed
 from 64 sequences up); two heads a program, the KV heads the grid's fastest axis, at 2.8-2.9 TB/s on an H200 at
-128-256 sequences, ~3.0-3.1 with V cast to FP16 before the P.V dot (`to_f16`), where the loads alone read 4.3. The
-error against float32 attention is ~13x smaller than FA3's.
+128-256 sequences, 3.2 with V cast to FP16 before the P.V dot (`to_f16`) and 2 warps, where the loads alone read
+4.3. The error against float32 attention is ~13x smaller than FA3's.
 
 The math, per sequence and query head: `o = sum_j softmax_j(s) * v_scale * V_j` with
 `s_j = sm_scale * q_scale * k_scale * (q . K_j)`. FP8 operands are widened to FP16 (exact for E4M3), so
@@ -172,11 +172,12 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          sm_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
                          q_scale: torch.Tensor | float | None = None, splits: int | None = None,
-                         block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                         block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                          heads: int | None = None, sm_count: int | None = None,
                          v_f16_first: bool = True) -> torch.Tensor:
     """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
-    heads a program holds, the keys it reads per iteration (64 for two heads, 128 for one: the sweep's best) and
+    heads a program holds, the keys it reads per iteration and its warps (64 and 2 for two heads, 128 and 4 for one:
+    the sweeps' best, RESULTS "Where the FP8 decode kernel's time goes") and
     the splits (`splits_for`, from `sm_count` or the device's) are the measured defaults. `v_f16_first`: an E4M3 V
     tile is converted to FP16 before it becomes the dot's operand (`to_f16`; the same values, 3-7 % faster on an
     H200: RESULTS "Where the FP8 decode kernel's time goes"); False: the plain cast (Triton's interpreter always)."""
@@ -193,6 +194,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          "each do not pack into a 16-row tile")
     if block_n is None:
         block_n = 64 if hpp > 1 else 128
+    if num_warps is None:  # two heads a program: 2 warps (more programs an SM; 3-5 % faster from 64 sequences up)
+        num_warps = 2 if hpp > 1 else 4
     if splits is None:
         sm_count = sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count
         splits = splits_for(num_seqs, kv_heads // hpp, sm_count)
