@@ -1,4 +1,4 @@
-"""Model shapes for the GPU benchmarks: Qwen2.5, Qwen3 and Qwen3-MoE configs written as config-only
+"""Model shapes for the GPU benchmarks: Qwen2.5, Qwen3, Llama-3-70B and Qwen3-MoE configs written as config-only
 directories (vLLM `load_format="dummy"`), and the embedded model for CPU runs."""
 
 from __future__ import annotations
@@ -30,6 +30,16 @@ QWEN3 = {
 }
 
 
+_LLAMA3_COMMON = {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+                  "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+                  "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128009}
+LLAMA3 = {
+    # Llama-3-70B's dims (issue 75's 70B row: BF16 140 GB, 8-bit 70 GB, 4-bit ~37 GB of weights)
+    "llama3-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8},
+}
+
+
 _MOE_COMMON = {**_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                "vocab_size": 151936, "head_dim": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
                "norm_topk_prob": True, "attention_bias": False, "rope_theta": 1000000.0,
@@ -47,12 +57,14 @@ QWEN3_MOE = {
 
 def model_dir(shape: str, root: Path) -> tuple[Path, bool]:
     """(model directory, dummy weights?) for a shape name: 7b | 14b | 32b | tiny (Qwen2.5) | qwen3-8b |
-    30b-a3b | moe-tiny | default."""
+    llama3-70b | 30b-a3b | moe-tiny | default."""
     if shape == "default":
         from flashrl_tools.models import resolve_model
 
         return resolve_model("default"), False
-    if shape in QWEN3_MOE:
+    if shape in LLAMA3:
+        d, config = Path(root) / f"{shape}-shape", {**_LLAMA3_COMMON, **LLAMA3[shape]}
+    elif shape in QWEN3_MOE:
         d, config = Path(root) / f"qwen3-moe-{shape}-shape", {**_MOE_COMMON, **QWEN3_MOE[shape]}
     elif shape in QWEN3:
         d, config = Path(root) / f"{shape}-shape", {**_QWEN3_COMMON, **QWEN3[shape]}
