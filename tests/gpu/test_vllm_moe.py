@@ -1,4 +1,5 @@
-"""8-bit MoE experts on a GPU (vLLM): HF-initialised random Qwen3-MoE and Mixtral models, eager engines.
+"""8-bit and 4-bit (w4a16: Marlin's WNA16 MoE) MoE experts on a GPU (vLLM): HF-initialised random Qwen3-MoE and
+Mixtral models, eager engines.
 Per FLASHRL_CONFIG: the perturbed BF16 weights pushed with checkpoint names (one tensor per call, GPU
 tensors), with the trainer's in-memory names (transformers 5's fused expert tensors), and through vLLM's
 `reload_weights`, each vs a fresh engine started on the perturbed weights with the same config (which
@@ -11,7 +12,7 @@ import pytest
 import gpu_harness as h
 
 CASES = [f"{arch}-{config}" for arch in ("qwen3_moe", "mixtral")
-         for config in ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")]
+         for config in ("bf16", "int8", "fp8", "fp8_channel", "fp8_block", "w4a16")]
 
 
 def run_case(case: str, work) -> dict:
