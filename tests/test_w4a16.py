@@ -9,6 +9,7 @@ of 4-bit checkpoints, SGLang, 4-bit experts in a mixed config (refused in one li
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -135,13 +136,13 @@ def test_a_4bit_sync_equals_a_fresh_engine_and_the_original_pushed_back_equals_t
     assert [n for n in back if not torch.equal(back[n], start[n])] == []
 
 
-def test_4bit_profiles_and_sglang_are_refused_in_one_line(tiny_models, tmp_path):
-    """`flashrl profile` of a 4-bit checkpoint exits with one line (no traceback, nothing written); SGLang's adapter
-    does not declare the 4-bit format (its plan refuses it at start)."""
+def test_4bit_profiles_are_refused_in_one_line(tiny_models, tmp_path):
+    """`flashrl profile` of a 4-bit checkpoint exits with one line (no traceback, nothing written). SGLang's adapter
+    declares 4-bit dense layers (Marlin: tests below), not 4-bit MoE experts (its plan refuses them at start)."""
     from flashrl_tools.quant.quantize import quantize
     from flashrl_tools.runtime.sglang.capabilities import CAPABILITIES as SGLANG
 
-    assert W4 not in SGLANG.formats
+    assert W4 in SGLANG.formats and W4 not in SGLANG.moe_formats
     w4 = quantize(tiny_models["qwen2-untied"], tmp_path / "w4", W4).out
     out = tmp_path / "p.safetensors"
     res = run_cli("profile", "-m", tiny_models["qwen2-untied"], "-qm", w4, "-o", out, "--fn", "int8")
@@ -232,7 +233,8 @@ def test_w4a16_layers_need_an_8bit_config_of_ours(tmp_path, entry, message):
 
 def test_w4a16_layers_refused_where_they_cannot_be_served(tiny_models, default_model, tmp_path):
     """One line each, nothing written: a glob that matches nothing, MoE experts, columns not in groups of 128 (the
-    embedded model's hidden 576), `--fn w4a16` with --w4a16-layers; SGLang's adapter refuses the key at start."""
+    embedded model's hidden 576), `--fn w4a16` with --w4a16-layers. SGLang's adapter takes the key (each layer
+    by its scheme: its W4A16 ones Marlin's)."""
     from flashrl_tools.quant.mixed import KeepSpec, four_bit_weights
     from flashrl_tools.runtime.core.plan import refuse_unserved
     from flashrl_tools.runtime.sglang.capabilities import CAPABILITIES as SGLANG
@@ -252,8 +254,9 @@ def test_w4a16_layers_refused_where_they_cannot_be_served(tiny_models, default_m
     assert res.returncode != 0 and "not a multiple of 128" in res.stderr and not (tmp_path / "y").exists()
     yaml = tmp_path / "c.yaml"
     yaml.write_text("configs:\n- fn: int8\n  w4a16_layers: ['*.down_proj']\n")
-    with pytest.raises(FlashRLError, match="does not serve w4a16 layers"):
-        refuse_unserved(resolve(str(yaml)), SGLANG, QuantFn.int8, False, "m")
+    refuse_unserved(resolve(str(yaml)), SGLANG, QuantFn.int8, False, "m")
+    with pytest.raises(FlashRLError, match="SGLang does not serve w4a16 MoE experts"):
+        refuse_unserved(resolve("w4a16"), SGLANG, W4, True, "m")
 
 
 def test_4bit_weights_over_the_wire_are_a_quarter_of_bf16s_bytes(tiny_models):
@@ -308,3 +311,109 @@ def test_setup_writes_a_mixed_config_and_verify_reload_and_drift_take_it(tiny_mo
     assert report["config"] == str(yaml) and report["passed"]
     mixed, bf16 = report["engines"]["quantized"]["metrics"], report["engines"]["bf16"]["metrics"]
     assert mixed["sequences"] == bf16["sequences"] == 8 and mixed["kl_k3"] > bf16["kl_k3"]
+
+
+class _Param(torch.nn.Parameter):
+    """SGLang's BasevLLMParameter, as far as its WNA16 processing reads it: layout attributes and a loader."""
+
+    def __new__(cls, data, input_dim, output_dim, packed_dim=None):
+        p = super().__new__(cls, data, requires_grad=False)
+        p._input_dim, p._output_dim = input_dim, output_dim
+        if packed_dim is not None:
+            p._packed_dim = packed_dim
+        p.weight_loader = lambda param, tensor: param.data.copy_(tensor)
+        return p
+
+
+def _stand_in_sglang_wna16(monkeypatch, faithful: bool = True):
+    """A module named as SGLang's scheme module holding `CompressedTensorsWNA16` with the processing of SGLang
+    0.5.17 (permute to [K, N], then new tensors from its two ops, the loaded Parameters rebound to them; stand-in
+    ops: any new tensor of the loaded values in another order). `faithful=False`: processing that does more than
+    the two ops (a layout flashrl cannot recompute)."""
+    import types
+
+    mod = types.ModuleType("stand_in_wna16")
+    mod.gptq_marlin_repack = lambda q, perm, size_k, size_n, num_bits: q.reshape(size_k // 16, -1).flip(0) * 1
+    mod.marlin_permute_scales = lambda s, size_k, size_n, group_size: s.flip(1) * 1
+
+    class CompressedTensorsWNA16:
+        def __init__(self, k, n):
+            self.kernel_config = types.SimpleNamespace(partition_weight_shape=(k, n), group_size=128,
+                                                       weight_type=types.SimpleNamespace(size_bits=4))
+
+        def process_weights_after_loading(self, layer):
+            c = self.kernel_config
+            layer.g_idx_sort_indices = torch.empty(0, dtype=torch.int32)
+            for name, fn in (("weight_packed", lambda x: mod.gptq_marlin_repack(x, layer.g_idx_sort_indices,
+                                                                                *c.partition_weight_shape, 4)),
+                             ("weight_scale", lambda x: mod.marlin_permute_scales(x, *c.partition_weight_shape, 128))):
+                x = layer._parameters[name]
+                x.data = x.data.permute(x._input_dim, x._output_dim)  # permute_param_layout_
+                x._input_dim, x._output_dim = 0, 1
+                x.data = fn(x.data.contiguous()) + (0 if faithful else 1)
+                layer.register_parameter(name, torch.nn.Parameter(x.data, requires_grad=False))
+
+    CompressedTensorsWNA16.__module__ = mod.__name__
+    mod.CompressedTensorsWNA16 = CompressedTensorsWNA16
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return CompressedTensorsWNA16
+
+
+def _marlin_layer(scheme_cls, n=64, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Module()
+    layer.scheme = scheme_cls(k, n)
+    layer.register_parameter("weight_packed", _Param(torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=g,
+                                                                   dtype=torch.int32), 1, 0, packed_dim=1))
+    layer.register_parameter("weight_scale", _Param(torch.rand(n, k // 128, generator=g).to(torch.bfloat16), 1, 0))
+    layer.register_parameter("weight_shape", _Param(torch.tensor([n, k]), None, 0))
+    return layer
+
+
+def test_sglang_marlin_layers_keep_their_loaded_tensors_and_syncs_rewrite_the_kernels_layout(monkeypatch):
+    """SGLang's W4A16 (Marlin) processing makes new tensors and rebinds the loaded Parameters to them. The adapter
+    (runtime/sglang/marlin.py, through weight_sync's processing hook) gives the loaded Parameters their tensors and
+    layout back for the loaders, checks at start that its recomputation of the kernel's layout is SGLang's bit for
+    bit, and after a complete sync copies the recomputed layout into the kernel's tensors (same storage: a captured
+    CUDA graph reads it) = what SGLang's processing makes of the new weights. A processing it cannot recompute
+    refuses the engine in one line. (SGLang's own ops and processing on a GPU: tests/gpu/test_sglang.py.)"""
+    from flashrl_tools.runtime.sglang.weight_sync import LoadedParams, LoaderWriter, loaders_back
+
+    scheme_cls = _stand_in_sglang_wna16(monkeypatch)
+    layer, loaded = _marlin_layer(scheme_cls), LoadedParams()
+    codes, scales = layer.weight_packed, layer.weight_scale
+    first = codes.data.clone()
+    loaded.around_processing(lambda m, lay: lay.scheme.process_weights_after_loading(lay), None, layer)
+    kernel = {n: layer._parameters[n] for n in ("weight_packed", "weight_scale")}
+    assert kernel["weight_packed"] is not codes and kernel["weight_packed"].shape == (256 // 16, 64 * 256 // 8 // 16)
+    assert torch.equal(codes.data, first) and codes._input_dim == 1 and codes._packed_dim == 1  # loaded, as loaded
+    ((_, params),) = loaded.layers
+    assert params == {"weight_packed": codes, "weight_scale": scales} and len(loaded.marlin) == 1
+
+    model = torch.nn.Module()
+    model.layer = layer
+    new = _marlin_layer(scheme_cls, seed=1)
+    pointers = {n: t.data_ptr() for n, t in kernel.items()}
+
+    def load_weights(batch):  # SGLang's loaders: into whatever Parameters the layer holds now
+        for name, tensor in batch:
+            param = layer._parameters[name.rsplit(".", 1)[1]]
+            param.weight_loader(param, tensor)
+
+    model.load_weights = load_weights
+    writer = LoaderWriter(model, loaded.of(model), marlin=loaded.marlin_of(model))
+    writer._flush([("layer.weight_packed", new.weight_packed.data), ("layer.weight_scale", new.weight_scale.data)],
+                  (), {})
+    writer.finish()
+    scheme_cls.process_weights_after_loading(new.scheme, new)  # SGLang's processing of the new weights
+    for name in pointers:
+        assert layer._parameters[name].data_ptr() == pointers[name]  # in place
+        assert torch.equal(layer._parameters[name].data, new._parameters[name].data), name
+    with loaders_back(loaded.of(model)):
+        assert layer.weight_packed is codes and torch.equal(codes.data, _marlin_layer(scheme_cls, seed=1).weight_packed)
+
+    other = _stand_in_sglang_wna16(monkeypatch, faithful=False)
+    with pytest.raises(FlashRLError, match="is not what flashrl recomputes") as refused:
+        LoadedParams().around_processing(lambda m, lay: lay.scheme.process_weights_after_loading(lay), None,
+                                         _marlin_layer(other))
+    assert "\n" not in str(refused.value)

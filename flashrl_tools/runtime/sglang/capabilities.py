@@ -34,9 +34,11 @@ _SETTINGS = {
 CAPABILITIES = Capabilities(
     engine="SGLang", versions="tested: 0.5.17; others run a start-up self-check", tested=("0.5.17",),
     # SGLang keeps per-channel layouts in the storage it loaded (weight_sync.py); per-tensor FP8 of fused
-    # layers is re-quantized to one scale at load
-    formats=frozenset(f for f in QuantFn if f.strategy is Strategy.channel),
-    formats_note="SGLang re-quantizes fused per-tensor FP8 layers to one scale at load; block FP8 is unchecked",
+    # layers is re-quantized to one scale at load; W4A16 layers are re-laid out (marlin.py)
+    formats=frozenset(f for f in QuantFn if f.strategy is Strategy.channel) | {QuantFn.w4a16},
+    formats_note="SGLang re-quantizes fused per-tensor FP8 layers to one scale at load; block FP8 is unchecked; "
+                 "w4a16 (Marlin; its layout recomputed after each sync, runtime/sglang/marlin.py): GPU test not run "
+                 "yet",
     moe_formats=frozenset(f for f in QuantFn if f.is_fp8 and f.strategy is Strategy.channel),
     moe_note="SGLang 0.5.17 serves compressed-tensors INT8 MoE experts on NPU only",
     fp8_dense=QuantFn.fp8_channel, fp8_moe=QuantFn.fp8_channel,

@@ -9,7 +9,9 @@ into (with their loaders) when `process_weights_after_loading` replaced them by 
 storage, and refuses the engine at start when a layer's processed tensors are not such views (a layout
 this runtime cannot write). The writer puts the loaded Parameters back for the length of one call to
 the model's own `load_weights` (its name mapping, fused shards and TP slicing), which writes into the
-storage the kernels read, then restores the processed ones."""
+storage the kernels read, then restores the processed ones. W4A16 layers (Marlin) are the exception: their
+processing makes new tensors, so the loaded ones are kept beside them and each complete sync recomputes the
+kernel's layout from them in place (marlin.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.runtime.core.adapter import Converted
 from flashrl_tools.runtime.core.session import SyncSession, open_session
+from flashrl_tools.runtime.sglang.marlin import MarlinLayer, is_w4a16
 
 log = logging.getLogger("flashrl_tools.runtime")
 _FLUSH_BYTES = 256 << 20  # converted tensors loaded at once (bounds the memory a whole-model push takes)
@@ -39,14 +42,20 @@ class LoadedParams:
 
     def __init__(self):
         self.layers: list[tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]] = []
+        self.marlin: list[MarlinLayer] = []  # W4A16 layers whose processing made new tensors (marlin.py)
 
     def around_processing(self, original, method, layer, *args, **kwargs):
         before = dict(layer._parameters)
+        four = MarlinLayer(layer) if is_w4a16(layer) else None
         result = original(method, layer, *args, **kwargs)
         replaced = {}
+        if four is not None:  # the loaded tensors back in the Parameters its loaders fill; SGLang's layout checked
+            replaced.update(four.restore())
+            four.check()
+            self.marlin.append(four)
         for name, loaded in before.items():
             now = layer._parameters.get(name)
-            if loaded is None or now is loaded:
+            if loaded is None or now is loaded or name in replaced:
                 continue
             if now is None or not _aliases(now, loaded):
                 raise FlashRLError(f"flashrl: {type(method).__name__} re-lays out `{name}` of "
@@ -61,6 +70,10 @@ class LoadedParams:
     def of(self, model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]]:
         mine = {id(m) for m in model.modules()}
         return [(layer, params) for layer, params in self.layers if id(layer) in mine]
+
+    def marlin_of(self, model: torch.nn.Module) -> list[MarlinLayer]:
+        mine = {id(m) for m in model.modules()}
+        return [four for four in self.marlin if id(four.layer) in mine]
 
 
 @contextmanager
@@ -82,8 +95,9 @@ class LoaderWriter:
     tensors they cover are copied straight into the kernels' storage once a sync through the loaders has
     shown every slot holding what the loaders wrote."""
 
-    def __init__(self, model: torch.nn.Module, layers, slots: dict | None = None):
+    def __init__(self, model: torch.nn.Module, layers, slots: dict | None = None, marlin=()):
         self.load_weights, self.layers = model.load_weights, layers
+        self.marlin = list(marlin)  # W4A16 layers: their kernel's layout recomputed once a sync is complete
         self.slots = slots or {}
         self.trusted = False  # the slots matched the loaders over one whole sync
         self._matched: set[str] = set()
@@ -127,6 +141,8 @@ class LoaderWriter:
             self._matched.add(name)
 
     def finish(self) -> None:
+        for four in self.marlin:
+            four.write()
         if self.slots and not self.trusted:
             missing = set(self.slots) - self._matched
             for name in missing:  # never sent in a full sync (not a trainer tensor): the loaders keep it
@@ -160,7 +176,7 @@ def _probed(model: torch.nn.Module, loaded_dir: str, converter, layers) -> dict:
     shapes = {}
     for name in converter.quantized:
         if name in bf16 and len(bf16[name]) == 2:
-            for suffix, spec in output_specs(converter.served, bf16[name], torch.bfloat16).items():
+            for suffix, spec in output_specs(converter.format_of(name), bf16[name], torch.bfloat16).items():
                 shapes[name.removesuffix(".weight") + "." + suffix] = tuple(spec.shape)
     with loaders_back(layers):
         slots, slow = loader_slots.probe(model, model.load_weights, shapes)
@@ -179,7 +195,7 @@ def attach(model: torch.nn.Module, loaded_dir: str, rc, loaded: LoadedParams, ra
                                "check that SGLang reads the checkpoint's quantization_config")
         log.info("flashrl: SGLang weight sync for %d quantized layers (%s)", len(layers),
                  converter.served.value if converter.served else "bf16")
-        return LoaderWriter(model, layers, _slots(model, loaded_dir, converter, layers))
+        return LoaderWriter(model, layers, _slots(model, loaded_dir, converter, layers), loaded.marlin_of(model))
 
     session = open_session(model, loaded_dir, rc, writer_for, "sglang", rank)
     model.load_weights = session.load_weights

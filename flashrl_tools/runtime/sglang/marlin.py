@@ -1,0 +1,79 @@
+"""SGLang's compressed-tensors W4A16 linears (issue 75): its Marlin scheme (`CompressedTensorsWNA16`) re-lays the
+loaded `weight_packed` ([N, K / 8] int32 codes) and `weight_scale` ([N, K / group]) out into new tensors after
+loading (`gptq_marlin_repack`, `marlin_permute_scales`) and rebinds the loaded Parameters to them, so a second load
+through its loaders would land nowhere the kernel reads. Per such layer this process keeps the loaded tensors (their
+storage and layout: what the loaders write; +0.5 byte a weight) beside the processed ones. A sync writes the loaded
+tensors through SGLang's own loaders (weight_sync.py), then `write` recomputes the processed layout from them with
+the scheme's own ops and kernel config and copies it into the tensors the kernel -- and a captured CUDA graph --
+reads. At start `check` holds the recomputation to SGLang's processing bit for bit, or the engine is refused."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from flashrl_tools.errors import FlashRLError
+
+SCHEME = "CompressedTensorsWNA16"
+REPACKED = ("weight_packed", "weight_scale")
+_DIMS = ("_input_dim", "_output_dim", "_packed_dim")  # the layout attributes SGLang's processing rewrites
+
+
+def is_w4a16(layer: torch.nn.Module) -> bool:
+    """A layer SGLang serves through its compressed-tensors WNA16 (Marlin) scheme."""
+    return type(getattr(layer, "scheme", None)).__name__ == SCHEME
+
+
+class MarlinLayer:
+    """One W4A16 layer: its loaded Parameters (taken before SGLang processes the layer) and its processed tensors."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer = layer
+        self.params = {n: layer._parameters[n] for n in REPACKED}
+        self.data = {n: p.data for n, p in self.params.items()}
+        self.dims = {n: {a: getattr(p, a) for a in _DIMS if hasattr(p, a)} for n, p in self.params.items()}
+
+    def restore(self) -> dict[str, torch.nn.Parameter]:
+        """After SGLang's processing: the loaded Parameters hold their loaded tensors and layout again (processing
+        permuted and rebound them); returns them (what the loaders write into)."""
+        for name, param in self.params.items():
+            param.data = self.data[name]
+            for attr, value in self.dims[name].items():
+                setattr(param, attr, value)
+        return self.params
+
+    def processed(self) -> dict[str, torch.Tensor]:
+        """What SGLang's processing makes of the loaded tensors as they are now: the scheme's module's own
+        `gptq_marlin_repack` / `marlin_permute_scales`, its kernel config, the layer's `g_idx_sort_indices`."""
+        scheme = self.layer.scheme
+        config, ops = scheme.kernel_config, sys.modules[type(scheme).__module__]
+        if getattr(config, "has_g_idx", False) or getattr(config, "zero_points", False):
+            raise FlashRLError(f"flashrl: SGLang's {SCHEME} layer uses activation order or zero points; flashrl's "
+                               "W4A16 is symmetric without them", None, "serve a checkpoint of `flashrl quantize`")
+        k, n = config.partition_weight_shape
+        codes, scales = (self._as_kn(name) for name in REPACKED)
+        return {"weight_packed": ops.gptq_marlin_repack(codes, perm=self.layer.g_idx_sort_indices, size_k=k,
+                                                        size_n=n, num_bits=config.weight_type.size_bits),
+                "weight_scale": ops.marlin_permute_scales(scales, size_k=k, size_n=n, group_size=config.group_size)}
+
+    def _as_kn(self, name: str) -> torch.Tensor:
+        """The loaded tensor with its input dimension first (the permutation SGLang's processing starts with)."""
+        inp, out = self.dims[name].get("_input_dim"), self.dims[name].get("_output_dim")
+        inp = (out + 1) % 2 if inp is None else inp  # as SGLang's permute_param_layout_ completes a 2-D layout
+        out = (inp + 1) % 2 if out is None else out
+        return self.data[name].permute(inp, out).contiguous()
+
+    def check(self) -> None:
+        """At start, right after SGLang processed the layer: the recomputation equals what its kernel reads."""
+        for name, tensor in self.processed().items():
+            now = self.layer._parameters[name]
+            if now.shape != tensor.shape or not torch.equal(now.data, tensor):
+                raise FlashRLError(f"flashrl: SGLang's {SCHEME} processing of `{name}` is not what flashrl "
+                                   "recomputes from the loaded tensors; its weight syncs could not be exact", None,
+                                   "serve int8 or fp8 (per-channel) with SGLang, or run 4-bit rollouts on vLLM")
+
+    def write(self) -> None:
+        """After a sync wrote the loaded tensors: the processed layout, copied into the kernel's tensors."""
+        for name, tensor in self.processed().items():
+            self.layer._parameters[name].data.copy_(tensor)
