@@ -7,8 +7,8 @@
 #   STEPS=100 setsid nohup bash scripts/gpu_verl_runs.sh /root/res/verl bf16:0 int8:0 fp8:0 moe-int8:0 ... &
 # (moe-CONFIG:SEED: issue 30's MoE run, `flashrl models tiny --arch qwen3_moe`, MOE_STEPS=20 steps;
 # CONFIG+kv: with FLASHRL_KV_CACHE_DTYPE=fp8; CONFIG-notis / CONFIG-mis: the recipe's TIS=off / mis, issue 44's
-# arms). LEVEL=add2c|mul21|...: the task level (default add1). HELDOUT=1: every CHECK_EVERY steps a checkpoint
-# kept, evaluated while the runs go on by one BF16 engine (examples/verl/heldout_eval.py --watch: OUT/RUN.heldout.jsonl,
+# arms; CONFIG names OUT/CONFIG.yaml where that file exists). LEVEL=add2c|mul21|...: the task level (default
+# add1). HELDOUT=1: every CHECK_EVERY steps a checkpoint kept, evaluated while the runs go on by one BF16 engine (examples/verl/heldout_eval.py --watch: OUT/RUN.heldout.jsonl,
 # read by benchmarks/rl_curves.py) and removed but the latest. A run whose OUT/RUN.done exists is skipped: the
 # same command resumes a set of runs cut short. RECIPE=async: examples/verl/run_fully_async_smollm2.sh
 # instead (two GPUs: rollouter and trainer; runs async-CONFIG-sSEED, final check of the last sync).
@@ -47,6 +47,7 @@ for spec in "$@"; do
   [ -f "$OUT/$run.done" ] && { echo "$run: done before, skipped"; continue; }
   case $cfg in *-notis) cfg=${cfg%-notis} tis=off ;; *-mis) cfg=${cfg%-mis} tis=mis ;; esac
   [ "${cfg%+kv}" != "$cfg" ] && cfg=${cfg%+kv} kv=fp8
+  [ -f "$OUT/$cfg.yaml" ] && cfg=$(realpath "$OUT/$cfg.yaml")  # an arm's own config: OUT/CONFIG.yaml
   if [ "${cfg#moe-}" != "$cfg" ]; then  # moe-CONFIG:SEED: the tiny random Qwen3-MoE (byte tokenizer), MOE_STEPS
     cfg=${cfg#moe-} steps=${MOE_STEPS:-20} plen=256
     model=$OUT/tiny-qwen3-moe
