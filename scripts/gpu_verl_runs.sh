@@ -8,8 +8,8 @@
 # (moe-CONFIG:SEED: issue 30's MoE run, `flashrl models tiny --arch qwen3_moe`, MOE_STEPS=20 steps;
 # CONFIG+kv: with FLASHRL_KV_CACHE_DTYPE=fp8; CONFIG-notis / CONFIG-mis: the recipe's TIS=off / mis, issue 44's
 # arms; CONFIG names OUT/CONFIG.yaml where that file exists). LEVEL=add2c|mul21|...: the task level (default
-# add1). HELDOUT=1: every CHECK_EVERY steps a checkpoint kept, evaluated while the runs go on by one BF16 engine (examples/verl/heldout_eval.py --watch: OUT/RUN.heldout.jsonl,
-# read by benchmarks/rl_curves.py) and removed but the latest. A run whose OUT/RUN.done exists is skipped: the
+# add1). HELDOUT=1: every CHECK_EVERY steps a checkpoint kept, evaluated while the runs go on by one BF16 engine
+# (examples/verl/heldout_eval.py --watch: OUT/RUN.heldout.jsonl, read by benchmarks/rl_curves.py) and removed but the latest. A run whose OUT/RUN.done exists is skipped: the
 # same command resumes a set of runs cut short. RECIPE=async: examples/verl/run_fully_async_smollm2.sh
 # instead (two GPUs: rollouter and trainer; runs async-CONFIG-sSEED, final check of the last sync).
 # Per run: OUT/verl-CONFIG-sSEED.jsonl (verl's file logger + the final check), OUT/RUN.log, and
