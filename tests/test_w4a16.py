@@ -326,15 +326,24 @@ class _Param(torch.nn.Parameter):
 
 
 def _stand_in_sglang_wna16(monkeypatch, faithful: bool = True):
-    """A module named as SGLang's scheme module holding `CompressedTensorsWNA16` with the processing of SGLang
+    """A module in place of SGLang's scheme module holding `CompressedTensorsWNA16` with the processing of SGLang
     0.5.17 (permute to [K, N], then new tensors from its two ops, the loaded Parameters rebound to them; stand-in
     ops: any new tensor of the loaded values in another order). `faithful=False`: processing that does more than
     the two ops (a layout flashrl cannot recompute)."""
     import types
 
-    mod = types.ModuleType("stand_in_wna16")
-    mod.gptq_marlin_repack = lambda q, perm, size_k, size_n, num_bits: q.reshape(size_k // 16, -1).flip(0) * 1
-    mod.marlin_permute_scales = lambda s, size_k, size_n, group_size: s.flip(1) * 1
+    from flashrl_tools.runtime.sglang.marlin import SCHEME_MODULE
+
+    mod = types.ModuleType(SCHEME_MODULE)
+    def gptq_marlin_repack(q, perm, size_k, size_n, num_bits):  # SGLang's contract: [K / 8, N] in, contiguous
+        assert q.is_contiguous() and q.shape == (size_k // 8, size_n) and perm.numel() == 0 and num_bits == 4
+        return q.reshape(size_k // 16, -1).flip(0) * 1
+
+    def marlin_permute_scales(s, size_k, size_n, group_size):
+        assert s.is_contiguous() and s.shape == (size_k // group_size, size_n)
+        return s.flip(1) * 1
+
+    mod.gptq_marlin_repack, mod.marlin_permute_scales = gptq_marlin_repack, marlin_permute_scales
 
     class CompressedTensorsWNA16:
         def __init__(self, k, n):
@@ -343,13 +352,16 @@ def _stand_in_sglang_wna16(monkeypatch, faithful: bool = True):
 
         def process_weights_after_loading(self, layer):
             c = self.kernel_config
-            layer.g_idx_sort_indices = torch.empty(0, dtype=torch.int32)
+            for name in ("weight_g_idx", "g_idx_sort_indices", "weight_zero_point"):  # marlin_make_empty_g_idx
+                setattr(layer, name, torch.nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False))
             for name, fn in (("weight_packed", lambda x: mod.gptq_marlin_repack(x, layer.g_idx_sort_indices,
                                                                                 *c.partition_weight_shape, 4)),
                              ("weight_scale", lambda x: mod.marlin_permute_scales(x, *c.partition_weight_shape, 128))):
                 x = layer._parameters[name]
                 x.data = x.data.permute(x._input_dim, x._output_dim)  # permute_param_layout_
                 x._input_dim, x._output_dim = 0, 1
+                if name == "weight_packed":
+                    x._packed_dim = 0
                 x.data = fn(x.data.contiguous()) + (0 if faithful else 1)
                 layer.register_parameter(name, torch.nn.Parameter(x.data, requires_grad=False))
 
@@ -417,3 +429,78 @@ def test_sglang_marlin_layers_keep_their_loaded_tensors_and_syncs_rewrite_the_ke
         LoadedParams().around_processing(lambda m, lay: lay.scheme.process_weights_after_loading(lay), None,
                                          _marlin_layer(other))
     assert "\n" not in str(refused.value)
+
+
+def test_each_sync_logs_the_share_of_4bit_codes_it_changed(tiny_models, tmp_path, monkeypatch, caplog):
+    """FLASHRL_CODE_CHANGES=1 (issue 75: a small update may move no 4-bit code at all): the sync session of a mixed
+    4/8-bit engine records the 4-bit codes of its first sync and logs, for each later one, the share of codes that
+    sync changed -- the count the codes of two `quantize` runs (the pushed weights before and after) differ by;
+    pushing the same weights again changes none."""
+    import logging
+
+    from flashrl_tools.config.resolve import resolve
+    from flashrl_tools.quant.mixed import KeepSpec
+    from flashrl_tools.quant.packing import unpack_int4
+    from flashrl_tools.quant.quantize import quantize
+    from flashrl_tools.runtime.core.session import open_session
+    from flashrl_tools.safetensors_io import CheckpointReader
+    from flashrl_tools.verify.perturb import perturb
+
+    monkeypatch.setenv("FLASHRL_CODE_CHANGES", "1")
+    src = tiny_models["qwen2-untied"]
+    new = perturb(src, tmp_path / "new", seed=1, match=("",))
+    keep = KeepSpec(four_bit=("*.mlp.down_proj",))
+    served, moved = (quantize(m, tmp_path / f"q-{i}", "int8", keep=keep).out for i, m in enumerate((src, new)))
+    yaml = tmp_path / "mix.yaml"
+    yaml.write_text("configs:\n- fn: int8\n  w4a16_layers: ['*.mlp.down_proj']\n")
+
+    class Writer:  # the adapter's side: nothing to write here
+        def begin(self, reopen):
+            pass
+
+        def load(self, converted, *args, **kwargs):
+            return {name for c in converted for name, _ in c.tensors}
+
+        def finish(self):
+            pass
+
+    session = open_session(torch.nn.Linear(1, 1), served, resolve(str(yaml)), lambda conv: Writer(), "test")
+    a, b = CheckpointReader(served), CheckpointReader(moved)
+    packed = [n for n in a.names() if n.endswith("_packed")]
+    want = sum(int((unpack_int4(a.get(n), 1 << 30) != unpack_int4(b.get(n), 1 << 30)).sum()) for n in packed)
+    total = sum(a.get(n).numel() * 8 for n in packed)
+    assert 0 < want < total
+    with caplog.at_level(logging.INFO, logger="flashrl_tools.runtime"):
+        for policy in (src, new, new):
+            session.load_weights(CheckpointReader(policy).iter_tensors())
+    lines = [r.getMessage() for r in caplog.records if "4-bit codes" in r.getMessage()]
+    assert len(lines) == 3 and "4-bit codes recorded (2 weights" in lines[0]
+    assert f"4-bit codes changed: {100 * want / total:.4f} % of {total:,} (2 weights" in lines[1]
+    assert "4-bit codes changed: 0.0000 %" in lines[2]
+
+
+def test_a_sync_whose_last_step_fails_leaves_the_engine_refusing(tiny_models, tmp_path):
+    """The writer's `finish` (SGLang's Marlin layers: their layout recomputed there) raising marks the sync failed:
+    the engine refuses to generate with the one SyncIncomplete line, as for any failed sync."""
+    from flashrl_tools.config.resolve import resolve
+    from flashrl_tools.quant.quantize import quantize
+    from flashrl_tools.runtime.core.session import SyncIncomplete, open_session
+    from flashrl_tools.safetensors_io import CheckpointReader
+
+    served = quantize(tiny_models["qwen2-untied"], tmp_path / "q", "int8").out
+
+    class Writer:
+        def begin(self, reopen):
+            pass
+
+        def load(self, converted, *args, **kwargs):
+            return {name for c in converted for name, _ in c.tensors}
+
+        def finish(self):
+            raise RuntimeError("layout recomputation failed")
+
+    session = open_session(torch.nn.Linear(1, 1), served, resolve("int8"), lambda conv: Writer(), "test")
+    with pytest.raises(RuntimeError, match="layout recomputation failed"):
+        session.load_weights(CheckpointReader(tiny_models["qwen2-untied"]).iter_tensors())
+    with pytest.raises(SyncIncomplete, match="the last weight sync failed .RuntimeError: layout recomputation"):
+        session.check_ready()

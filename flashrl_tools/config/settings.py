@@ -22,6 +22,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_TEST_RELOAD": ("test_reload", "0"),
     "FLASHRL_SYNC_DIGEST": ("sync_digest", ""),
     "FLASHRL_SYNC_TIMING": ("sync_timing", "0"),
+    "FLASHRL_CODE_CHANGES": ("code_changes", "0"),
     "FLASHRL_DEBUG_STACKS": ("debug_stacks", ""),
     "FLASHRL_STEP_LOG": ("step_log", ""),
     "FLASHRL_TRITON": ("triton", "1"),
@@ -59,6 +60,7 @@ class Settings:
     test_reload: bool
     sync_digest: str  # a directory: the engine's weight digest after every sync
     sync_timing: bool
+    code_changes: bool  # per sync, the share of 4-bit codes it changed (runtime/core/code_changes.py)
     debug_stacks: str  # a directory: each engine process prints every thread's Python stack on SIGUSR1, its PID there
     step_log: str  # a file: SGLang's scheduler (TP rank 0) appends a line per model step (core/logs.py step_line)
     triton: bool  # the fused Triton INT8 quantizer on CUDA
@@ -77,7 +79,7 @@ class Settings:
         """`environ` (default: `os.environ` as it is now -- a library that replaces the mapping, not a stale one)."""
         environ = os.environ if environ is None else environ
         raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
-        flags = {"lmhead_fp32", "test_reload", "sync_timing", "triton", "allow_legacy_pickle", "fused_kv_store",
+        flags = {"lmhead_fp32", "test_reload", "sync_timing", "code_changes", "triton", "allow_legacy_pickle", "fused_kv_store",
                  "version_check"}
         values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
         values["inplace_sync"] = _switch(raw["inplace_sync"], on="1", unset="1")

@@ -107,6 +107,8 @@ COMMON_SETTINGS = {
     "FLASHRL_TEST_RELOAD": Setting("at start, the policy's own weights pushed through the sync session; changes "
                                    "logged"),
     "FLASHRL_SYNC_TIMING": Setting("each sync's conversion timed with device synchronisation"),
+    "FLASHRL_CODE_CHANGES": Setting("per sync, the share of 4-bit codes it changed, logged (keeps the last codes: "
+                                    "0.5 byte a 4-bit weight)"),
     "FLASHRL_DEBUG_STACKS": Setting("DIR: every engine process writes its threads' Python stacks to DIR/PID.stacks "
                                     "on SIGUSR1 and lists its PID in DIR (logs.signal_stacks)"),
     "FLASHRL_TRITON": Setting("the fused Triton INT8 quantizer on CUDA (0: torch)"),

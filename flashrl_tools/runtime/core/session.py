@@ -25,6 +25,7 @@ import torch
 
 from flashrl_tools.config.settings import settings
 from flashrl_tools.runtime.core.adapter import Converted, ModelWriter
+from flashrl_tools.runtime.core.code_changes import CodeChanges
 from flashrl_tools.runtime.core.convert import WeightConverter
 
 log = logging.getLogger("flashrl_tools.runtime")
@@ -107,6 +108,7 @@ class SyncSession:
         self.convert_seconds = 0.0  # time spent converting (quantizing) tensors, all syncs
         self.load_seconds = 0.0  # time in the writer (converting included), all syncs
         self._at_begin = (0.0, 0.0)  # both at the start of the sync in progress
+        self.code_changes = CodeChanges() if settings().code_changes else None  # FLASHRL_CODE_CHANGES
 
     @property
     def completed(self) -> int:
@@ -143,7 +145,11 @@ class SyncSession:
                 raise
             pending = itertools.chain(repeated, pending)
             if self.state.active and self.state.done():
-                self._complete()
+                try:
+                    self._complete()
+                except Exception as e:  # the writer's last step (e.g. a layout recomputed) failed: not a sync
+                    self.state.fail(f"{type(e).__name__}: {e}")
+                    raise
         return loaded
 
     def _run(self, groups: Iterator[list], repeated: list) -> Iterator[list]:
@@ -159,6 +165,8 @@ class SyncSession:
         for group in groups:
             t0 = time.perf_counter()
             tensors = self.converter.convert_group(group)
+            if self.code_changes is not None:
+                self.code_changes.observe(tensors)
             if self.timing and group[0][1].is_cuda:  # FLASHRL_SYNC_TIMING: wait for the device
                 torch.cuda.synchronize(group[0][1].device)
             self.convert_seconds += time.perf_counter() - t0
@@ -175,6 +183,8 @@ class SyncSession:
             convert = self.convert_seconds - self._at_begin[0]
             timed = f"; convert {convert:.3f} s, write {self.load_seconds - self._at_begin[1] - convert:.3f} s"
         log.info("flashrl: weight sync %d complete (%d tensors%s)", self.state.completed, len(self.state.seen), timed)
+        if self.code_changes is not None:
+            log.info("flashrl: weight sync %d: %s", self.state.completed, self.code_changes.summary())
         write_after_sync(self.model, self.state.completed, self.engine, self.rank)  # FLASHRL_SYNC_DIGEST
 
     def status(self) -> str | None:

@@ -35,7 +35,7 @@ CAPABILITIES = Capabilities(
     engine="SGLang", versions="tested: 0.5.17; others run a start-up self-check", tested=("0.5.17",),
     # SGLang keeps per-channel layouts in the storage it loaded (weight_sync.py); per-tensor FP8 of fused
     # layers is re-quantized to one scale at load; W4A16 layers are re-laid out (marlin.py)
-    formats=frozenset(f for f in QuantFn if f.strategy is Strategy.channel) | {QuantFn.w4a16},
+    formats=frozenset(f for f in QuantFn if f.strategy is Strategy.channel or f.packed),
     formats_note="SGLang re-quantizes fused per-tensor FP8 layers to one scale at load; block FP8 is unchecked; "
                  "w4a16 (Marlin; its layout recomputed after each sync, runtime/sglang/marlin.py): GPU test not run "
                  "yet",

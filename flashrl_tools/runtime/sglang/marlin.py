@@ -9,13 +9,14 @@ reads. At start `check` holds the recomputation to SGLang's processing bit for b
 
 from __future__ import annotations
 
-import sys
+import importlib
 
 import torch
 
 from flashrl_tools.errors import FlashRLError
 
 SCHEME = "CompressedTensorsWNA16"
+SCHEME_MODULE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16"  # its ops too
 REPACKED = ("weight_packed", "weight_scale")
 _DIMS = ("_input_dim", "_output_dim", "_packed_dim")  # the layout attributes SGLang's processing rewrites
 
@@ -44,10 +45,9 @@ class MarlinLayer:
         return self.params
 
     def processed(self) -> dict[str, torch.Tensor]:
-        """What SGLang's processing makes of the loaded tensors as they are now: the scheme's module's own
+        """What SGLang's processing makes of the loaded tensors as they are now: the scheme module's own
         `gptq_marlin_repack` / `marlin_permute_scales`, its kernel config, the layer's `g_idx_sort_indices`."""
-        scheme = self.layer.scheme
-        config, ops = scheme.kernel_config, sys.modules[type(scheme).__module__]
+        config, ops = self.layer.scheme.kernel_config, importlib.import_module(SCHEME_MODULE)
         if getattr(config, "has_g_idx", False) or getattr(config, "zero_points", False):
             raise FlashRLError(f"flashrl: SGLang's {SCHEME} layer uses activation order or zero points; flashrl's "
                                "W4A16 is symmetric without them", None, "serve a checkpoint of `flashrl quantize`")
@@ -66,7 +66,15 @@ class MarlinLayer:
 
     def check(self) -> None:
         """At start, right after SGLang processed the layer: the recomputation equals what its kernel reads."""
-        for name, tensor in self.processed().items():
+        try:
+            recomputed = self.processed()
+        except FlashRLError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- e.g. a build whose scheme module lacks the ops: refused, one line
+            raise FlashRLError(f"flashrl: cannot recompute SGLang's {SCHEME} layout ({type(e).__name__}: {e}); its "
+                               "weight syncs could not be exact", None,
+                               "serve int8 or fp8 (per-channel) with SGLang, or run 4-bit rollouts on vLLM") from None
+        for name, tensor in recomputed.items():
             now = self.layer._parameters[name]
             if now.shape != tensor.shape or not torch.equal(now.data, tensor):
                 raise FlashRLError(f"flashrl: SGLang's {SCHEME} processing of `{name}` is not what flashrl "
