@@ -5,7 +5,8 @@ weight-transfer engine, unpacked and packed, into an engine in its own process. 
 original weights were pushed back, must equal the engine-side sync of the BF16 weights bit for bit (weight
 digest: every parameter, buffer and kernel-held tensor; greedy tokens; teacher-forced logprobs); BF16 over
 IPC too; a scale of the wrong shape is refused in one line. Cases: dense Qwen2 and Qwen3-MoE x int8 and
-per-channel FP8 (vLLM's `fp8` shortcut is its own online FP8: the trainer refuses it). On two GPUs also: the
+per-channel FP8 (vLLM's `fp8` shortcut is its own online FP8: the trainer refuses it), and (issue 75) W4A16 --
+dense, the 4/8-bit mix (`w4a16_mix`), MoE experts -- as packed codes, group scales and shapes. On two GPUs also: the
 same through vLLM's NCCL engine from a trainer on GPU 1, and a TP = 2 engine sharding the 8-bit tensors and
 scales it takes through load_weights (its digests, one per rank, = its engine-side sync's). With FLASHRL_GPU_SQ
 (scripts/gpu_stage_sq.sh) also a calibrated YAML (`sq-int8`: SmolLM2's SmoothQuant W8A8 checkpoint and its
@@ -27,7 +28,8 @@ import torch
 
 import gpu_harness as h
 
-CASES = ["dense-int8", "dense-fp8_channel", "moe-int8", "moe-fp8_channel"]
+CASES = ["dense-int8", "dense-fp8_channel", "moe-int8", "moe-fp8_channel",
+         "dense-w4a16", "dense-w4a16_mix", "moe-w4a16"]  # issue 75: 4-bit codes + group scales + shapes, the mix
 # two GPUs: `nccl-`: the trainer on GPU 1 through vLLM's NCCL engine (unpacked, packed, BF16); `tp2-`: a TP = 2
 # engine takes the 8-bit tensors and scales through load_weights and shards them (where prime-rl's broke)
 TWO_GPUS = torch.cuda.device_count() >= 2
@@ -60,7 +62,7 @@ def run_case(case: str, work) -> dict:
     out = work / f"wire-{case}.json"
     res = subprocess.run([sys.executable, str(h.PROBES / "wire_probe.py"), str(orig), str(pert), str(out),
                           "--paths", PATHS[how], "--engine-args", json.dumps(engine),
-                          *(["--no-refusal"] if how == "tp2" else []),
+                          *(["--no-refusal"] if how == "tp2" or config == "w4a16" else []),  # no 8-bit tensor
                           *(["--kernel-values", "moe_quant_config"] if arch == "moe" else [])],
                          capture_output=True, text=True, env=env,
                          timeout=900)
@@ -104,6 +106,8 @@ def rows(request, gpu_work, gpu_jobs) -> dict:
 def test_trainer_quantized_pushes_equal_an_engine_side_sync(rows, case):
     row = rows[case]
     h.assert_exact(row)
+    if case.endswith("-w4a16"):  # every linear 4-bit: its wire is <= 0.28x BF16's on the quantized layers
+        assert row["wire_ratio"] < 0.4, row["wire_ratio"]
     assert {"load_weights = engine-side sync", "ipc = engine-side sync", "ipc-packed = engine-side sync",
             "ipc-bf16 = engine-side sync"} <= set(row["checks"]), row
 
