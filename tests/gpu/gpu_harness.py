@@ -96,7 +96,12 @@ def config_value(work: Path, config: str) -> str:
 
 
 def quantized(src: Path, fmt: str | None, work: Path) -> Path:
-    """`flashrl quantize` of `src` (the offline checkpoint a fresh engine serves); `src` for BF16."""
+    """`flashrl quantize` of `src` (the offline checkpoint a fresh engine serves); `src` for BF16; a YAML config of
+    YAMLS: its fn with its kept and 4-bit layers (`w4a16_mix`: what `quantize --w4a16-layers` writes)."""
+    import yaml
+
+    from flashrl_tools.config.schema import parse_config
+    from flashrl_tools.quant.mixed import KeepSpec
     from flashrl_tools.quant.quantize import quantize
 
     if fmt is None:
@@ -104,7 +109,11 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
     dst = work / f"{src.name}-{fmt}"
     with _BUILD:
         if not (dst / "config.json").is_file():
-            quantize(src, dst, fmt, force=True)
+            if fmt in YAMLS:
+                entry = parse_config({"configs": yaml.safe_load(YAMLS[fmt])}, fmt).configs[0]
+                quantize(src, dst, entry.fn.value, force=True, keep=KeepSpec.of(entry))
+            else:
+                quantize(src, dst, fmt, force=True)
     return dst
 
 

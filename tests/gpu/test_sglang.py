@@ -15,7 +15,8 @@ FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines run the runtime too, FLASHRL_CONFI
 checkpoint: they calibrate once at start); the scales must
 be bit-equal to theirs, and the greedy tokens' logprobs (decode: they read the FP8 cache) are compared too.
 `moe-int8` must be refused at start (SGLang's compressed-tensors INT8 MoE is NPU-only). `w4a16`: SGLang's Marlin
-W4A16 layers, their kernel layout recomputed in place after each sync (runtime/sglang/marlin.py)."""
+W4A16 layers, their kernel layout recomputed in place after each sync (runtime/sglang/marlin.py); `w4a16_mix` the
+4/8-bit YAML (each layer by its scheme)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ import gpu_harness as h
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8",
          "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv", "dense-int8+kv@fa3", "dense-int8+kv@fa3p16",
-         "dense-int8+kv@xqa16", "dense-w4a16", "dense-w4a16+kv"]
+         "dense-int8+kv@xqa16", "dense-w4a16", "dense-w4a16+kv", "dense-w4a16_mix"]
 OPTIONS = {"": {}, "fa3": {"attention_backend": "fa3"}, "fa3p16": {"attention_backend": "fa3", "page_size": 16},
            "xqa16": {"attention_backend": "fa3", "page_size": 16, "cuda_graph_max_bs_decode": 48}}
 ARCH = {"dense": "qwen3", "moe": "qwen3_moe"}
-FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel", "w4a16": "w4a16"}  # what the SGLang adapter serves
+FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel", "w4a16": "w4a16",  # what the SGLang adapter serves
+          "w4a16_mix": "w4a16_mix"}  # a YAML (gpu_harness.YAMLS): the fresh engines' checkpoint has its 4-bit layers
 PROMPTS = [[5, 70, 75, 82, 3], [7, 8, 9, 10, 11, 200], [30, 31, 32], [100, 120, 140, 160]]
 TEMP, TOP_K, TOP_P = 0.8, 50, 0.9
 
@@ -82,8 +84,8 @@ def run_case(case: str, work) -> dict:
              {"op": "push", "path": str(orig), "cuda": True, "bucket": True}, observe(seqs),
              {"op": "push", "path": str(pert), "cuda": True, "bucket": True}, observe(seqs)]
     base = len(steps)
-    synced = h.run_sglang(orig, steps + sample_steps(base), config, f"synced {case}", kv, extra, env,
-                          work / f"{tag}-synced.log" if xqa else None)
+    synced = h.run_sglang(orig, steps + sample_steps(base), h.config_value(work, config), f"synced {case}", kv,
+                          extra, env, work / f"{tag}-synced.log" if xqa else None)
     if isinstance(synced, str):
         return {"error": synced}
     fresh = h.fresh_sglang(orig, pert, fmt, kv, work, extra, env, seqs, tag)
