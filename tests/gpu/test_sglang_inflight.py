@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reas
 CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8", "retract-int8", "retract-fp8",
          "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3",
          "in_place-int8+kv@dist", "in_place-int8+kv@fa3attn", "in_place-int8+kv@fa3attn16",
-         "in_place-int8+kv@xqa16"]
+         "in_place-int8+kv@xqa16", "in_place-w4a16+kv", "retract-w4a16"]  # w4a16: SGLang's Marlin layers (issue 75)
 PROBE = h.PROBES / "sglang_inflight_probe.py"
 TOKENS = 96
 
