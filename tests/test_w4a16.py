@@ -387,8 +387,9 @@ def test_sglang_marlin_layers_keep_their_loaded_tensors_and_syncs_rewrite_the_ke
     (runtime/sglang/marlin.py, through weight_sync's processing hook) gives the loaded Parameters their tensors and
     layout back for the loaders, checks at start that its recomputation of the kernel's layout is SGLang's bit for
     bit, and after a complete sync copies the recomputed layout into the kernel's tensors (same storage: a captured
-    CUDA graph reads it) = what SGLang's processing makes of the new weights. A processing it cannot recompute
-    refuses the engine in one line. (SGLang's own ops and processing on a GPU: tests/gpu/test_sglang.py.)"""
+    CUDA graph reads it) = what SGLang's processing makes of the new weights; processing again (SGLang's
+    update_weights_from_disk after its load) leaves that layout. A processing it cannot recompute refuses the engine
+    in one line. (SGLang's own ops and processing on a GPU: tests/gpu/test_sglang.py.)"""
     from flashrl_tools.runtime.sglang.weight_sync import LoadedParams, LoaderWriter, loaders_back
 
     scheme_cls = _stand_in_sglang_wna16(monkeypatch)
@@ -423,6 +424,9 @@ def test_sglang_marlin_layers_keep_their_loaded_tensors_and_syncs_rewrite_the_ke
         assert torch.equal(layer._parameters[name].data, new._parameters[name].data), name
     with loaders_back(loaded.of(model)):
         assert layer.weight_packed is codes and torch.equal(codes.data, _marlin_layer(scheme_cls, seed=1).weight_packed)
+    # SGLang's update_weights_from_disk processes the layers again after its load (the sync above): left as synced
+    loaded.around_processing(lambda m, lay: pytest.fail("processed twice"), None, layer)
+    assert torch.equal(layer.weight_packed.data, new.weight_packed.data) and len(loaded.marlin) == 1
 
     other = _stand_in_sglang_wna16(monkeypatch, faithful=False)
     with pytest.raises(FlashRLError, match="is not what flashrl recomputes") as refused:

@@ -45,6 +45,8 @@ class LoadedParams:
         self.marlin: list[MarlinLayer] = []  # W4A16 layers whose processing made new tensors (marlin.py)
 
     def around_processing(self, original, method, layer, *args, **kwargs):
+        if any(four.layer is layer for four in self.marlin):  # again (update_weights_from_disk): the sync that just
+            return None  # loaded it recomputed the kernel's layout (LoaderWriter.finish); SGLang's would fail on it
         before = dict(layer._parameters)
         four = MarlinLayer(layer) if is_w4a16(layer) else None
         result = original(method, layer, *args, **kwargs)
