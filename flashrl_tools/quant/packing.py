@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 _SHIFTS = tuple(range(0, 32, 4))  # the first code in the lowest bits
+CODES_PER_WORD = len(_SHIFTS)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -26,3 +27,9 @@ def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
     shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
     u = (packed[..., None] >> shifts) & 0xF
     return (u.reshape(*packed.shape[:-1], -1)[..., :columns] - 8).to(torch.int8)
+
+
+def changed_codes(before: torch.Tensor, after: torch.Tensor) -> int:
+    """How many of the 4-bit codes packed in two int32 tensors of one shape differ."""
+    diff = before ^ after
+    return int(sum(((diff >> shift) & 0xF).ne(0).sum() for shift in _SHIFTS))

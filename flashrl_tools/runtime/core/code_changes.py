@@ -8,13 +8,7 @@ from __future__ import annotations
 
 import torch
 
-CODES_PER_WORD = 8  # pack_int4: eight 4-bit codes in each int32 word (quant/packing.py)
-
-
-def changed_codes(before: torch.Tensor, after: torch.Tensor) -> int:
-    """How many of the 4-bit codes packed in two int32 tensors of one shape differ."""
-    diff = before ^ after
-    return int(sum(((diff >> (4 * i)) & 0xF).ne(0).sum() for i in range(CODES_PER_WORD)))
+from flashrl_tools.quant.packing import CODES_PER_WORD, changed_codes
 
 
 class CodeChanges:
