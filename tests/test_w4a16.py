@@ -435,6 +435,19 @@ def test_sglang_marlin_layers_keep_their_loaded_tensors_and_syncs_rewrite_the_ke
     assert "\n" not in str(refused.value)
 
 
+class _NullWriter:
+    """The adapter's side of a sync (core/adapter.py ModelWriter) with nothing to write: the session alone."""
+
+    def begin(self, reopen):
+        pass
+
+    def load(self, converted, *args, **kwargs):
+        return {name for c in converted for name, _ in c.tensors}
+
+    def finish(self):
+        pass
+
+
 def test_each_sync_logs_the_share_of_4bit_codes_it_changed(tiny_models, tmp_path, monkeypatch, caplog):
     """FLASHRL_CODE_CHANGES=1 (issue 75: a small update may move no 4-bit code at all): the sync session of a mixed
     4/8-bit engine records the 4-bit codes of its first sync and logs, for each later one, the share of codes that
@@ -458,17 +471,7 @@ def test_each_sync_logs_the_share_of_4bit_codes_it_changed(tiny_models, tmp_path
     yaml = tmp_path / "mix.yaml"
     yaml.write_text("configs:\n- fn: int8\n  w4a16_layers: ['*.mlp.down_proj']\n")
 
-    class Writer:  # the adapter's side: nothing to write here
-        def begin(self, reopen):
-            pass
-
-        def load(self, converted, *args, **kwargs):
-            return {name for c in converted for name, _ in c.tensors}
-
-        def finish(self):
-            pass
-
-    session = open_session(torch.nn.Linear(1, 1), served, resolve(str(yaml)), lambda conv: Writer(), "test")
+    session = open_session(torch.nn.Linear(1, 1), served, resolve(str(yaml)), lambda conv: _NullWriter(), "test")
     a, b = CheckpointReader(served), CheckpointReader(moved)
     packed = [n for n in a.names() if n.endswith("_packed")]
     want = sum(int((unpack_int4(a.get(n), 1 << 30) != unpack_int4(b.get(n), 1 << 30)).sum()) for n in packed)
@@ -493,13 +496,7 @@ def test_a_sync_whose_last_step_fails_leaves_the_engine_refusing(tiny_models, tm
 
     served = quantize(tiny_models["qwen2-untied"], tmp_path / "q", "int8").out
 
-    class Writer:
-        def begin(self, reopen):
-            pass
-
-        def load(self, converted, *args, **kwargs):
-            return {name for c in converted for name, _ in c.tensors}
-
+    class Writer(_NullWriter):
         def finish(self):
             raise RuntimeError("layout recomputation failed")
 
