@@ -6,8 +6,9 @@ how much faster is its step?
 
 Each RUN is CONFIG/SEED=PATH. PATH is a log of examples/trl_grpo.py (one JSON object per step) or
 verl's file logger (`trainer.logger=[...,"file"]`: {"step", "data": {...}} per step); the format is
-recognised per line; a verl log's sidecar RUN.heldout.jsonl (examples/verl/heldout_eval.py) is read with it. Per
-step it reads:
+recognised per line; a verl log's sidecar RUN.heldout.jsonl (examples/verl/heldout_eval.py) is read with it, and
+its RUN.log (scripts/gpu_verl_runs.sh: the run's output) for the engines' FLASHRL_CODE_CHANGES lines (per sync, the
+share of 4-bit codes it changed). Per step it reads:
 
 | measure | verl key | TRL example key |
 | --- | --- | --- |
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from collections import Counter
@@ -105,6 +107,28 @@ def read_log(path: Path) -> tuple[list[dict], dict | None]:
     if not steps:
         raise LogError(f"{path}: no steps")
     return [steps[k] for k in sorted(steps)], final
+
+
+CODES_LINE = re.compile(r"4-bit codes changed: ([0-9.]+) % of")
+
+
+def read_code_changes(path: Path) -> list[float]:
+    """Per sync, the % of 4-bit codes the sync changed (FLASHRL_CODE_CHANGES=1: runtime/core/code_changes.py's line
+    in the run's RUN.log beside its RUN.jsonl, one a sync and engine); [] without that log or those lines."""
+    log = path.with_name(path.name.removesuffix(".jsonl") + ".log")
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [float(m.group(1)) for m in CODES_LINE.finditer(text)]
+
+
+def codes_summary(shares: list[float]) -> dict | None:
+    """A run's code changes: syncs seen, the median and least % a sync changed, the syncs that changed none."""
+    if not shares:
+        return None
+    return {"syncs": len(shares), "median_pct": statistics.median(shares), "min_pct": min(shares),
+            "syncs_with_none": sum(x == 0 for x in shares)}
 
 
 def _mean(values) -> float | None:
@@ -174,7 +198,9 @@ def check_verdict(final: dict | None) -> str | None:
 
 
 def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last: int,
-              target: float | None = None, target_acc: float | None = None) -> dict:
+              target: float | None = None, target_acc: float | None = None, codes: dict | None = None) -> dict:
+    """`codes`: per run label, its syncs' % of 4-bit codes changed (read_code_changes)."""
+    codes = codes or {}
     table = {"runs": {}, "configs": {}}
     for label, steps in runs.items():
         tail = steps[-last:]
@@ -188,7 +214,8 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
             "steps_to_target": steps_to(steps, target, last),
             "steps_to_heldout_target": steps_to_accuracy(steps, target_acc),
             **{f"mean_{m}": _mean(r[m] for r in steps) for m in MEASURES if m not in ("reward", "heldout_acc")},
-            "final_engine_check": finals.get(label), "engine_check": check_verdict(finals.get(label))}
+            "final_engine_check": finals.get(label), "engine_check": check_verdict(finals.get(label)),
+            "codes_changed": codes_summary(codes.get(label, []))}
     by_config: dict[str, list[str]] = {}
     for label in runs:
         by_config.setdefault(label.split("/")[0], []).append(label)
@@ -208,6 +235,12 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
                                     "steps_to_target": [r["steps_to_target"] for r in rows],
                                     "steps_to_heldout_target": [r["steps_to_heldout_target"] for r in rows],
                                     "rollout_s_mean": _mean(r["mean_rollout_s"] for r in rows),
+                                    "token_kl_mean": _mean(r["mean_token_kl"] for r in rows),
+                                    "codes_changed_median_pct": _mean(r["codes_changed"]["median_pct"] for r in rows
+                                                                      if r["codes_changed"]),
+                                    "codes_syncs_with_none": sum(r["codes_changed"]["syncs_with_none"] for r in rows
+                                                                 if r["codes_changed"]),
+                                    "codes_syncs": sum(r["codes_changed"]["syncs"] for r in rows if r["codes_changed"]),
                                     "engine_checks": dict(Counter(r["engine_check"] or "none" for r in rows))}
     base = table["configs"].get("bf16")
     for config, row in table["configs"].items():
@@ -219,6 +252,8 @@ def summarize(runs: dict[str, list[dict]], finals: dict[str, dict | None], last:
                           f"{got - hi:.2g} above the bf16 seeds' highest")
         if base["rollout_s_mean"] and row["rollout_s_mean"]:
             row["rollout_s_vs_bf16"] = row["rollout_s_mean"] / base["rollout_s_mean"]
+        if base["token_kl_mean"] and row["token_kl_mean"] is not None:  # verl's NVFP4 recipe: ~100x without QAT
+            row["token_kl_vs_bf16"] = row["token_kl_mean"] / base["token_kl_mean"]
         for key, name in (("final_reward_ci95", "separable_from_bf16"),
                           ("final_heldout_acc_ci95", "heldout_separable_from_bf16")):
             a, b = row[key], base[key]
@@ -252,8 +287,9 @@ def comparisons(table: dict) -> dict:
 
 def markdown(table: dict) -> str:
     """The table of the README / RESULTS (OUT.md): per arm its seeds' held-out accuracy at the first and the last
-    evaluation with the 95 % interval, the held-out AUC, the final reward, the mismatch, the IS ratios outside
-    verl's bounds (fraction_high + _low), the steps to --target-acc, rollout seconds and the final checks; then
+    evaluation with the 95 % interval, the held-out AUC, the final reward, the mismatch (and the token KL as a
+    multiple of bf16's), the IS ratios outside verl's bounds (fraction_high + _low), the steps to --target-acc,
+    rollout seconds and the final checks (and, where an arm logged them, the 4-bit codes a sync changed); then
     every comparison (Welch 95 %)."""
     runs = table["runs"]
 
@@ -264,23 +300,30 @@ def markdown(table: dict) -> str:
         return _mean(r[key] for lb, r in runs.items() if lb.split("/")[0] == config and r[key] is not None)
 
     target = table.get("target_acc")
+    codes = any(row["codes_syncs"] for row in table["configs"].values())  # a 4-bit arm logged its code changes
     lines = ["| arm | seeds | held-out first -> last (BF16 engine), per seed | 95 % interval | held-out AUC | "
-             "reward, last steps | token mean / p99 \\|Δ log p\\| | IS ratios out of bounds | "
-             f"steps to {f(target, '.2f') if target is not None else 'target'} | rollout s | final check |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "reward, last steps | token mean / p99 \\|Δ log p\\| | token KL (x bf16) | IS ratios out of bounds | "
+             f"steps to {f(target, '.2f') if target is not None else 'target'} | rollout s | final check |"
+             + (" 4-bit codes a sync changed: median % (syncs with none) |" if codes else ""),
+             "| --- " * (12 + codes) + "|"]
     for config, row in table["configs"].items():
         per_seed = [r["final_heldout_acc"] for lb, r in runs.items() if lb.split("/")[0] == config]
         clipped = seeds_mean(config, "mean_is_clipped_frac")
         name = config.replace("-notis", ", no TIS").replace("-mis", ", MIS").replace("+kv", " + FP8 KV")
         ci = row["final_heldout_acc_ci95"]
+        ratio = row.get("token_kl_vs_bf16")
+        kl = f"{f(row['token_kl_mean'], '.2g')}{f' ({ratio:.2g}x)' if ratio is not None else ''}"
+        code_cell = ("-" if not row["codes_syncs"] else
+                     f"{row['codes_changed_median_pct']:.3g} % ({row['codes_syncs_with_none']} of {row['codes_syncs']})")
         lines.append(
             f"| {name} | {row['seeds']} | {f(row['first_heldout_acc_mean'])} -> {' / '.join(f(h) for h in per_seed)} | "
             f"{f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else '-'} | {f(row['heldout_auc_mean'])} | "
             f"{f(row['final_reward_mean'])} | {f(seeds_mean(config, 'mean_abs_dlogp_token'))} / "
-            f"{f(seeds_mean(config, 'mean_abs_dlogp_p99'), '.2f')} | "
+            f"{f(seeds_mean(config, 'mean_abs_dlogp_p99'), '.2f')} | {kl} | "
             f"{'-' if not clipped else f'{100 * clipped:.2g} %'} | "
             f"{' / '.join('-' if s is None else str(s) for s in row['steps_to_heldout_target'])} | "
-            f"{f(row['rollout_s_mean'], '.2f')} | {', '.join(f'{k} ({n})' for k, n in row['engine_checks'].items())} |")
+            f"{f(row['rollout_s_mean'], '.2f')} | {', '.join(f'{k} ({n})' for k, n in row['engine_checks'].items())} |"
+            + (f" {code_cell} |" if codes else ""))
     if table["comparisons"]:
         lines += ["", "| difference (seed means, Welch 95 %) | final held-out | held-out AUC | final reward |",
                   "| --- | --- | --- | --- |"]
@@ -371,7 +414,7 @@ def main(argv=None) -> int:
                     help="the table reads steps <= UNTIL only (runs that stopped at different steps "
                          "compared at the same step); the plot shows every step")
     args = ap.parse_args(argv)
-    runs, finals = {}, {}
+    runs, finals, codes = {}, {}, {}
     try:
         specs = list(args.runs) + (run_specs(args.dir) if args.dir else [])
         if not specs:
@@ -381,11 +424,12 @@ def main(argv=None) -> int:
             if not sep or "/" not in label:
                 raise LogError(f"run {spec!r}: expected CONFIG/SEED=PATH, e.g. int8/0=logs/int8-s0.jsonl")
             runs[label], finals[label] = read_log(Path(path))
+            codes[label] = read_code_changes(Path(path))
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     upto = {lb: [r for r in steps if args.until is None or r["step"] <= args.until] for lb, steps in runs.items()}
-    table = {**summarize(upto, finals, args.last, args.target, args.target_acc), "until_step": args.until,
+    table = {**summarize(upto, finals, args.last, args.target, args.target_acc, codes), "until_step": args.until,
              "target": args.target, "target_acc": args.target_acc}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, args.out.with_suffix(".png"), args.title)

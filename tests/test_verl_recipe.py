@@ -208,6 +208,46 @@ def test_a_directory_of_arm_logs_is_read_by_name():
         assert rc.main(["--out", str(d / "x"), "--dir", str(empty)]) == 2
 
 
+def test_four_bit_arms_report_their_code_changes_and_kl_against_bf16(tmp_path):
+    """Issue 75's arms: each run's RUN.log beside its RUN.jsonl (scripts/gpu_verl_runs.sh) holds the engines'
+    FLASHRL_CODE_CHANGES lines (runtime/core/code_changes.py's wording); the table gives per arm the median % of 4-bit
+    codes a sync changed and the syncs that changed none, and the token KL as a multiple of bf16's (the published
+    "~100x without QAT" is such a ratio). Runs without the lines report none (no column when no arm has them)."""
+    from flashrl_tools.runtime.core.code_changes import CodeChanges
+
+    rc = _bench("rl_curves")
+
+    def run(name, kl, shares):
+        lines = [json.dumps({"step": s, "data": {"critic/score/mean": 0.5, "rollout_corr/kl": kl}}) for s in (1, 2)]
+        (tmp_path / f"verl-{name}.jsonl").write_text("\n".join(lines) + "\n")
+        log = ["(WorkerDict pid=1) INFO flashrl: 4-bit codes recorded (13 weights; the next sync reports the share)"]
+        for share in shares:  # the summary line of a sync that changed `share` of 1000 codes
+            cc = CodeChanges()
+            cc.changed, cc.total, cc.shares = round(share * 1000), 1000, [share]
+            log.append(f"(WorkerDict pid=1) INFO flashrl: {cc.summary()}")
+        if shares:
+            (tmp_path / f"verl-{name}.log").write_text("\n".join(log) + "\ntrain exit 0 (try 1)\n")
+    run("bf16-s0", 0.001, [])
+    run("bf16-s1", 0.003, [])
+    run("down4-s0", 0.02, [0.0, 0.004, 0.01])
+    run("down4-s1", 0.06, [0.002, 0.0])
+    out = tmp_path / "out" / "arms"
+    assert rc.main(["--out", str(out), "--dir", str(tmp_path)]) == 0
+    table = json.loads(out.with_suffix(".json").read_text())
+    assert table["runs"]["down4/0"]["codes_changed"] == {"syncs": 3, "median_pct": 0.4, "min_pct": 0.0,
+                                                         "syncs_with_none": 1}
+    down4, bf16 = table["configs"]["down4"], table["configs"]["bf16"]
+    assert down4["codes_changed_median_pct"] == pytest.approx((0.4 + 0.1) / 2)
+    assert (down4["codes_syncs_with_none"], down4["codes_syncs"]) == (2, 5) and bf16["codes_syncs"] == 0
+    assert down4["token_kl_vs_bf16"] == pytest.approx(20.0)  # 0.04 / 0.002
+    md = out.with_suffix(".md").read_text()
+    assert "4-bit codes a sync changed" in md and "| 0.25 % (2 of 5) |" in md and "(20x)" in md
+    for log in tmp_path.glob("*.log"):  # without any code-change line: no such column
+        log.unlink()
+    assert rc.main(["--out", str(out), "--dir", str(tmp_path)]) == 0
+    assert "4-bit codes" not in out.with_suffix(".md").read_text()
+
+
 def test_arms_are_separable_only_when_their_95_intervals_are_apart():
     """Issue 44's wording rule: an 8-bit arm is called different from bf16 only when the seeds' 95 % intervals
     (Student's t) of the final reward do not overlap."""

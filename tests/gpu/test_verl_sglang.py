@@ -2,7 +2,8 @@
 weight sync, hybrid mode: memory saver, weights CPU backup, dummy load) with FLASHRL_CONFIG: the original
 weights pushed, the perturbed, then a sleep / wake without a push (the CPU backup keeps the synced 8-bit
 weights), each vs a fresh plain engine on the offline quantization of the same weights (0.0, greedy tokens
-and their decode logprobs included). `+kv`: the FP8 KV cache, recalibrated by the server after each push."""
+and their decode logprobs included). `+kv`: the FP8 KV cache, recalibrated by the server after each push.
+`w4a16`: SGLang's Marlin W4A16 layers (runtime/sglang/marlin.py) through the memory saver's release and resume."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from test_sglang import FORMAT
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None or importlib.util.find_spec("verl") is None,
                                 reason="SGLang and verl are not both installed")
-CASES = ["int8", "fp8", "int8+kv"]
+CASES = ["int8", "fp8", "int8+kv", "w4a16"]
 
 
 def run_case(case: str, work) -> dict:
