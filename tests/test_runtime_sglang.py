@@ -24,7 +24,7 @@ from flashrl_tools.runtime.sglang.kv_scales import RadixAttentionScales
 from flashrl_tools.runtime.sglang.server_args import apply_plan, server_args
 from flashrl_tools.runtime.core import loader_slots as inplace
 from flashrl_tools.runtime.sglang.weight_sync import LoadedParams, LoaderWriter, loaders_back
-from sglang_standins import (QUANTIZED, CopyingMethod, KVRunner, Kinds, Manager, Model, RadixAttention, Registry,
+from sglang_standins import (QUANTIZED, ChannelMethod, CopyingMethod, KVRunner, Kinds, Manager, Model, RadixAttention, Registry,
                              ResolvedArgs, converter, generate, original_generate, prefill, served,
                              weights)
 from sglang_standins import server_args as _args
@@ -198,6 +198,32 @@ def test_sync_writes_into_the_storage_the_kernel_reads_and_equals_a_fresh_engine
         assert torch.equal(dict(model.named_parameters())[name], dict(fresh.named_parameters())[name]), name
     q = quantize_weight(QuantFn.int8, new[0][1])  # the q shard: rows 0-5 of the fused weight, transposed
     assert torch.equal(model.qkv_proj.weight[:, :6], q.weight.t())
+
+
+def test_a_reload_from_disk_does_not_process_the_synced_layers_again():
+    """SGLang's update_weights_from_disk loads (a sync through the runtime's `load_weights`), then runs every
+    layer's `process_weights_after_loading` again. Processing a W8A8 layer twice would transpose its transposed
+    view back (the kernel would read the loaded layout: a crash, or wrong logits for a square weight); the runtime
+    skips a layer it saw processed, so the engine equals a fresh one on the new weights and keeps syncing."""
+    model, loaded = served(weights(0))
+    kernel = {n: p for n, p in model.named_parameters()}
+    session = _session(model, loaded)
+    new = weights(1)
+    model.load_weights(new)  # update_weights_from_disk's load
+    for layer in (model.qkv_proj, model.o_proj):  # then its processing of every layer
+        loaded.around_processing(lambda m, lay: m.process_weights_after_loading(lay), ChannelMethod(), layer)
+    fresh, _ = served(new)
+    for name, param in model.named_parameters():
+        assert param is kernel[name], name  # the processed Parameters, not new transposes
+        assert torch.equal(param, dict(fresh.named_parameters())[name]), name
+    assert len(loaded.of(model)) == 2  # one entry a layer: its loaders as loaded at start
+    model.load_weights(weights(2))  # and the next sync still goes through the loaders into the kernel's storage
+    assert session.completed == 2
+    assert torch.equal(model.o_proj.weight, dict(served(weights(2))[0].named_parameters())["o_proj.weight"])
+    twice = ChannelMethod()  # without the runtime: the second processing hands back the loaded layout
+    plain = served(weights(0))[0]
+    twice.process_weights_after_loading(plain.o_proj)
+    assert plain.o_proj.weight.shape != kernel["o_proj.weight"].shape
 
 
 def _shapes():

@@ -48,8 +48,16 @@ def kv_scales(engine) -> dict:
 def push(engine, step: dict) -> dict:
     """The checkpoint's BF16 tensors through SGLang's `update_weights_from_tensor`, one per call
     (how verl's per-tensor path and slime push); `"bucket": true` sends them all in one call as
-    SGLang's flattened bucket."""
+    SGLang's flattened bucket; `"disk": true` has SGLang read the checkpoint itself (`update_weights_from_disk`:
+    its load, then every layer's processing again)."""
     from flashrl_tools.safetensors_io import CheckpointReader
+
+    if step.get("disk"):
+        t0 = time.perf_counter()
+        ok, message = engine.update_weights_from_disk(str(step["path"]))[:2]
+        if not ok:
+            raise RuntimeError(f"SGLang refused a weight update from disk: {message}")
+        return {"seconds": time.perf_counter() - t0}
 
     tensors = list(CheckpointReader(step["path"]).iter_tensors())
     if step.get("cuda"):  # the trainer's copy on the GPU (CUDA IPC handles, as verl's SGLang path sends)

@@ -11,7 +11,8 @@ this runtime cannot write). The writer puts the loaded Parameters back for the l
 the model's own `load_weights` (its name mapping, fused shards and TP slicing), which writes into the
 storage the kernels read, then restores the processed ones. W4A16 layers (Marlin) are the exception: their
 processing makes new tensors, so the loaded ones are kept beside them and each complete sync recomputes the
-kernel's layout from them in place (marlin.py)."""
+kernel's layout from them in place (marlin.py). A layer is processed once: SGLang's update_weights_from_disk
+processes every layer again after its load (a sync), which the runtime skips (`around_processing`)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,12 @@ class LoadedParams:
         self.marlin: list[MarlinLayer] = []  # W4A16 layers whose processing made new tensors (marlin.py)
 
     def around_processing(self, original, method, layer, *args, **kwargs):
-        if any(four.layer is layer for four in self.marlin):  # again (update_weights_from_disk): the sync that just
-            return None  # loaded it recomputed the kernel's layout (LoaderWriter.finish); SGLang's would fail on it
+        """SGLang's update_weights_from_disk processes every layer again after its load (which was a sync: the
+        runtime's `load_weights`). A layer processed before is left as that sync wrote it: an INT8 / FP8 layer's
+        processed views already show the new weights (a second transpose would hand the kernel the loaded layout),
+        a W4A16 layer's kernel layout was recomputed (LoaderWriter.finish; SGLang's would fail on it)."""
+        if any(four.layer is layer for four in self.marlin) or any(seen is layer for seen, _ in self.layers):
+            return None
         before = dict(layer._parameters)
         four = MarlinLayer(layer) if is_w4a16(layer) else None
         result = original(method, layer, *args, **kwargs)
