@@ -1,5 +1,6 @@
 """Decode attention over a paged KV cache: FA3 BF16, FA3 FP8 (what vLLM runs), vLLM's Triton kernel on FP8,
-and flashrl's FP8 decode kernel (issue 45; `_cast`: its V tile cast inside the dot's operand read, as before issue 74).
+and flashrl's FP8 decode kernel (issue 45; `_cast`: its V tile cast inside the dot's operand read, as before issue 74;
+`_fp8qk`: its opt-in transposed scores, FP8 keys straight into Hopper's warpgroup MMA with the FP8 query).
 
 RESULTS "The FP8 KV cache and the attention backend": FA3's FP8 decode reads the cache at about half the bandwidth
 of its BF16 decode. This script times one decode step's attention for one layer at RL-step batch shapes, each
@@ -81,7 +82,7 @@ def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
     shape = (batch, kv_heads)
     qs, ks, vs = (b[n].expand(shape) for n in ("q_scale", "k_scale", "v_scale"))
     outs = {n: torch.empty(batch, q_heads, D, dtype=torch.bfloat16, device="cuda") for n in
-            ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast")}
+            ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk")}
 
     def meta(dtype):
         return get_scheduler_metadata(batch, 1, max_len, q_heads, kv_heads, D, b["lens"], qkv_dtype=dtype,
@@ -117,9 +118,14 @@ def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
         fp8_decode_attn.fp8_decode_attention(b["q8"], k8, v8, outs["flashrl_fp8_cast"], b["bt"], b["lens"], b["qsl"],
                                              scale, b["k_scale"], b["v_scale"], q_scale=b["q_scale"], v_f16_first=False)
 
+    def flashrl_fp8qk():  # FLASHRL_DECODE_ATTN=fp8qk
+        fp8_decode_attn.fp8_decode_attention(b["q8"], k8, v8, outs["flashrl_fp8qk"], b["bt"], b["lens"], b["qsl"],
+                                             scale, b["k_scale"], b["v_scale"], q_scale=b["q_scale"], qk_fp8=True)
+
     return {"fa3_bf16": (fa3_bf16, outs["fa3_bf16"], 2), "fa3_fp8": (fa3_fp8, outs["fa3_fp8"], 1),
             "triton_vllm_fp8": (triton_vllm, outs["triton_vllm_fp8"], 1), "flashrl_fp8": (flashrl, outs["flashrl_fp8"], 1),
-            "flashrl_fp8_cast": (flashrl_cast, outs["flashrl_fp8_cast"], 1)}
+            "flashrl_fp8_cast": (flashrl_cast, outs["flashrl_fp8_cast"], 1),
+            "flashrl_fp8qk": (flashrl_fp8qk, outs["flashrl_fp8qk"], 1)}
 
 
 def main() -> None:
@@ -184,7 +190,7 @@ def main() -> None:
             del b, cands
             torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name()
-    names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast")
+    names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk")
     print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); contexts ~{args.ctx}, "
           f"{args.layout.upper()} layout" + (f"; groups of {args.group} share a {args.shared_prompt}-token prompt's pages"
                                              if args.shared_prompt else ""))

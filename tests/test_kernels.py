@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -246,7 +247,7 @@ def test_decode_attn_switch_is_read_and_checked_at_start():
 
     assert [Settings.read({"FLASHRL_DECODE_ATTN": v}).decode_attn for v in ("", "off", "on", "1", "auto", "XQA")] == \
         ["auto", "0", "1", "1", "auto", "xqa"]
-    for ok in ("1", "auto", "0", "xqa"):
+    for ok in ("1", "auto", "0", "xqa", "fp8qk"):
         check_settings(GPU, Settings.read({"FLASHRL_DECODE_ATTN": ok}), "env")
     for bad in ("2", "fast"):
         with pytest.raises(FlashRLError, match="FLASHRL_DECODE_ATTN"):
@@ -320,13 +321,17 @@ def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
                                               query_dtype=torch.float16)
     ref = fp8_decode_attn.reference(q, k, v, bt, lens, qsl, 128 ** -0.5, **sc)
     assert ref[0].abs().max() > 0
-    for splits, heads in ((1, None), (4, None), (4, 1)):  # heads None: two a program where they pair
+    # heads None: two a program where they pair; qk_fp8: the transposed scores (FP8 queries only; the interpreter
+    # forms the same exact products in FP16)
+    for splits, heads, qk in ((1, None, False), (4, None, False), (4, 1, False), (1, None, True), (4, 1, True)):
+        if qk and not fp8_query:
+            continue
         out = torch.full((q.shape[0] + 1, *q.shape[1:]), 7.0, dtype=torch.bfloat16)
         fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
-                                             heads=heads, **sc)
+                                             heads=heads, qk_fp8=qk, **sc)
         real = [0, 1, 2, 3]  # the tokens of sequences 0, 2, 3, 4
         err = (out[real].float() - ref[real]).abs().max()
-        assert err <= 2 ** -7 * ref[real].abs().max(), (splits, heads, float(err))  # one BF16 step (interpreter)
+        assert err <= 2 ** -7 * ref[real].abs().max(), (splits, heads, qk, float(err))  # one BF16 step (interpreter)
         assert torch.all(out[4] == 7.0)  # no sequence's token: untouched
 
 
@@ -408,7 +413,8 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
     assert out == "fa3" and len(calls) == 1
     for value, capability, mode in (("0", (9, 0), ""), ("1", (8, 0), "flashrl"), ("", (9, 0), "flashrl"),
                                     ("auto", (8, 9), ""), ("auto", (10, 0), ""), ("xqa", (9, 0), "xqa"),
-                                    ("xqa", (8, 9), "flashrl")):  # unset / auto: Hopper only; XQA's FP8 kernel too
+                                    ("xqa", (8, 9), "flashrl"), ("fp8qk", (9, 0), "fp8qk"),
+                                    ("fp8qk", (8, 9), "flashrl")):  # unset / auto: Hopper only; XQA's, fp8qk's too
         monkeypatch.setattr(core, "_state", {})
         monkeypatch.setenv("FLASHRL_DECODE_ATTN", value)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
@@ -443,28 +449,40 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
         fp8_decode_attn.fp8_decode_attention(q, k, v, plain, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, v_f16_first=False, **sc)
         assert torch.equal(out, plain)
+        if query == "fp8":  # FLASHRL_DECODE_ATTN=fp8qk: the same exact products summed by the FP8 MMA
+            qk = torch.zeros_like(out)
+            fp8_decode_attn.fp8_decode_attention(q, k, v, qk, bt, lens_t, qsl, 128 ** -0.5, splits=splits,
+                                                 heads=heads, sm_count=sms, qk_fp8=True, **sc)
+            qk_err = (qk.float() - ref).abs().amax(dim=(1, 2))
+            assert torch.all(qk_err <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (splits, heads, qk_err.max().item())
+            again = torch.zeros_like(qk)
+            fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits,
+                                                 heads=heads, sm_count=sms, qk_fp8=True, **sc)
+            assert torch.equal(qk, again)
 
 
-def _hopper_ptx(v_asm: bool, heads: int) -> str:
-    """flashrl's FP8 decode split kernel compiled for sm_90 on this host (Triton's NVIDIA backend and its bundled
-    ptxas; no GPU), with the divisibility the JIT gives a real launch."""
+def _hopper_ptx(v_asm: bool, heads: int, qk: bool = False, warps: int | None = None) -> str:
+    """flashrl's FP8 decode split kernel (`qk`: the FP8-score one) compiled for sm_90 on this host (Triton's NVIDIA
+    backend and its bundled ptxas; no GPU), with the divisibility the JIT gives a real launch; `warps` unset: the
+    wrapper's default."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from flashrl_tools.quant.kernels import fp8_decode_attn
 
-    split, _ = fp8_decode_attn._kernels()
+    split = fp8_decode_attn._qk_fp8_kernel() if qk else fp8_decode_attn._kernels()[0]
     ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32", "lens_ptr": "*i32",
             "qsl_ptr": "*i32", "out_ptr": "*bf16"}
-    const = dict(GROUP=8 // heads, GROUP_PAD=16, D=128, PAGE=16, BLOCK_N=64 if heads > 1 else 128, SPLITS=2,
-                 Q_FP8=True, Q_SCALED=True, HPP=heads, V_ASM=v_asm)
+    const = dict(GROUP=8 // heads, GROUP_PAD=16, D=128, PAGE=16, BLOCK_N=64 if heads > 1 or qk else 128, SPLITS=2,
+                 Q_SCALED=True, HPP=heads, V_ASM=v_asm, **({"WIDEN": False} if qk else {"Q_FP8": True}))
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32" if n.endswith("_ptr") else
                                                       "fp32" if n == "sm_scale" else "i32") for n in split.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(split.arg_names)
              if n.endswith("_ptr") or n.startswith("stride")}
+    warps = warps or (4 if qk or heads == 1 else 2)  # the defaults
     return triton.compile(ASTSource(split, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=2 if heads > 1 else 4, num_stages=2)).asm["ptx"]  # the defaults
+                          options=dict(num_warps=warps, num_stages=2)).asm["ptx"]
 
 
 @pytest.mark.parametrize("heads", [2, 1])
@@ -479,6 +497,20 @@ def test_fp8_decode_attention_reads_v_as_fp16_tiles_on_hopper(heads):
     assert not re.search(r"ld\.shared\.[us]?b?8\b|ld\.shared\.u8", ptx), "byte-wide shared loads left"
     sizes = set(re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]+\], \[[^]]+\], (0x\w+)", ptx))
     assert sizes == {"0x10"}, sizes
+
+
+@pytest.mark.parametrize("heads", [2, 1])
+def test_fp8_qk_kernel_feeds_fp8_keys_to_hoppers_warpgroup_mma(heads):
+    """FLASHRL_DECODE_ATTN=fp8qk (issue 74): with the scores transposed (S^T = K . Q^T) the keys are the MMA's 64-row
+    operand, so Hopper's FP8 warpgroup MMA takes them from shared memory with the FP8 query -- no conversion of K,
+    half the FP8 -> FP16 conversions of the default kernel at the same warps (V alone) -- and P.V stays an FP16 MMA.
+    Compiled for sm_90 here; the interpreter test checks its values, the GPU test its compiled output."""
+    pytest.importorskip("triton.backends.nvidia")
+    ptx = _hopper_ptx(True, heads, qk=True)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16", ptx)
+    converts = ptx.count("cvt.rn.f16x2.e4m3x2")
+    assert 0 < 2 * converts <= _hopper_ptx(True, heads, warps=4).count("cvt.rn.f16x2.e4m3x2"), converts
 
 
 @cuda
@@ -523,6 +555,33 @@ def test_xqa_decode_matches_float32_attention_within_fp8_attention_error(q_heads
     graph.replay()
     torch.cuda.synchronize()
     assert torch.allclose(out[:seqs].float(), 2 * first[:seqs].float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_fp8qk_mode_gives_fp8_queries_over_e4m3_caches_the_fp8_score_kernel(monkeypatch, caplog):
+    """FLASHRL_DECODE_ATTN=fp8qk (runtime/core/decode_attn.py): an E4M3 query over an E4M3 cache takes flashrl's
+    kernel with `qk_fp8` (logged once with its own line, which also names flashrl's kernel); a 16-bit query keeps
+    the default kernel (its own line); the default mode never asks for FP8 scores."""
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+    from flashrl_tools.runtime.core import decode_attn as core
+
+    calls = []
+    monkeypatch.setattr(fp8_decode_attn, "fp8_decode_attention", lambda *a, **k: calls.append(k["qk_fp8"]))
+    monkeypatch.setattr(core, "_sm_count", lambda index: 132)
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.float8_e4m3fn)
+    fp8 = dict(q=torch.zeros(2, 8, 128).to(torch.float8_e4m3fn), k_cache=cache, v_cache=cache,
+               out=torch.zeros(2, 8, 128, dtype=torch.bfloat16), block_table=torch.zeros(2, 4, dtype=torch.int32),
+               seq_lens=torch.full((2,), 40, dtype=torch.int32), query_start_loc=torch.arange(3, dtype=torch.int32),
+               scale=0.1, k_scale=torch.tensor([0.03]), v_scale=torch.tensor([0.02]), q_scale=torch.tensor([0.5]))
+    bf16 = {**fp8, "q": torch.zeros(2, 8, 128, dtype=torch.bfloat16), "q_scale": None}
+    with caplog.at_level(logging.INFO, logger="flashrl_tools.runtime"):
+        for mode, batch, want in (("fp8qk", fp8, True), ("fp8qk", fp8, True), ("fp8qk", bf16, False),
+                                  ("flashrl", fp8, False)):
+            monkeypatch.setattr(core, "_state", {"mode": mode, **({"qk_logged": True} if calls else {})})
+            core.attend(**batch, via="test")
+            assert calls[-1] is want, (mode, want)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(core.QK_LINE in line for line in lines) == 1 and core.kernels_in(lines[0]) == ["flashrl", "fp8qk"]
+    assert core.ran()
 
 
 def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):

@@ -7,7 +7,8 @@ fresh engine on the same weights with the same config (0.0, greedy tokens, FP8 K
 KV cache both engines decode through flashrl's FP8 attention kernel where FLASHRL_DECODE_ATTN resolves on
 (unset: Hopper), through FA3 elsewhere. `@xqa`: both engines under FLASHRL_DECODE_ATTN=xqa observing 40 sequences,
 so their decode batches go through XQA's Hopper kernel (asserted from their logs); `@xqa-graphs` the same with
-CUDA graphs (captured up to 48 sequences: the 40 padded)."""
+CUDA graphs (captured up to 48 sequences: the 40 padded). `@fp8qk(-graphs)`: both under FLASHRL_DECODE_ATTN=fp8qk
+(flashrl's kernel with the FP8 query x FP8 key products in Hopper's FP8 MMA; asserted from their logs)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 import gpu_harness as h
 
 CASES = ["int8", "fp8", "fp8_channel", "w4a16", "bf16+kv", "int8+kv", "fp8+kv", "fp8_channel+kv", "w4a16+kv",
-         "int8+kv@xqa", "int8+kv@xqa-graphs"]
+         "int8+kv@xqa", "int8+kv@xqa-graphs", "int8+kv@fp8qk", "int8+kv@fp8qk-graphs"]
 GRAPHS = {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48]}}
 # its offline checkpoint (`flashrl quantize`); w4a16: pack-quantized INT4, served by vLLM's WNA16 kernels (Machete /
 # Marlin on Hopper: the reload re-packs the synced weights into the kernel's layout)
@@ -29,9 +30,10 @@ def run_case(case: str, work) -> dict:
     case, _, option = case.partition("@")
     config, kv = case.removesuffix("+kv"), case.endswith("+kv")
     orig, pert = h.model_pair(work, "qwen2")
-    xqa = h.XQA if option else {}
+    kernel = option.removesuffix("-graphs")  # "xqa", "fp8qk" or ""
+    xqa = {"xqa": h.XQA, "fp8qk": h.FP8_QK}.get(kernel, {})
     env = {"FLASHRL_CONFIG": h.config_value(work, config), **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}), **xqa}
-    ekw = {**h.VLLM_ENGINE, **(GRAPHS if option == "xqa-graphs" else {})}
+    ekw = {**h.VLLM_ENGINE, **(GRAPHS if option.endswith("-graphs") else {})}
     seqs = {"sequences": h.WIDE} if option else {}
     # the fresh engine: the runtime too where it calibrates FP8 KV scales (it serves its checkpoint unchanged)
     fresh_env = {"FLASHRL_CONFIG": "bf16", "FLASHRL_KV_CACHE_DTYPE": "fp8", **xqa} if kv else {}
@@ -58,7 +60,7 @@ def run_case(case: str, work) -> dict:
         row["kv_scales_changed_by_sync"] = start.get("kv_scales") != pushed.get("kv_scales")
         row["flashrl_decode_attn"] = [fresh.get("flashrl_decode_attn"), synced.get("flashrl_decode_attn")]
     if option:
-        h.expect_xqa(row, [Path(r["log"]).read_text(errors="replace") for r in (fresh, synced)])
+        h.expect_xqa(row, [Path(r["log"]).read_text(errors="replace") for r in (fresh, synced)], kernel)
     return row
 
 

@@ -168,19 +168,107 @@ def _kernels():
     return fp8_decode_attn_split, fp8_decode_attn_merge  # the names a profiler shows
 
 
+@functools.lru_cache(maxsize=1)
+def _qk_fp8_kernel():
+    """The split kernel with the scores computed transposed, S^T = K . Q^T: keys as the MMA's first operand (64+
+    rows: Hopper's warpgroup MMA) take FP8 straight from shared memory with the FP8 query (no conversion of K; the
+    products are the same exact FP8 x FP8 products the FP16 path forms, summed by the tensor core), then
+    O^T = V^T . P^T in FP16 (V converted by `to_f16`). Opt-in (`qk_fp8=True`, FLASHRL_DECODE_ATTN=fp8qk) until it is
+    measured against the default on a GPU."""
+    import triton
+    import triton.language as tl
+
+    _kernels()  # defines to_f16
+
+    @triton.jit
+    def fp8_decode_attn_split_fp8qk(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr,
+                                    part_ptr, lse_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                                    stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
+                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_SCALED: tl.constexpr,
+                                    HPP: tl.constexpr, V_ASM: tl.constexpr, WIDEN: tl.constexpr):
+        kvh = tl.program_id(0) * HPP
+        seq = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(lens_ptr + seq)
+        tok = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - tok
+        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+        if (q_len > 0) & (seq_len > 0):
+            rg = tl.arange(0, GROUP_PAD)
+            rd = tl.arange(0, D)
+            rn = tl.arange(0, BLOCK_N)
+            heads = kvh * GROUP + rg
+            gmask = rg < GROUP * HPP
+            hid = rg // GROUP
+            q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + rd[None, :],
+                        mask=gmask[:, None], other=0.0)
+            if WIDEN:  # Triton's interpreter: the same exact products in FP16
+                q = q.to(tl.float16)
+            if Q_SCALED:
+                scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
+            else:
+                scale = sm_scale * tl.load(ks_ptr) * 1.4426950408889634
+            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_sum = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([D, GROUP_PAD], tl.float32)  # O^T
+            bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+            k_head = k_ptr + kvh * stride_kh
+            v_head = v_ptr + kvh * stride_vh
+            for n in range(start, end, BLOCK_N):
+                t = n + rn
+                valid = t < end
+                blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
+                slot = t % PAGE
+                rows_k = blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :]
+                rows_v = blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :]
+                s = tl.zeros([BLOCK_N, GROUP_PAD], tl.float32)  # S^T: a column per query row
+                for h in tl.static_range(HPP):
+                    k = tl.load(k_head + h * stride_kh + rows_k, mask=valid[:, None], other=0.0)
+                    if WIDEN:
+                        k = k.to(tl.float16)
+                    s = tl.where(hid[None, :] == h, tl.dot(k, tl.trans(q)), s)
+                s = tl.where(valid[:, None], s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=0))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[None, :])
+                l_sum = l_sum * alpha + tl.sum(p, axis=0)
+                acc = acc * alpha[None, :]
+                for h in tl.static_range(HPP):
+                    v = tl.load(v_head + h * stride_vh + rows_v, mask=valid[:, None], other=0.0)
+                    acc += tl.dot(tl.trans(to_f16(v, V_ASM)), tl.where(hid[None, :] == h, p, 0.0).to(tl.float16))
+                m = m_new
+            if SPLITS == 1:
+                o = acc / l_sum[None, :] * tl.load(vs_ptr)
+                tl.store(out_ptr + tok.to(tl.int64) * stride_ot + heads[None, :] * stride_oh + rd[:, None],
+                         o.to(out_ptr.dtype.element_ty), mask=gmask[None, :])
+            else:
+                row = (seq.to(tl.int64) * q_heads + heads) * SPLITS + split
+                safe = tl.where(l_sum > 0, l_sum, 1.0)
+                tl.store(part_ptr + row[None, :] * D + rd[:, None], acc / safe[None, :], mask=gmask[None, :])
+                lse = tl.where(l_sum > 0, m + tl.log2(safe), float("-inf"))
+                tl.store(lse_ptr + row, lse, mask=gmask)
+
+    return fp8_decode_attn_split_fp8qk
+
+
 def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          sm_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
                          q_scale: torch.Tensor | float | None = None, splits: int | None = None,
                          block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                          heads: int | None = None, sm_count: int | None = None,
-                         v_f16_first: bool = True) -> torch.Tensor:
+                         v_f16_first: bool = True, qk_fp8: bool = False) -> torch.Tensor:
     """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
     heads a program holds, the keys it reads per iteration and its warps (64 and 2 for two heads, 128 and 4 for one:
     the sweeps' best, RESULTS "Where the FP8 decode kernel's time goes") and
     the splits (`splits_for`, from `sm_count` or the device's) are the measured defaults. `v_f16_first`: an E4M3 V
     tile is converted to FP16 before it becomes the dot's operand (`to_f16`; the same values, 3-7 % faster on an
-    H200: RESULTS "Where the FP8 decode kernel's time goes"); False: the plain cast (Triton's interpreter always)."""
+    H200: RESULTS "Where the FP8 decode kernel's time goes"); False: the plain cast (Triton's interpreter always).
+    `qk_fp8`: an E4M3 query over E4M3 keys takes `_qk_fp8_kernel` (FP8 warpgroup MMA for the scores: 4 warps, 64 keys
+    an iteration); other operands keep the default kernel."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -192,10 +280,11 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if hpp < 1 or kv_heads % hpp or (hpp > 1 and hpp * group > 16):
         raise ValueError(f"fp8_decode_attention: {hpp} KV heads a program: {kv_heads} KV heads of {group} query heads "
                          "each do not pack into a 16-row tile")
+    qk_fp8 = qk_fp8 and q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
     if block_n is None:
-        block_n = 64 if hpp > 1 else 128
+        block_n = 64 if hpp > 1 or qk_fp8 else 128
     if num_warps is None:  # two heads a program: 2 warps (more programs an SM; 3-5 % faster from 64 sequences up)
-        num_warps = 2 if hpp > 1 else 4
+        num_warps = 4 if qk_fp8 else 2 if hpp > 1 else 4  # qk_fp8: a warpgroup (Hopper's MMA of 64 key rows)
     if splits is None:
         sm_count = sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count
         splits = splits_for(num_seqs, kv_heads // hpp, sm_count)
@@ -212,12 +301,19 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if splits > 1:
         part = torch.empty((num_seqs * q_heads * splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_seqs * q_heads * splits,), dtype=torch.float32, device=q.device)
-    split_kernel[(kv_heads // hpp, num_seqs, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, q_scale if q_scaled else k_scale, k_scale, v_scale,
-        out, part, lse, sm_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
-        q_heads, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits, Q_FP8=q_fp8,
-        Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, num_warps=num_warps, num_stages=num_stages)
+    args = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc, q_scale if q_scaled else k_scale, k_scale,
+            v_scale, out, part, lse, sm_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+            out.stride(0), out.stride(1), q_heads)
+    grid = (kv_heads // hpp, num_seqs, splits)
+    if qk_fp8:
+        _qk_fp8_kernel()[grid](*args, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
+                               Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, WIDEN=_interpreted(), num_warps=num_warps,
+                               num_stages=num_stages)
+    else:
+        split_kernel[grid](*args, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
+                           Q_FP8=q_fp8, Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, num_warps=num_warps,
+                           num_stages=num_stages)
     if splits > 1:
         merge_kernel[(num_seqs, q_heads)](part, lse, seq_lens, query_start_loc, v_scale, out, out.stride(0),
                                           out.stride(1), q_heads, D=d, SPLITS=splits, num_warps=4)

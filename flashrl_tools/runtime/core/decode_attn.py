@@ -6,7 +6,9 @@ exactly: `runtime/vllm/decode_attn.py` (FA3's `FlashAttentionImpl.forward`), `ru
 
 `xqa` (opt-in, Hopper): the same batches from `xqa_decode.MIN_SEQS` sequences up through TensorRT-LLM's XQA
 kernel (`quant/kernels/xqa_decode.py`: 20-28 % faster there, FP8 products: ~12x flashrl's error), smaller ones and
-pages XQA lacks through flashrl's kernel; the choice depends only on the batch's shape."""
+pages XQA lacks through flashrl's kernel; the choice depends only on the batch's shape. `fp8qk` (opt-in, Hopper, not
+yet measured against the default): flashrl's kernel with the scores transposed, an FP8 query's products with the FP8
+keys formed by Hopper's FP8 warpgroup MMA (`fp8_decode_attn._qk_fp8_kernel`: no conversion of K)."""
 
 from __future__ import annotations
 
@@ -21,18 +23,20 @@ from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
 log = logging.getLogger("flashrl_tools.runtime")
 LOG_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # logged once per process (the GPU tests read it)
 XQA_LINE = "FP8 KV decode attention through XQA's Hopper kernel"  # the same, for a batch XQA computed
-# "mode": the switch, resolved once per process; "logged" / "xqa_logged": a batch went through; "refused": why the
+QK_LINE = f"{LOG_LINE}, FP8 keys in the score MMA"  # the same, for fp8qk (its batches count as flashrl's too)
+# "mode": the switch, resolved once per process; "logged" / "xqa_logged" / "qk_logged": a batch went through; "refused": why the
 # model's shape is not the kernels' (`choose`)
 _state: dict = {}
 
 
 def resolve(value: str, capability: tuple[int, int]) -> str:
-    """FLASHRL_DECODE_ATTN on a device of this capability -> "flashrl", "xqa" or "" (the engine's own attention):
-    1 flashrl's kernel, 0 off, `auto` (unset) flashrl's kernel on Hopper (sm_90), where its tiles were swept and both
-    adapters passed their GPU tests; `xqa` XQA on Hopper (its FP8 kernel is sm_90's), flashrl's kernel elsewhere."""
+    """FLASHRL_DECODE_ATTN on a device of this capability -> "flashrl", "xqa", "fp8qk" or "" (the engine's own
+    attention): 1 flashrl's kernel, 0 off, `auto` (unset) flashrl's kernel on Hopper (sm_90), where its tiles were
+    swept and both adapters passed their GPU tests; `xqa` XQA on Hopper (its FP8 kernel is sm_90's), `fp8qk` the FP8
+    score MMA on Hopper (Hopper's warpgroup MMA); elsewhere both are flashrl's kernel."""
     hopper = tuple(capability) == (9, 0)
-    if value == "xqa":
-        return "xqa" if hopper else "flashrl"
+    if value in ("xqa", "fp8qk"):
+        return value if hopper else "flashrl"
     return "flashrl" if value == "1" or value == "auto" and hopper else ""
 
 
@@ -72,13 +76,13 @@ def enabled(device: torch.device) -> bool:
 
 def ran() -> bool:
     """Whether a decode batch of this process went through flashrl's kernel (the benchmarks record it per row)."""
-    return bool(_state.get("logged"))
+    return bool(_state.get("logged") or _state.get("qk_logged"))
 
 
 def kernels_in(output: str) -> list[str]:
-    """The kernels an engine's output says its FP8 KV decode batches went through: "flashrl", "xqa" (each logs its
-    line once per process); [] for the engine's own attention."""
-    return [name for name, line in (("flashrl", LOG_LINE), ("xqa", XQA_LINE)) if line in output]
+    """The kernels an engine's output says its FP8 KV decode batches went through: "flashrl", "xqa", "fp8qk" (with
+    "flashrl": the same kernel family; each logs its line once per process); [] for the engine's own attention."""
+    return [name for name, line in (("flashrl", LOG_LINE), ("xqa", XQA_LINE), ("fp8qk", QK_LINE)) if line in output]
 
 
 def ran_xqa() -> bool:
@@ -117,9 +121,10 @@ def attend(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, sca
                                         q_scale=q_scale, sm_count=sms)
         key, line = "xqa_logged", XQA_LINE
     else:
+        qk = mode() == "fp8qk" and q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
         fp8_decode_attn.fp8_decode_attention(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale,
-                                             k_scale, v_scale, q_scale=q_scale, splits=splits, sm_count=sms)
-        key, line = "logged", LOG_LINE
+                                             k_scale, v_scale, q_scale=q_scale, splits=splits, sm_count=sms, qk_fp8=qk)
+        key, line = ("qk_logged", QK_LINE) if qk else ("logged", LOG_LINE)
     if key not in _state:
         _state[key] = True
         log.info("%s (FLASHRL_DECODE_ATTN; %s)", line, via)

@@ -23,8 +23,9 @@ _SETTINGS = {
                                    "through flashrl's Triton kernel, the pool by "
                                    "16-token pages when attention_backend='fa3' is passed without a page_size; 1: "
                                    "on any GPU; 0: FA3's (SGLang's page_size); xqa: TensorRT-LLM's XQA FP8 kernel "
-                                   "(FlashInfer 0.6) from 32 sequences up on Hopper, faster, FP8 products; other "
-                                   "backends: no effect"),
+                                   "(FlashInfer 0.6) from 32 sequences up on Hopper, faster, FP8 products; fp8qk: "
+                                   "flashrl's kernel with fa3's FP8 query x FP8 key products in Hopper's FP8 MMA "
+                                   "(opt-in, not yet measured); other backends: no effect"),
     "FLASHRL_SYNC_DIGEST": Setting("each scheduler (TP rank) writes its weight digest after every complete sync"),
     "FLASHRL_STEP_LOG": Setting("PATH: the scheduler of TP rank 0 appends a line per model step -- time, kind, its "
                                 "requests, the unfinished ones (`rl_step.py --engine sglang --step-bands`)"),

@@ -23,7 +23,8 @@ _SETTINGS = {
     "FLASHRL_DECODE_ATTN": Setting("with an FP8 KV cache, decode batches' attention through flashrl's Triton kernel "
                                    "(GPU): unset / auto on Hopper (sm_90), 1 on, 0 FA3 for every batch; xqa: "
                                    "TensorRT-LLM's XQA FP8 kernel (FlashInfer 0.6) from 32 sequences up on Hopper, "
-                                   "faster, FP8 products (FA3-FP8 precision)"),
+                                   "faster, FP8 products (FA3-FP8 precision); fp8qk: flashrl's kernel with the FP8 "
+                                   "query x FP8 key products in Hopper's FP8 MMA (opt-in, not yet measured)"),
     "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
                                    "(bit-equal to vLLM's CUTLASS kernel; GPU); unset / auto: 16 on Hopper (sm_90), "
                                    "else off; 0: CUTLASS for every batch"),
