@@ -9,7 +9,8 @@ kv_heads, K|V]; `--layout hnd`: [blocks, kv_heads, page, K|V]), with random bloc
 uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV bytes the step must read / its time. Each kernel's output is
 checked against a float32 reference on the same FP8 values (`fp8_decode_attn.reference`, the first 16
 sequences). Prints a table and writes JSON; `--sweep B,..` also times flashrl's kernel at every split count and
-tile at those batch sizes. `--shared-prompt P`: each group of `--group` sequences (a GRPO group) reads the same
+tile at those batch sizes (`--sweep-grid`: the default kernel's, the FP8-score kernel's, or both).
+`--shared-prompt P`: each group of `--group` sequences (a GRPO group) reads the same
 physical pages for its first P tokens' full pages, as a prefix cache gives them (the bandwidth column still counts
 every sequence's reads): whether a group's prompt is read from DRAM once per sequence or hits L2.
 
@@ -34,6 +35,7 @@ from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 
 PAGE, D = 16, 128
 SWEEP = {"splits": [1, 2, 4, 8, 16], "block_n": [32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [2, 3]}
+SWEEP_QK = {"splits": [1, 2, 4, 8, 16], "block_n": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}  # warpgroups
 
 
 def bench(fn) -> float:
@@ -135,6 +137,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=3000, help="mean context (lengths uniform in [ctx/2, 3 ctx/2])")
     ap.add_argument("--sweep", default="", help="batch sizes (e.g. 128,16) at which flashrl's kernel is timed at every "
                     "split count and tile")
+    ap.add_argument("--sweep-grid", default="both", choices=("default", "fp8qk", "both"),
+                    help="which kernel's tiles --sweep times: the default kernel's, the FP8-score kernel's, or both")
     ap.add_argument("--layout", default="nhd", choices=("nhd", "hnd"), help="vLLM's KV cache layout (default NHD)")
     ap.add_argument("--shared-prompt", type=int, default=0,
                     help="tokens of prompt each group of --group sequences reads from the same pages (prefix cache)")
@@ -171,20 +175,21 @@ def main() -> None:
                 err = (out[:n_ref].float() - ref).abs().max().item()
                 row[name] = {"us": round(us, 2), "tb_s": round(b["kv_bytes"] * elem / us / 1e6, 2),
                              "max_abs_err": err, "ref_max": ref.abs().max().item()}
-            if str(batch) in args.sweep.split(","):
+            if str(batch) in args.sweep.split(","):  # the default kernel's tiles, then the FP8-score kernel's
                 fn = cands["flashrl_fp8"][0]
-                best = None
-                for vals in itertools.product(*SWEEP.values()):
-                    c = dict(zip(SWEEP, vals))
-                    try:
-                        us = bench(lambda c=c, fn=fn: fn(**c))
-                    except Exception:
-                        continue
-                    if best is None or us < best[1]:
-                        best = (c, us)
-                if best:
-                    row["flashrl_best"] = {**best[0], "us": round(best[1], 2),
-                                           "tb_s": round(b["kv_bytes"] / best[1] / 1e6, 2)}
+                grids = {"default": ("flashrl_best", SWEEP, {}), "fp8qk": ("flashrl_fp8qk_best", SWEEP_QK, {"qk_fp8": True})}
+                for key, grid, extra in (g for name, g in grids.items() if args.sweep_grid in (name, "both")):
+                    best = None
+                    for vals in itertools.product(*grid.values()):
+                        c = dict(zip(grid, vals))
+                        try:
+                            us = bench(lambda c=c, fn=fn, extra=extra: fn(**c, **extra))
+                        except Exception:
+                            continue
+                        if best is None or us < best[1]:
+                            best = (c, us)
+                    if best:
+                        row[key] = {**best[0], "us": round(best[1], 2), "tb_s": round(b["kv_bytes"] / best[1] / 1e6, 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             del b, cands
@@ -194,16 +199,17 @@ def main() -> None:
     print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); contexts ~{args.ctx}, "
           f"{args.layout.upper()} layout" + (f"; groups of {args.group} share a {args.shared_prompt}-token prompt's pages"
                                              if args.shared_prompt else ""))
-    print("| shape | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) |")
-    print("| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |")
+    print("| shape | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) | "
+          "fp8qk best (cfg) |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |")
     for r in rows:
         cells = [f"{r[n]['us']:.1f} ({r[n]['tb_s']})" if "us" in r.get(n, {}) else "error" for n in names]
         ratio = (f"{r['flashrl_fp8']['us'] / r['fa3_fp8']['us']:.2f}x"
                  if "us" in r.get("flashrl_fp8", {}) and "us" in r.get("fa3_fp8", {}) else "-")
-        best = r.get("flashrl_best")
-        bcell = f"{best['us']:.1f} ({best['tb_s']}; {best['splits']}/{best['block_n']}/{best['num_warps']}/" \
-                f"{best['num_stages']})" if best else "-"
-        print(f"| {r['shape']} | {r['batch']} | {r['kv_tokens']} | " + " | ".join(cells) + f" | {ratio} | {bcell} |")
+        bcells = [f"{best['us']:.1f} ({best['tb_s']}; {best['splits']}/{best['block_n']}/{best['num_warps']}/"
+                  f"{best['num_stages']})" if best else "-" for best in (r.get("flashrl_best"), r.get("flashrl_fp8qk_best"))]
+        print(f"| {r['shape']} | {r['batch']} | {r['kv_tokens']} | " + " | ".join(cells) + f" | {ratio} | "
+              + " | ".join(bcells) + " |")
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
