@@ -267,8 +267,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     the splits (`splits_for`, from `sm_count` or the device's) are the measured defaults. `v_f16_first`: an E4M3 V
     tile is converted to FP16 before it becomes the dot's operand (`to_f16`; the same values, 3-7 % faster on an
     H200: RESULTS "Where the FP8 decode kernel's time goes"); False: the plain cast (Triton's interpreter always).
-    `qk_fp8`: an E4M3 query over E4M3 keys takes `_qk_fp8_kernel` (FP8 warpgroup MMA for the scores: 4 warps, 64 keys
-    an iteration); other operands keep the default kernel."""
+    `qk_fp8`: an E4M3 query over E4M3 keys on Hopper takes `_qk_fp8_kernel` (FP8 warpgroup MMA for the scores: 4 warps,
+    64 keys an iteration); other operands and devices keep the default kernel."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -280,7 +280,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if hpp < 1 or kv_heads % hpp or (hpp > 1 and hpp * group > 16):
         raise ValueError(f"fp8_decode_attention: {hpp} KV heads a program: {kv_heads} KV heads of {group} query heads "
                          "each do not pack into a 16-row tile")
-    qk_fp8 = qk_fp8 and q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
+    qk_fp8 = (qk_fp8 and q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
+              and (not q.is_cuda or torch.cuda.get_device_capability(q.device) == (9, 0)))  # Hopper's FP8 MMA
     if block_n is None:
         block_n = 64 if hpp > 1 or qk_fp8 else 128
     if num_warps is None:  # two heads a program: 2 warps (more programs an SM; 3-5 % faster from 64 sequences up)
