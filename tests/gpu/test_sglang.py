@@ -11,7 +11,8 @@ renormalised). `@fa3`: SGLang's fa3 attention instead of triton (its decode kern
 tensors the runtime writes in place: the decode graphs are not captured again after a recalibration, so equality
 with the fresh engines checks that too; `@fa3p16` with SGLang's pool by 16-token pages; `@xqa16` the same under
 FLASHRL_DECODE_ATTN=xqa, every engine observing 40 sequences, so their decode batches (CUDA graphs up to 48) go
-through XQA's Hopper kernel: asserted from each engine's log). `+kv`: FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines
+through XQA's Hopper kernel: asserted from each engine's log; `@fp8qk16` under FLASHRL_DECODE_ATTN=fp8qk, flashrl's FP8-score
+kernel, asserted the same way). `+kv`: FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines
 run the runtime too, FLASHRL_CONFIG=bf16 on the quantized checkpoint: they calibrate once at start); the scales must
 be bit-equal to theirs, and the greedy tokens' logprobs (decode: they read the FP8 cache) are compared too.
 `moe-int8` must be refused at start (SGLang's compressed-tensors INT8 MoE is NPU-only). `w4a16`: SGLang's Marlin
@@ -29,9 +30,10 @@ import gpu_harness as h
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8",
          "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv", "dense-int8+kv@fa3", "dense-int8+kv@fa3p16",
-         "dense-int8+kv@xqa16", "dense-w4a16", "dense-w4a16+kv", "dense-w4a16_mix"]
+         "dense-int8+kv@xqa16", "dense-int8+kv@fp8qk16", "dense-w4a16", "dense-w4a16+kv", "dense-w4a16_mix"]
 OPTIONS = {"": {}, "fa3": {"attention_backend": "fa3"}, "fa3p16": {"attention_backend": "fa3", "page_size": 16},
-           "xqa16": {"attention_backend": "fa3", "page_size": 16, "cuda_graph_max_bs_decode": 48}}
+           "xqa16": {"attention_backend": "fa3", "page_size": 16, "cuda_graph_max_bs_decode": 48},
+           "fp8qk16": {"attention_backend": "fa3", "page_size": 16}}
 ARCH = {"dense": "qwen3", "moe": "qwen3_moe"}
 FORMAT = {"bf16": None, "int8": "int8", "fp8": "fp8_channel", "w4a16": "w4a16",  # what the SGLang adapter serves
           "w4a16_mix": "w4a16_mix"}  # a YAML (gpu_harness.YAMLS): the fresh engines' checkpoint has its 4-bit layers
@@ -78,8 +80,10 @@ def run_case(case: str, work) -> dict:
     config, kv = rest.removesuffix("+kv"), "fp8" if rest.endswith("+kv") else None
     orig, pert = h.model_pair(work, ARCH[arch])
     fmt = FORMAT[config]
-    xqa = option.startswith("xqa")
-    env, seqs, tag = (h.XQA, h.WIDE, f"sgl-{case}@{option}") if xqa else (None, h.SEQS, None)
+    kernel = "xqa" if option.startswith("xqa") else "fp8qk" if option.startswith("fp8qk") else ""
+    xqa = bool(kernel)  # a decode kernel asserted from the engines' logs (xqa: batches of 40)
+    env = {"xqa": h.XQA, "fp8qk": h.FP8_QK}.get(kernel)
+    seqs, tag = (h.WIDE if kernel == "xqa" else h.SEQS), (f"sgl-{case}@{option}" if xqa else None)
     steps = [observe(seqs), {"op": "push", "path": str(pert), "cuda": True}, observe(seqs),
              {"op": "push", "path": str(orig), "cuda": True, "bucket": True}, observe(seqs),
              {"op": "push", "path": str(pert), "cuda": True, "bucket": True}, observe(seqs),
@@ -94,7 +98,7 @@ def run_case(case: str, work) -> dict:
         return fresh
     start, per_tensor, restore, bucket = synced[0], synced[2], synced[4], synced[6]
     row = {} if not xqa else h.expect_xqa({}, [(work / f"{tag}-{t}.log").read_text(errors="replace")
-                                               for t in ("synced", "original", "perturbed")])
+                                               for t in ("synced", "original", "perturbed")], kernel)
     return {**row, "start_vs_fresh": h.same(start, fresh["original"]),
             "per_tensor_sync_vs_fresh": h.same(per_tensor, fresh["perturbed"]),
             "bucket_restore_vs_start": h.same(restore, start), "bucket_sync_vs_fresh": h.same(bucket, fresh["perturbed"]),
