@@ -71,6 +71,35 @@ def _kernels():
         else:
             return x.to(tl.float16)
 
+    global _bounds, _score_scale, _page_rows  # the split kernels' shared parts (module globals: as to_f16)
+
+    @triton.jit
+    def _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(the sequence's length, its query token, its query tokens, this split's first and last key + 1)."""
+        seq_len = tl.load(lens_ptr + seq)
+        tok = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - tok
+        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        return seq_len, tok, q_len, start, tl.minimum(start + per_split, seq_len)
+
+    @triton.jit
+    def _score_scale(sm_scale, qs_ptr, ks_ptr, Q_SCALED: tl.constexpr):
+        """The scores' scale in base 2 (exp2): softmax scale x query scale (a tensor's) x key scale x log2(e)."""
+        if Q_SCALED:
+            return sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
+        else:
+            return sm_scale * tl.load(ks_ptr) * 1.4426950408889634
+
+    @triton.jit
+    def _page_rows(bt_row, t, end, rd, stride_kb, stride_ks, stride_vb, stride_vs, PAGE: tl.constexpr):
+        """For keys `t`: (which are the split's, their K rows' and V rows' offsets through the block table)."""
+        valid = t < end
+        blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
+        slot = t % PAGE
+        return (valid, blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :],
+                blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :])
+
     @triton.jit
     def fp8_decode_attn_split(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr,
                               part_ptr, lse_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -81,12 +110,7 @@ def _kernels():
         kvh = tl.program_id(0) * HPP  # the program's first KV head; it holds HPP of them
         seq = tl.program_id(1)
         split = tl.program_id(2)
-        seq_len = tl.load(lens_ptr + seq)
-        tok = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - tok
-        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+        seq_len, tok, q_len, start, end = _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS, BLOCK_N)
         if (q_len > 0) & (seq_len > 0):  # an empty split still writes its (empty) partial
             rg = tl.arange(0, GROUP_PAD)
             rd = tl.arange(0, D)
@@ -98,10 +122,7 @@ def _kernels():
                         mask=gmask[:, None], other=0.0)
             if Q_FP8:
                 q = q.to(tl.float16)
-            if Q_SCALED:
-                scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
-            else:
-                scale = sm_scale * tl.load(ks_ptr) * 1.4426950408889634
+            scale = _score_scale(sm_scale, qs_ptr, ks_ptr, Q_SCALED)
             m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
             l_sum = tl.zeros([GROUP_PAD], tl.float32)
             acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -109,12 +130,8 @@ def _kernels():
             k_head = k_ptr + kvh * stride_kh
             v_head = v_ptr + kvh * stride_vh
             for n in range(start, end, BLOCK_N):
-                t = n + rn
-                valid = t < end
-                blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
-                slot = t % PAGE
-                rows_k = blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :]
-                rows_v = blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :]
+                valid, rows_k, rows_v = _page_rows(bt_row, n + rn, end, rd, stride_kb, stride_ks, stride_vb, stride_vs,
+                                                   PAGE)
                 if HPP == 1:
                     k = tl.load(k_head + rows_k, mask=valid[:, None], other=0.0)
                     v = tl.load(v_head + rows_v, mask=valid[:, None], other=0.0)
@@ -178,7 +195,7 @@ def _qk_fp8_kernel():
     import triton
     import triton.language as tl
 
-    _kernels()  # defines to_f16
+    _kernels()  # defines to_f16 and the split kernels' shared parts
 
     @triton.jit
     def fp8_decode_attn_split_fp8qk(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr,
@@ -190,12 +207,7 @@ def _qk_fp8_kernel():
         kvh = tl.program_id(0) * HPP
         seq = tl.program_id(1)
         split = tl.program_id(2)
-        seq_len = tl.load(lens_ptr + seq)
-        tok = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - tok
-        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+        seq_len, tok, q_len, start, end = _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS, BLOCK_N)
         if (q_len > 0) & (seq_len > 0):
             rg = tl.arange(0, GROUP_PAD)
             rd = tl.arange(0, D)
@@ -207,10 +219,7 @@ def _qk_fp8_kernel():
                         mask=gmask[:, None], other=0.0)
             if WIDEN:  # Triton's interpreter: the same exact products in FP16
                 q = q.to(tl.float16)
-            if Q_SCALED:
-                scale = sm_scale * tl.load(qs_ptr) * tl.load(ks_ptr) * 1.4426950408889634
-            else:
-                scale = sm_scale * tl.load(ks_ptr) * 1.4426950408889634
+            scale = _score_scale(sm_scale, qs_ptr, ks_ptr, Q_SCALED)
             m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
             l_sum = tl.zeros([GROUP_PAD], tl.float32)
             acc = tl.zeros([D, GROUP_PAD], tl.float32)  # O^T
@@ -218,12 +227,8 @@ def _qk_fp8_kernel():
             k_head = k_ptr + kvh * stride_kh
             v_head = v_ptr + kvh * stride_vh
             for n in range(start, end, BLOCK_N):
-                t = n + rn
-                valid = t < end
-                blk = tl.load(bt_row + t // PAGE, mask=valid, other=0).to(tl.int64)
-                slot = t % PAGE
-                rows_k = blk[:, None] * stride_kb + slot[:, None] * stride_ks + rd[None, :]
-                rows_v = blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :]
+                valid, rows_k, rows_v = _page_rows(bt_row, n + rn, end, rd, stride_kb, stride_ks, stride_vb, stride_vs,
+                                                   PAGE)
                 s = tl.zeros([BLOCK_N, GROUP_PAD], tl.float32)  # S^T: a column per query row
                 for h in tl.static_range(HPP):
                     k = tl.load(k_head + h * stride_kh + rows_k, mask=valid[:, None], other=0.0)
