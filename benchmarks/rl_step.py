@@ -119,7 +119,7 @@ def worker(spec: dict) -> dict:
     llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=max(spec["prompt_lens"]) + spec["max_len"] + 8,
               gpu_memory_utilization=spec["gpu_memory_utilization"], enforce_eager=not gpu, seed=0,
-              enable_prefix_caching=True, disable_log_stats=not spec.get("stats", False),
+              enable_prefix_caching=True, disable_log_stats=not spec.get("stats", False), **tp_kwargs(spec),
               **({"attention_backend": spec["attention_backend"]} if spec.get("attention_backend") else {}))
     start_s = time.perf_counter() - t0
     cache = llm.llm_engine.vllm_config.cache_config
@@ -152,8 +152,9 @@ def worker(spec: dict) -> dict:
     first = rollout(0, spec.get("first_max_len") or spec["max_len"])
     # the first sync of a process pays one-time costs (the Triton INT8 kernel's JIT): the step uses
     # the second; a third with the in-place fast path off measures what it saves (issue 16)
-    first_sync, sync = llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=2))[0]
-    layerwise = llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=1, inplace=False))[0][0]
+    first_sync, sync = slowest_rank(llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=2)))
+    layerwise = slowest_rank(llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=1,
+                                                               inplace=False)))[0]
     second = rollout(1, spec["max_len"], bands=spec.get("step_bands", False))
     memory = llm.collective_rpc(_device_memory)[0]
     return {"engine_start_s": start_s, "kv_cache_tokens": kv_tokens,
@@ -166,6 +167,18 @@ def worker(spec: dict) -> dict:
             "syncs_completed": sync["syncs_completed"], "sync_peak_extra_bytes": sync["peak_extra_bytes"],
             "step_s": second["rollout_s"] + sync["sync_s"], "output_tokens": second["output_tokens"],
             "output_tok_per_s": second["output_tok_per_s"], **memory, **vllm_settings(llm)}
+
+
+def tp_kwargs(spec: dict) -> dict:
+    """vLLM's engine kwargs for `--tp N` (issue 76): N > 1 shards the model over N GPUs, its workers as processes."""
+    tp = spec.get("tp") or 1
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+
+
+def slowest_rank(ranks: list[list[dict]]) -> list[dict]:
+    """Per sync, the timing of the rank that took longest (a sync ends when every rank has loaded its shard); one
+    rank's list as it is."""
+    return [max(syncs, key=lambda r: r["sync_s"]) for syncs in zip(*ranks)]
 
 
 def sampled_requests(spec: dict, step: int, cap: int, vocab: int) -> tuple[list[list[int]], list[int], list]:
@@ -192,7 +205,7 @@ def worker_sglang(spec: dict) -> dict:
     if spec.get("step_bands"):
         os.environ["FLASHRL_STEP_LOG"] = str(steps)  # read by the scheduler processes the engine starts
     t0 = time.perf_counter()
-    engine = sglang_engine(spec, max(spec["prompt_lens"]) + spec["max_len"] + 8)
+    engine = sglang_engine(spec, max(spec["prompt_lens"]) + spec["max_len"] + 8, tp_size=spec.get("tp") or 1)
     try:
         start_s = time.perf_counter() - t0
         info = engine.get_server_info()
@@ -315,6 +328,8 @@ def main() -> None:
                          "SGLang: triton unless set)")
     ap.add_argument("--page-size", type=int, help="SGLang's page_size: KV slots per page (default: the runtime's 16 "
                     "for an FP8 cache on fa3, else SGLang's 1)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per engine (vLLM's "
+                    "tensor_parallel_size, SGLang's tp_size); the sync's time is its slowest rank's")
     output_args(ap)
     a = ap.parse_args()
     import torch
@@ -336,8 +351,8 @@ def main() -> None:
                     "first_max_len": a.first_max_len, "fixed_len": a.fixed_len, "stats": a.stats,
                     "logprobs": not a.no_logprobs, "seeded": not a.unseeded, "engine": a.engine,
                     "attention_backend": a.attention_backend, "step_bands": a.step_bands,
-                    "page_size": a.page_size}
-            r = {"shape": shape, "config": config, **run_one(spec, config)}
+                    "page_size": a.page_size, "tp": a.tp}
+            r = {"shape": shape, "config": config, "tensor_parallel_size": a.tp, **run_one(spec, config)}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)
     add_ratios(rows)
@@ -359,7 +374,7 @@ def main() -> None:
         atomic_write_text(Path(a.json), json.dumps({
             "device": device, a.engine: version, "date": time.strftime("%Y-%m-%d"),
             "settings": {**opts, "logprobs": not a.no_logprobs, "seeded": not a.unseeded, "engine": a.engine,
-                         "step_bands": a.step_bands},
+                         "step_bands": a.step_bands, "tensor_parallel_size": a.tp},
             "gpu_memory_utilization": util, "output_lengths": {"count": len(lengths), "mean": sum(lengths) / len(lengths),
                                                                "max": max(lengths), "total": sum(lengths)},
             "rows": rows}, indent=1))

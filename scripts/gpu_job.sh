@@ -5,6 +5,7 @@
 #   GPUS=N                                     GPUs it uses (the host must have them)
 #   TESTS="name:jobs:engine:node ids" lines    scripts/gpu_tests.sh's TEST_GROUPS (`default`: its own groups)
 #   ROWS="GPU:ENGINE:SHAPE[:CONFIGS[:SHARE[:ENV]]]" lines, ROW_ARGS="..."   scripts/gpu_rows.sh's QUEUES and ARGS
+#                                              (GPU "0,1": a tensor-parallel row's GPUs, a lane of their own)
 #   RUN="shell command"                        run by bash from the repository root, gpu_env.sh sourced, JOBDIR set
 #   TESTS_GPU / RUN_GPU=N                      the GPU those parts run on (unset: every GPU, a lane of their own)
 #   ENV="A=1 B=2"                              set for the whole job (FLASHRL_DECODE_* / _FUSED_KV_STORE start unset)
@@ -70,7 +71,7 @@ for JOB in "${jobs[@]}"; do
    mkdir -p "$JOBDIR"
    log "start $JOB"
    lanes=$({ [ -n "$TESTS" ] && echo "${TESTS_GPU:-all}"; [ -n "$RUN" ] && echo "${RUN_GPU:-all}"
-             grep -o '^[0-9][0-9]*' <<< "$ROWS"; } | sort -u)
+             grep -o '^[0-9][0-9,]*' <<< "$ROWS"; } | sort -u)  # a ROWS line on "0,1": a lane of both GPUs
    for g in $lanes; do lane "$g" & done
    wait
    log "end $JOB") || log "$JOB stopped: exit $?"

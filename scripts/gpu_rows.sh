@@ -2,8 +2,9 @@
 # benchmarks/rl_step.py rows on the lent GPU host (called by scripts/gpu_job.sh for a job's ROWS), each config its
 # own process, every row `--unseeded --first-max-len 256 --step-bands`; SGLang rows with fa3 and SGLang's pinned
 # transformers first on the path. One queue per GPU, its lines in order; the GPUs' queues side by side.
-#   QUEUES: "GPU:ENGINE:SHAPE[:CONFIGS[:SHARE[:ENV]]]" per line -- CONFIGS comma-separated (default
-#     bf16,int8+kv,int8); SHARE `--gpu-memory-utilization` after ARGS; ENV assignments for the line's rows, e.g.
+#   QUEUES: "GPU:ENGINE:SHAPE[:CONFIGS[:SHARE[:ENV]]]" per line -- GPU one index or several ("0,1": ARGS' --tp 2),
+#     CONFIGS comma-separated (default bf16,int8+kv,int8); SHARE `--gpu-memory-utilization` after ARGS; ENV
+#     assignments for the line's rows, e.g.
 #     1:sglang:qwen3-8b:int8+kv:0.3:FLASHRL_DECODE_ATTN=1 -> goal/sglang_qwen3-8b_int8+kv_0.3_FLASHRL_DECODE_ATTN-1.json
 #   ARGS: the workload's flags (default `--prompts 16 --gpu-memory-utilization 0.85`; e.g. `--preset colocated --stats`)
 #   QUEUES=... ARGS=... bash scripts/gpu_rows.sh RES -> RES/goal/ENGINE_SHAPE_CONFIG[_SHARE][_ENV].{json,log}

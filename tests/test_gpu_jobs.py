@@ -22,7 +22,7 @@ NEEDS = {"vllm", "sglang", "trainers", "ray", "model", "xqa", "sq"}  # scripts/g
 
 def _job(path: Path) -> dict:
     """The job file's variables, as the runner reads them (sourced by bash)."""
-    names = ("NEEDS", "GPUS", "TESTS", "ROWS", "RUN", "ENV")
+    names = ("NEEDS", "GPUS", "TESTS", "ROWS", "ROW_ARGS", "RUN", "ENV")
     script = f"set -u; source {shlex.quote(str(path))}; " + "; ".join(
         f"printf '%s\\0' \"${{{n}:-}}\"" for n in names)
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
@@ -74,7 +74,9 @@ def test_a_job_file_names_what_exists(path):
         known = {**QWEN25, **QWEN3, **LLAMA3, **QWEN3_MOE, "default": None}
         for line in filter(None, job["ROWS"].splitlines()):
             fields = line.split(":")
-            assert fields[0].isdigit() and fields[1] in ("vllm", "sglang") and fields[2] in known, line
+            assert re.fullmatch(r"\d+(,\d+)*", fields[0]) and fields[1] in ("vllm", "sglang") and fields[2] in known, line
+            gpus = fields[0].count(",") + 1  # a row over several GPUs: rl_step.py's --tp names as many
+            assert gpus == 1 or f"--tp {gpus}" in job["ROW_ARGS"], line
     for script in re.findall(r"(?:scripts|benchmarks|examples)/[\w/.-]+\.(?:py|sh)", job["RUN"]):
         assert (REPO / script).is_file(), script
 

@@ -200,6 +200,35 @@ def test_sync_writes_into_the_storage_the_kernel_reads_and_equals_a_fresh_engine
     assert torch.equal(model.qkv_proj.weight[:, :6], q.weight.t())
 
 
+def test_every_tp_rank_reports_its_fp8_kv_scales(monkeypatch):
+    """The scales RPC at TP > 1 (issue 76): each scheduler writes its own rank's scales (rank 0 at the path, rank R
+    beside it) and `sglang_job.kv_scales` returns every rank's in rank order (one rank: its scales as before); a
+    stale rank fails the read."""
+    from types import SimpleNamespace
+
+    from flashrl_tools.verify import sglang_job
+
+    ranks = {0: {"0": {"k": 0.5, "v": 0.25}}, 1: {"0": {"k": 0.75, "v": 0.125}}}
+    stale = {0: False, 1: False}
+
+    class Engine:
+        def __init__(self, tp):
+            self.server_args = SimpleNamespace(tp_size=tp)
+
+        def collective_rpc(self, name, path):
+            assert name == "flashrl_kv_scales"
+            for rank in range(self.server_args.tp_size):  # every scheduler answers, each from its own state
+                kv = SimpleNamespace(current=ranks[rank], stale=lambda r=rank: stale[r])
+                monkeypatch.setattr(process, "kv_states", lambda kv=kv: [kv])
+                scheduler.dump_kv_scales(SimpleNamespace(tp_rank=rank), path)
+
+    assert sglang_job.kv_scales(Engine(1)) == ranks[0]
+    assert sglang_job.kv_scales(Engine(2)) == [ranks[0], ranks[1]]
+    stale[1] = True
+    with pytest.raises(RuntimeError, match="stale"):
+        sglang_job.kv_scales(Engine(2))
+
+
 def test_a_reload_from_disk_does_not_process_the_synced_layers_again():
     """SGLang's update_weights_from_disk loads (a sync through the runtime's `load_weights`), then runs every
     layer's `process_weights_after_loading` again. Processing a W8A8 layer twice would transpose its transposed

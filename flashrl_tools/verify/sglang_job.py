@@ -30,8 +30,9 @@ def observe(engine, step: dict) -> dict:
     return result
 
 
-def kv_scales(engine) -> dict:
-    """The FP8 KV scales rank 0 serves with ({layer: {k, v}}), through the runtime's scheduler RPC."""
+def kv_scales(engine) -> dict | list[dict]:
+    """The FP8 KV scales the engine serves with ({layer: {k, v}}), through the runtime's scheduler RPC; at TP > 1
+    every rank's, in rank order."""
     import json
     import tempfile
     from pathlib import Path
@@ -39,10 +40,11 @@ def kv_scales(engine) -> dict:
     with tempfile.TemporaryDirectory(prefix="flashrl-kv-") as tmp:
         path = Path(tmp) / "scales.json"
         engine.collective_rpc("flashrl_kv_scales", path=str(path))
-        report = json.loads(path.read_text())
-    if report["stale"]:
+        tp = engine.server_args.tp_size
+        reports = [json.loads((path if r == 0 else Path(f"{path}.rank{r}")).read_text()) for r in range(tp)]
+    if any(r["stale"] for r in reports):
         raise RuntimeError("the FP8 KV scales are stale after a rollout")
-    return report["scales"]
+    return reports[0]["scales"] if tp == 1 else [r["scales"] for r in reports]
 
 
 def push(engine, step: dict) -> dict:

@@ -118,6 +118,16 @@ def quantized(src: Path, fmt: str | None, work: Path) -> Path:
     return dst
 
 
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+def tp_engine(tp: int, moe: bool = False) -> dict:
+    """vLLM engine kwargs for a tensor-parallel engine (issue 76): its workers as processes (`mp`; the probes keep
+    the engine core in process), MoE experts parallel too (as verl's `expert_parallel_size` > 1 runs them)."""
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp", **({"enable_expert_parallel": True}
+                                                                                if moe else {})}
+
+
 def decode_attn_expected() -> bool:
     """Whether engines with an FP8 KV cache started here take flashrl's decode attention (FLASHRL_DECODE_ATTN: 1, or
     unset / auto on Hopper; vLLM's FA3 and SGLang's fa3 alike). Under `xqa` too: the tests' batches of fewer than
@@ -263,17 +273,19 @@ def fresh_sglang(orig: Path, pert: Path, fmt: str | None, kv: str | None, work: 
 
 
 def sglang_probe_case(probe: str, case: str, work: Path, formats: dict) -> tuple[dict, dict]:
-    """A probe driving SGLang in a process of its own (FLASHRL_CONFIG = the case, `+kv`: FP8 KV cache) on the
-    dense model, and the fresh engines to compare with: (the probe's result, fresh observations); an error
-    is returned as the first."""
+    """A probe driving SGLang in a process of its own (FLASHRL_CONFIG = the case, `+kv`: FP8 KV cache; `@tp2`: both
+    engines at TP = 2) on the dense model, and the fresh engines to compare with: (the probe's result, fresh
+    observations); an error is returned as the first."""
+    case, _, option = case.partition("@")
     config, kv = case.removesuffix("+kv"), "fp8" if case.endswith("+kv") else None
     orig, pert = model_pair(work, "qwen3")
     env = {"FLASHRL_CONFIG": config, **({"FLASHRL_KV_CACHE_DTYPE": kv} if kv else {})}
-    got = run_probe(probe, work, f"{probe}-{case}", env,
-                    {"original": str(orig), "perturbed": str(pert), "engine_kwargs": SGLANG_ENGINE})
+    extra = {"tp_size": 2} if option == "tp2" else {}
+    got = run_probe(probe, work, f"{probe}-{case}{'-' + option if option else ''}", env,
+                    {"original": str(orig), "perturbed": str(pert), "engine_kwargs": {**SGLANG_ENGINE, **extra}})
     if "error" in got:
         return got, {}
-    fresh = fresh_sglang(orig, pert, formats[config], kv, work)
+    fresh = fresh_sglang(orig, pert, formats[config], kv, work, extra)
     return (fresh, {}) if "error" in fresh else (got, fresh)
 
 

@@ -10,7 +10,8 @@ compiled (torch.compile + FULL_AND_PIECEWISE CUDA graphs) with `enable_sleep_mod
     update_weights_from_ipc + BucketedWeightSender (CUDA IPC from a trainer process, fp32 tensors).
 The verdict: synced vs fresh (no sleep, verl's order, verl's code), restore vs start (TRL's order), level 1
 vs before, FP8 KV scales bit-equal, the refusal, verl's own FP8 path not taken, and no parameter, buffer
-or kernel-held tensor differing from the fresh engine's after the last sync.
+or kernel-held tensor differing from the fresh engine's after the last sync (`@tp2`: on every rank; the FP8 KV
+scales of every rank).
 Case `sq-int8` (with FLASHRL_GPU_SQ=DIR: a `flashrl profile` of the SmoothQuant W8A8 checkpoint,
 DIR/p.safetensors, and its config.json; scripts/gpu_stage_sq.sh): a calibrated config on SmolLM2. A profile
 reproduces its checkpoint only to its exact fraction, so the engine, started on the calibrated checkpoint,
@@ -66,11 +67,12 @@ def entries_differing(a: Path, b: Path) -> int:
 
 def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_mb: int = 4) -> dict:
     stem = case.replace("@", "-")  # the probes' file names; `@xqa`: both engines under FLASHRL_DECODE_ATTN=xqa
-    arch, rest = case.partition("@")[0].split("-", 1)  # observing 40 sequences (XQA asserted)
-    option = case.partition("@")[2]
+    arch, rest = case.partition("@")[0].split("-", 1)  # observing 40 sequences (XQA asserted); `@tp2`: both
+    option = case.partition("@")[2]  # engines tensor-parallel over two GPUs (MoE: experts parallel too)
+    xqa, tp = option == "xqa", 2 if option == "tp2" else 1
     config, kv = rest.removesuffix("+kv"), rest.endswith("+kv")
     env = {"FLASHRL_CONFIG": h.config_value(work, config), **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}),
-           **(h.XQA if option else {})}
+           **(h.XQA if xqa else {})}
     restore_model = None
     if arch == "sq":  # the calibrated config: its YAML; the fresh reference is a plain engine on the profile's output
         orig, pert, yaml, fresh_model, restore_model = make_sq(work, sq)
@@ -79,12 +81,12 @@ def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_m
     else:
         orig, pert = h.model_pair(work, ARCH[arch])
         fresh_env, fresh_model = env, pert
-    ekw = dict(h.VLLM_ENGINE)
+    ekw = {**h.VLLM_ENGINE, **(h.tp_engine(tp, moe=arch == "moe") if tp > 1 else {})}
 
     def probe(tag, env, req):
         return h.run_probe("lifecycle_probe", work, f"life-{stem}-{tag}",
                            {**env, "VLLM_CACHE_ROOT": str(work / "vc" / f"{stem}-{tag}")},
-                           {"engine_kwargs": ekw, "sleep": True, **({"sequences": h.WIDE} if option else {}), **req})
+                           {"engine_kwargs": ekw, "sleep": True, **({"sequences": h.WIDE} if xqa else {}), **req})
 
     fresh = probe("fresh", fresh_env, {"model": str(fresh_model), "fresh": True})
     life = probe("life", env, {"model": str(orig), "original": str(orig), "perturbed": str(pert), "verl": verl,
@@ -96,8 +98,12 @@ def run_case(case: str, work: Path, verl: bool, sq: Path | None = None, bucket_m
     row = verdict(fresh, life, verl, restore)
     if kv:  # the decode kernel reads the cache the sleeps kept and the syncs rescaled
         h.expect_decode_attn(row, [fresh.get("flashrl_decode_attn"), life.get("flashrl_decode_attn")])
-    if option:
+    if xqa:
         h.expect_xqa(row, [Path(r["log"]).read_text(errors="replace") for r in (fresh, life)])
+    if tp > 1:  # both engines sharded, every rank in the digests
+        row["tensor_parallel_size"] = [fresh.get("tensor_parallel_size"), life.get("tensor_parallel_size")]
+        if row["tensor_parallel_size"] != [tp, tp]:
+            row.setdefault("failures", []).append(f"engines at TP {row['tensor_parallel_size']}, {tp} asked")
     if restore_model:
         row["checkpoint_entries_not_reproduced"] = entries_differing(work / "sq-orig-int8", restore_model)
     return row

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reas
 CASES = ["dense-bf16", "dense-int8", "dense-fp8", "moe-bf16", "moe-fp8", "moe-int8",
          "dense-bf16+kv", "dense-int8+kv", "dense-fp8+kv", "moe-fp8+kv", "dense-int8+kv@fa3", "dense-int8+kv@fa3p16",
          "dense-int8+kv@xqa16", "dense-int8+kv@fp8qk16", "dense-w4a16", "dense-w4a16+kv", "dense-w4a16_mix"]
-OPTIONS = {"": {}, "fa3": {"attention_backend": "fa3"}, "fa3p16": {"attention_backend": "fa3", "page_size": 16},
+TP2 = ["dense-int8+kv@tp2", "dense-fp8@tp2", "moe-fp8@tp2"]  # issue 76: TP = 2 (two GPUs), every rank's scales
+OPTIONS = {"": {}, "tp2": {"tp_size": 2}, "fa3": {"attention_backend": "fa3"},
+           "fa3p16": {"attention_backend": "fa3", "page_size": 16},
            "xqa16": {"attention_backend": "fa3", "page_size": 16, "cuda_graph_max_bs_decode": 48},
            "fp8qk16": {"attention_backend": "fa3", "page_size": 16}}
 ARCH = {"dense": "qwen3", "moe": "qwen3_moe"}
@@ -110,8 +112,8 @@ def run_case(case: str, work) -> dict:
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    return h.module_rows(request, CASES, run_case, gpu_work, min(gpu_jobs, 3), "sglang",
-                       engines=f"CUDA graphs, triton attention, {h.SGLANG_ENGINE}")
+    return h.module_rows(request, CASES + (TP2 if h.TWO_GPUS else []), run_case, gpu_work, min(gpu_jobs, 3), "sglang",
+                         engines=f"CUDA graphs, triton attention, {h.SGLANG_ENGINE}")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -128,3 +130,14 @@ def test_sglang_sync_equals_a_fresh_engine(rows, case):
         assert row["kv_scales_changed_by_sync"]
     else:
         assert hand["tempered_vs_prefill_max"] < 0.05, hand
+
+
+@pytest.mark.skipif(not h.TWO_GPUS, reason="TP = 2 needs two GPUs")
+@pytest.mark.parametrize("case", TP2)
+def test_sglang_sync_equals_a_fresh_engine_at_tp2(rows, case):
+    """Per tensor, buckets and from disk at TP = 2: both ranks load their shards; every rank's FP8 KV scales = the
+    fresh TP = 2 engine's (sglang_job.kv_scales reads each rank's)."""
+    row = rows[case]
+    h.assert_exact(row)
+    if row["kv"]:
+        assert row["kv_scales_changed_by_sync"]

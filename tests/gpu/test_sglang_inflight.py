@@ -18,7 +18,7 @@ continue comes while kept requests are in flight; their entries rescaled). Repor
 ones vs the fresh engine, the kept requests' stale-KV effect (in place), the first token after the continue. FP8 KV
 in place also: the kept tokens no further from a recompute than in_place-int8's stale-KV effect plus the FP8
 cache's own effect (a fresh FP8-KV engine decoding on from each pause point, its tokens recomputed by a fresh
-engine with a BF16 KV cache: `fp8_floor`)."""
+engine with a BF16 KV cache: `fp8_floor`). `@tp2` (issue 76; two GPUs): both engines at TP = 2."""
 
 from __future__ import annotations
 
@@ -39,17 +39,20 @@ CASES = ["in_place-bf16", "in_place-int8", "in_place-int8+kv", "in_place-moe-fp8
          "retract-int8+kv", "retract-moe-fp8", "abort-int8", "abort-int8+kv", "in_place-int8+kv@fa3",
          "in_place-int8+kv@dist", "in_place-int8+kv@fa3attn", "in_place-int8+kv@fa3attn16",
          "in_place-int8+kv@xqa16", "in_place-w4a16+kv", "retract-w4a16"]  # w4a16: SGLang's Marlin layers (issue 75)
+# issue 76 (two GPUs): both engines at TP = 2 -- no drain in place, kept entries rescaled on both ranks, every rank's
+# scales = the fresh TP = 2 engine's
+TP2 = ["in_place-int8+kv@tp2", "retract-int8+kv@tp2", "abort-int8+kv@tp2"]
 PROBE = h.PROBES / "sglang_inflight_probe.py"
 TOKENS = 96
 
 
 def _probe(args: list[str], env: dict, tag: str, work, *options: str, backend: str = "", page: int = 0,
-           wide: bool = False) -> dict | str:
+           wide: bool = False, tp: int = 1) -> dict | str:
     out = work / f"sgl-inflight-{tag}.json"  # `wide`: 40 requests of 74 + 96 tokens (graphs and pool to fit)
     engine = {"cuda_graph_max_bs_decode": 16, **({"cuda_graph_max_bs_decode": 48, "max_total_tokens": 16384}
                                                  if wide else {}),
               **({"attention_backend": backend} if backend else {}),
-              **({"page_size": page} if page else {})}
+              **({"page_size": page} if page else {}), **({"tp_size": tp} if tp > 1 else {})}
     res = subprocess.run([sys.executable, str(PROBE), *args, str(out), *options, "--engine-args", json.dumps(engine)],
                          capture_output=True, text=True, env=env, timeout=900)
     if res.returncode != 0 or not out.is_file():
@@ -68,7 +71,7 @@ def run_case(case: str, work) -> dict:
     xqa = option == "xqa16"
     backend, how = ("fa3" if option.startswith("fa3") or xqa else ""), ("distributed" if option == "dist" else "tensor")
     page = 16 if option in ("fa3attn16", "xqa16") else 0
-    sizes = {"wide": xqa, "backend": backend, "page": page}
+    sizes = {"wide": xqa, "backend": backend, "page": page, "tp": 2 if option == "tp2" else 1}
     mode, rest = case.split("-", 1)
     moe = rest.startswith("moe-")
     config = rest.removeprefix("moe-").removesuffix("+kv")
@@ -212,13 +215,22 @@ def verdict(mode: str, got: dict, fresh: dict) -> dict:
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
     sys.path.insert(0, str(h.PROBES))
-    return h.module_rows(request, CASES, run_case, gpu_work, min(gpu_jobs, 4), "sglang_inflight",
+    return h.module_rows(request, CASES + (TP2 if h.TWO_GPUS else []), run_case, gpu_work, min(gpu_jobs, 4),
+                         "sglang_inflight",
                          engines="CUDA graphs, triton attention (fa3 in the @fa3 cases), radix cache on")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_sglang_inflight_update(rows, case):
     h.assert_exact(rows[case])
+
+
+@pytest.mark.skipif(not h.TWO_GPUS, reason="TP = 2 needs two GPUs")
+@pytest.mark.parametrize("case", TP2)
+def test_sglang_inflight_update_at_tp2(rows, case):
+    row = rows[case]
+    h.assert_exact(row)
+    assert "FP8 KV scales = fresh engine's" in row["checks"]  # every rank's (sglang_job.kv_scales)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("in_place-int8+kv")])

@@ -24,7 +24,9 @@ Stages (each observed: greedy tokens, teacher-forced logprobs, FP8 KV scales if 
   verl                   (with "verl") verl's own code, fp32 trainer tensors  -> perturbed
                          (else verl_replica again)
 RESULT: {"stages": {name: observation}, "refused": message or null, "digest": {tensor: sha1}}
-(`digest`: every parameter and buffer, and every tensor kernel objects hold, after the last stage.)
+(`digest`: every parameter and buffer, and every tensor kernel objects hold, after the last stage; at TP > 1 every
+rank's, named `rankR:tensor`, and the FP8 KV scales of every rank.) Engine kwargs `tensor_parallel_size` 2 with
+`distributed_executor_backend` "mp": verl's own code runs a trainer per rank, each on its rank's GPU and socket.
 """
 
 import json
@@ -41,7 +43,8 @@ TRAINER = """
 import asyncio, os, sys, torch
 from transformers import AutoModelForCausalLM
 from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
-path, handle, mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
+path, handle, mb, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.cuda.set_device(device)  # the trainer rank beside its rollout rank (verl colocates them GPU by GPU)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()  # verl pushes fp32 masters
 sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=mb, use_shm=False)
 asyncio.run(sender.async_send_weights(iter(model.state_dict().items())))
@@ -116,15 +119,16 @@ def push_checkpoint(path):
     return push
 
 
-def verl_handle():
-    return f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
+def verl_handle(rank: int = 0):
+    return f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-{rank}.sock"
 
 
-def verl_sync(llm, path, bucket_mb, log_path):
-    """verl 0.9.1 vLLMAsyncRollout.update_weights: the worker's update_weights_from_ipc (RPC) while a
-    trainer process streams with BucketedWeightSender over CUDA IPC. A trainer that fails leaves the
-    receiver waiting for buckets forever: its log and every thread's stack are written to
-    `log_path` and the probe stops with an error."""
+def verl_sync(llm, path, bucket_mb, log_path, tp: int = 1):
+    """verl 0.9.1 vLLMAsyncRollout.update_weights: the workers' update_weights_from_ipc (RPC) while a
+    trainer process per rank (its GPU, its rank's socket: verl's `_get_zmq_handle`) streams the whole model with
+    BucketedWeightSender over CUDA IPC; each rank loads its shard. A trainer that fails leaves the receiver waiting
+    for buckets forever: the trainers' log and every thread's stack are written to `log_path` and the probe stops
+    with an error."""
     import faulthandler
 
     result = {}
@@ -138,19 +142,21 @@ def verl_sync(llm, path, bucket_mb, log_path):
     t = threading.Thread(target=rpc, daemon=True)
     t.start()
     with open(log_path, "w") as log:
-        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, path, verl_handle(), str(bucket_mb)],
-                                   stdout=log, stderr=subprocess.STDOUT)
+        trainers = [subprocess.Popen([sys.executable, "-c", TRAINER, path, verl_handle(r), str(bucket_mb), str(r)],
+                                     stdout=log, stderr=subprocess.STDOUT) for r in range(tp)]
         deadline = None
         while t.is_alive():
             t.join(1.0)
-            if trainer.poll() is not None and deadline is None:
-                deadline = time.monotonic() + 60  # the receiver has a minute to finish after the trainer
+            if all(tr.poll() is not None for tr in trainers) and deadline is None:
+                deadline = time.monotonic() + 60  # the receivers have a minute to finish after the trainers
             if deadline is not None and t.is_alive() and time.monotonic() > deadline:
-                log.write(f"\ntrainer exit code {trainer.returncode}; receiver still waiting. Threads:\n")
+                codes = [tr.returncode for tr in trainers]
+                log.write(f"\ntrainer exit codes {codes}; receiver still waiting. Threads:\n")
                 log.flush()
                 faulthandler.dump_traceback(file=log, all_threads=True)
-                raise RuntimeError(f"verl's receiver did not finish (trainer exit {trainer.returncode}); see {log_path}")
-        trainer.wait(60)
+                raise RuntimeError(f"verl's receiver did not finish (trainer exits {codes}); see {log_path}")
+        for tr in trainers:
+            tr.wait(60)
     if "error" in result:
         raise result["error"]
 
@@ -178,6 +184,13 @@ def main():
     llm = LLM(model=req["model"], **kwargs)
     prompts = [{"prompt_token_ids": s} for s in req["sequences"]]
     fp8_kv = str(llm.llm_engine.vllm_config.cache_config.cache_dtype).startswith("fp8")
+    tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+
+    def per_rank(values: list, digests: bool = False):
+        """One rank's value as it is; at TP > 1 every rank's (a list; digests: one dict keyed `rankR:tensor`)."""
+        if len(values) == 1:
+            return values[0]
+        return {f"rank{r}:{name}": h for r, d in enumerate(values) for name, h in d.items()} if digests else values
 
     def observe():
         p = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), prompt_logprobs=0)
@@ -185,8 +198,8 @@ def main():
         obs = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]
                             for s, o in zip(req["sequences"], outs)]}
-        if fp8_kv:
-            obs["kv_scales"] = llm.collective_rpc("flashrl_kv_scales")[0]
+        if fp8_kv:  # every rank's (TP > 1: the scales must be bit-equal on each)
+            obs["kv_scales"] = per_rank(llm.collective_rpc("flashrl_kv_scales"))
         return obs
 
     stages, refused, timing = {}, None, {}
@@ -234,7 +247,7 @@ def main():
             llm.sleep(level=2)
             llm.wake_up(tags=["weights"])
             t0 = time.perf_counter()
-            verl_sync(llm, pert, req.get("bucket_mb", 4), sys.argv[2] + ".trainer.log")
+            verl_sync(llm, pert, req.get("bucket_mb", 4), sys.argv[2] + ".trainer.log", tp)
             timing["verl_s"] = time.perf_counter() - t0
             llm.reset_prefix_cache()
             llm.wake_up(tags=["kv_cache"])
@@ -245,7 +258,8 @@ def main():
             stages["verl"] = observe()
     if not req.get("fresh") and not req.get("sleep", True):
         llm.collective_rpc(push_checkpoint(req["perturbed"]))  # the digest compares the perturbed state
-    result = {"stages": stages, "refused": refused, "timing": timing, "digest": llm.collective_rpc(digest)[0],
+    result = {"stages": stages, "refused": refused, "timing": timing, "digest": per_rank(llm.collective_rpc(digest), True),
+              "tensor_parallel_size": tp,
               # a plain vLLM engine (the calibrated case's fresh reference) has no runtime to ask
               "inplace_layers": llm.collective_rpc("flashrl_inplace_layers")[0] if os.environ.get("FLASHRL_CONFIG") else {}}
     with open(sys.argv[2], "w") as f:

@@ -1,5 +1,5 @@
 """SGLang's `update_weights_from_distributed` with FLASHRL_CONFIG (from the environment): this process is
-the trainer (rank 0 of a 2-rank group), the engine's scheduler rank 1. NCCL refuses two ranks on one GPU,
+the trainer (rank 0 of a group of 1 + tp_size), the engine's schedulers ranks 1.. . NCCL refuses two ranks on one GPU,
 so the group is gloo (SGLang's `init_weights_update_group(backend=...)`: the broadcast goes through the
 host; the receive path and what follows are the same). Steps: observe at start, the perturbed weights per
 tensor (one call naming every tensor), the originals back as one flattened bucket, the perturbed as a
@@ -84,10 +84,10 @@ def main():
                            disable_radix_cache=True, log_level="error", **req.get("engine_kwargs", {}))
     step = {"op": "observe", "sequences": req["sequences"], "max_tokens": req["max_tokens"]}
     try:
-        port = _free_port()
+        port, world = _free_port(), 1 + engine.server_args.tp_size  # TP > 1: every rank receives the broadcast
         join = beside(lambda: init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                                         world_size=2, rank=0, group_name=GROUP))
-        ok, message = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")[:2]
+                                                         world_size=world, rank=0, group_name=GROUP))
+        ok, message = engine.init_weights_update_group("127.0.0.1", port, 1, world, GROUP, backend="gloo")[:2]
         group = join()
         if not ok:
             raise RuntimeError(f"init_weights_update_group: {message}")

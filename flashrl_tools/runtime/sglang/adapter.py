@@ -57,7 +57,7 @@ HOOKS: tuple[Hook, ...] = declare("sglang", (
     Hook("release_weights", f"{_UPDATER}.release_memory_occupation", scheduler.release_weights, HookKind.AFTER, "scheduler",
          "SGLang's sleep freed the weights (no CPU backup): refuse until a full sync"),
     Hook("rpc_kv_scales", "sglang.srt.managers.scheduler.Scheduler.flashrl_kv_scales", scheduler.dump_kv_scales,
-         HookKind.ADD, "scheduler", "`Engine.collective_rpc(\"flashrl_kv_scales\", path=...)`: rank 0's FP8 KV "
+         HookKind.ADD, "scheduler", "`Engine.collective_rpc(\"flashrl_kv_scales\", path=...)`: each rank's FP8 KV "
          "scales as JSON", optional=True),
     Hook("prefix_salt", "sglang.srt.managers.schedule_batch.Req.init_next_round_input", pause.salt,
          HookKind.BEFORE, "scheduler", "radix-cache namespace by weights' version: nothing prefilled after an "

@@ -204,9 +204,12 @@ def progress(result, scheduler, batch=None, *args, **kwargs):
 
 
 def dump_kv_scales(scheduler, path: str) -> None:
-    """`Engine.collective_rpc("flashrl_kv_scales", path=...)`: rank 0's current FP8 KV scales as JSON."""
+    """`Engine.collective_rpc("flashrl_kv_scales", path=...)`: each rank's current FP8 KV scales as JSON, rank 0's
+    at `path`, rank R's at `path.rankR` (TP > 1: each rank calibrates the heads it holds)."""
     from flashrl_tools.fsutil import atomic_write_text
 
-    if getattr(scheduler, "tp_rank", 0) == 0 and process.kv_states():
+    rank = getattr(scheduler, "tp_rank", 0)
+    if process.kv_states():
         kv = process.kv_states()[0]
-        atomic_write_text(path, json.dumps({"scales": kv.current, "stale": kv.stale()}))
+        atomic_write_text(path if rank == 0 else f"{path}.rank{rank}",
+                          json.dumps({"scales": kv.current, "stale": kv.stale()}))
