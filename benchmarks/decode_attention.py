@@ -9,7 +9,7 @@ kv_heads, K|V]; `--layout hnd`: [blocks, kv_heads, page, K|V]), with random bloc
 uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV bytes the step must read / its time. Each kernel's output is
 checked against a float32 reference on the same FP8 values (`fp8_decode_attn.reference`, the first 16
 sequences). Prints a table and writes JSON; `--sweep B,..` also times flashrl's kernel at every split count and
-tile at those batch sizes (`--sweep-grid`: the default kernel's, the FP8-score kernel's, or both).
+tile at those batch sizes and the first `--ctx` (`--sweep-grid`: the default kernel's, the FP8-score kernel's, or both).
 `--shared-prompt P`: each group of `--group` sequences (a GRPO group) reads the same
 physical pages for its first P tokens' full pages, as a prefix cache gives them (the bandwidth column still counts
 every sequence's reads): whether a group's prompt is read from DRAM once per sequence or hits L2.
@@ -134,7 +134,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3-8b,7b,14b")
     ap.add_argument("--batches", default="256,128,64,16,4")
-    ap.add_argument("--ctx", type=int, default=3000, help="mean context (lengths uniform in [ctx/2, 3 ctx/2])")
+    ap.add_argument("--ctx", default="3000", help="mean contexts, comma-separated (lengths uniform in [ctx/2, 3 ctx/2]; "
+                    "e.g. 2000,4000,8000: the goal table's)")
     ap.add_argument("--sweep", default="", help="batch sizes (e.g. 128,16) at which flashrl's kernel is timed at every "
                     "split count and tile")
     ap.add_argument("--sweep-grid", default="both", choices=("default", "fp8qk", "both"),
@@ -152,15 +153,16 @@ def main() -> None:
     for shape in args.shapes.split(","):
         cfg = {**QWEN25, **QWEN3}[shape]
         q_heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        for batch in (int(x) for x in args.batches.split(",")):
-            b = make_batch(q_heads, kv_heads, batch, args.ctx, gen, args.layout, args.shared_prompt, args.group)
+        for ctx, batch in itertools.product((int(x) for x in args.ctx.split(",")),
+                                            [int(x) for x in args.batches.split(",")]):
+            b = make_batch(q_heads, kv_heads, batch, ctx, gen, args.layout, args.shared_prompt, args.group)
             cands = candidates(b, q_heads, kv_heads)
             n_ref = min(batch, 16)
             ref = fp8_decode_attn.reference(b["q8"][:n_ref], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n_ref],
                                             b["lens"][:n_ref], b["qsl"][:n_ref + 1], D ** -0.5, b["k_scale"],
                                             b["v_scale"], q_scale=b["q_scale"])
             row = {"layout": args.layout, "shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "batch": batch,
-                   "ctx": args.ctx, "shared_prompt": args.shared_prompt, "group": args.group,
+                   "ctx": ctx, "shared_prompt": args.shared_prompt, "group": args.group,
                    "kv_tokens": int(b["lens"].sum()),
                    "default_splits": fp8_decode_attn.splits_for(batch, kv_heads,
                                                                 torch.cuda.get_device_properties(0).multi_processor_count)}
@@ -175,7 +177,8 @@ def main() -> None:
                 err = (out[:n_ref].float() - ref).abs().max().item()
                 row[name] = {"us": round(us, 2), "tb_s": round(b["kv_bytes"] * elem / us / 1e6, 2),
                              "max_abs_err": err, "ref_max": ref.abs().max().item()}
-            if str(batch) in args.sweep.split(","):  # the default kernel's tiles, then the FP8-score kernel's
+            if str(batch) in args.sweep.split(",") and str(ctx) == args.ctx.split(",")[0]:  # at the first context:
+                # the default kernel's tiles, then the FP8-score kernel's
                 fn = cands["flashrl_fp8"][0]
                 grids = {"default": ("flashrl_best", SWEEP, {}), "fp8qk": ("flashrl_fp8qk_best", SWEEP_QK, {"qk_fp8": True})}
                 for key, grid, extra in (g for name, g in grids.items() if args.sweep_grid in (name, "both")):
@@ -196,19 +199,19 @@ def main() -> None:
             torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name()
     names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk")
-    print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); contexts ~{args.ctx}, "
+    print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); mean contexts {args.ctx}, "
           f"{args.layout.upper()} layout" + (f"; groups of {args.group} share a {args.shared_prompt}-token prompt's pages"
                                              if args.shared_prompt else ""))
-    print("| shape | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) | "
+    print("| shape | context | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) | "
           "fp8qk best (cfg) |")
-    print("| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |")
     for r in rows:
         cells = [f"{r[n]['us']:.1f} ({r[n]['tb_s']})" if "us" in r.get(n, {}) else "error" for n in names]
         ratio = (f"{r['flashrl_fp8']['us'] / r['fa3_fp8']['us']:.2f}x"
                  if "us" in r.get("flashrl_fp8", {}) and "us" in r.get("fa3_fp8", {}) else "-")
         bcells = [f"{best['us']:.1f} ({best['tb_s']}; {best['splits']}/{best['block_n']}/{best['num_warps']}/"
                   f"{best['num_stages']})" if best else "-" for best in (r.get("flashrl_best"), r.get("flashrl_fp8qk_best"))]
-        print(f"| {r['shape']} | {r['batch']} | {r['kv_tokens']} | " + " | ".join(cells) + f" | {ratio} | "
+        print(f"| {r['shape']} | {r['ctx']} | {r['batch']} | {r['kv_tokens']} | " + " | ".join(cells) + f" | {ratio} | "
               + " | ".join(bcells) + " |")
     if args.json:
         tmp = args.json + ".tmp"
