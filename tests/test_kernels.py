@@ -469,9 +469,9 @@ def _hopper_ptx(v_asm: bool, heads: int, qk: bool = False, warps: int | None = N
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flashrl_tools.quant.kernels import fp8_decode_attn
+    from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_qk
 
-    split = fp8_decode_attn._qk_fp8_kernel() if qk else fp8_decode_attn._kernels()[0]
+    split = fp8_decode_attn_qk.kernel(fp8_decode_attn) if qk else fp8_decode_attn._kernels()[0]
     ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32", "lens_ptr": "*i32",
             "qsl_ptr": "*i32", "out_ptr": "*bf16"}
     const = dict(GROUP=8 // heads, GROUP_PAD=16, D=128, PAGE=16, BLOCK_N=64 if heads > 1 or qk else 128, SPLITS=2,

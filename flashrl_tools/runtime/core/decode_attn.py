@@ -8,7 +8,7 @@ exactly: `runtime/vllm/decode_attn.py` (FA3's `FlashAttentionImpl.forward`), `ru
 kernel (`quant/kernels/xqa_decode.py`: 20-28 % faster there, FP8 products: ~12x flashrl's error), smaller ones and
 pages XQA lacks through flashrl's kernel; the choice depends only on the batch's shape. `fp8qk` (opt-in, Hopper, not
 yet measured against the default): flashrl's kernel with the scores transposed, an FP8 query's products with the FP8
-keys formed by Hopper's FP8 warpgroup MMA (`fp8_decode_attn._qk_fp8_kernel`: no conversion of K)."""
+keys formed by Hopper's FP8 warpgroup MMA (`fp8_decode_attn_qk.py`: no conversion of K)."""
 
 from __future__ import annotations
 
