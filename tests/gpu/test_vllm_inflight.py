@@ -15,6 +15,7 @@ rescale assumes is where vLLM's own cache write puts K and V, per GPU attention 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,12 +35,13 @@ IPC = ["keep-int8-ipc=wire", "abort-int8+kv-ipc=wire-packed", "keep-fp8-ipc=bf16
 # `-nccl=HOW` (two GPUs): the same through vLLM's NCCL engine, the probe the trainer on GPU 1
 NCCL = ["keep-int8-nccl=wire-packed", "abort-int8+kv-nccl=wire", "keep-moe-fp8-nccl=bf16"]
 TWO_GPUS = torch.cuda.device_count() >= 2
+RAY = importlib.util.find_spec("ray") is not None  # vLLM 0.26's IPC weight-transfer engine imports ray at start
 # `sq-int8` (FLASHRL_GPU_SQ: scripts/gpu_stage_sq.sh): the calibrated YAML (SmoothQuant checkpoint + profile on
 # SmolLM2, tests/gpu/lifecycle.py make_sq); compared with the same engine synced with nothing in flight
 SQ = Path(os.environ["FLASHRL_GPU_SQ"]) if os.environ.get("FLASHRL_GPU_SQ") else None
 CALIBRATED = ["keep-sq-int8", "abort-sq-int8"]
 CASES = KEEP + ["keepclear-int8", "keepclear-int8+kv", "abort-bf16", "abort-int8", "abort-fp8", "abort-int8+kv",
-                "abort-moe-fp8", "wait-int8", "wait-int8+kv"] + IPC
+                "abort-moe-fp8", "wait-int8", "wait-int8+kv"]
 
 
 def run_case(case: str, work) -> dict:
@@ -93,8 +95,8 @@ NO_DRAIN = ["keep-int8+kv", "keep-int8+kv-compiled"]  # each compared with its c
 
 @pytest.fixture(scope="module")
 def rows(request, gpu_work, gpu_jobs) -> dict:
-    return h.module_rows(request, CASES + (NCCL if TWO_GPUS else []) + (CALIBRATED if SQ else []), run_case,
-                         gpu_work, gpu_jobs, "vllm_inflight",
+    cases = CASES + (IPC if RAY else []) + (NCCL if TWO_GPUS else []) + (CALIBRATED if SQ else [])
+    return h.module_rows(request, cases, run_case, gpu_work, gpu_jobs, "vllm_inflight",
                          needs=lambda c: c.replace("+kv", "") if c in NO_DRAIN else None)
 
 
@@ -106,6 +108,12 @@ def test_inflight_update(rows, case):
 @pytest.mark.skipif(SQ is None, reason="FLASHRL_GPU_SQ is not set (the staged SmoothQuant profile: scripts/gpu_stage_sq.sh)")
 @pytest.mark.parametrize("case", CALIBRATED)
 def test_calibrated_yaml_inflight_update(rows, case):
+    h.assert_exact(rows[case])
+
+
+@pytest.mark.skipif(not RAY, reason="vLLM's CUDA-IPC weight-transfer engine imports ray: stage it (scripts/GPU.md)")
+@pytest.mark.parametrize("case", IPC)
+def test_inflight_update_over_ipc(rows, case):
     h.assert_exact(rows[case])
 
 
