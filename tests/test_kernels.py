@@ -491,7 +491,7 @@ def test_fp8_decode_attention_reads_v_as_fp16_tiles_on_hopper(heads):
     """Issue 74: the FP8 V tile is converted to FP16 in the layout it was loaded in, then reaches the P.V dot through
     a transposing ldmatrix -- no byte-wide shared-memory reads (8-bit data has no transposing ldmatrix; Triton's
     plain cast reads V a byte at a time: 3-7 % of the kernel on an H200) -- and the cache arrives by 16-byte async
-    copies. Compiled for sm_90 here; the GPU test above checks the same bits as the plain cast."""
+    copies. Compiled for sm_90 here; the GPU test above checks it against float32, as the plain cast."""
     pytest.importorskip("triton.backends.nvidia")
     ptx = _hopper_ptx(True, heads)
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
