@@ -228,16 +228,23 @@ def failures(row: dict, changed_min: float = 0.01) -> list[str]:
 
 def run_cases(fn, cases: list, jobs: int, results: str, **meta) -> dict:
     """fn(case) for every case, `jobs` side by side on the GPU: {case: row}; an exception is the row. The
-    results JSON `results` is rewritten as each case finishes (a run cut short keeps what finished)."""
+    results JSON `results` is rewritten as each case finishes (a run cut short keeps what finished); each row
+    records its wall seconds (`case_wall_s`: what a lease must budget for it, its neighbours running beside it)."""
     rows = {}
+
+    def timed(case):
+        t0 = time.monotonic()
+        try:
+            row = fn(case)
+        except Exception as e:  # noqa: BLE001 -- the case fails with its reason
+            row = {"error": f"{type(e).__name__}: {e}"}
+        return {**row, "case_wall_s": round(time.monotonic() - t0, 1)}
+
     with ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(fn, c): c for c in cases}
+        futures = {pool.submit(timed, c): c for c in cases}
         for future in as_completed(futures):
             case = futures[future]
-            try:
-                rows[case] = future.result()
-            except Exception as e:  # noqa: BLE001 -- the case fails with its reason
-                rows[case] = {"error": f"{type(e).__name__}: {e}"}
+            rows[case] = future.result()
             rows[case]["passed"] = "error" not in rows[case] and not failures(rows[case]) \
                 and not rows[case].get("failures")
             write_results(results, {**meta, "cases": {c: rows[c] for c in cases if c in rows}})
