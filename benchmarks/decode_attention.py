@@ -1,6 +1,7 @@
 """Decode attention over a paged KV cache: FA3 BF16, FA3 FP8 (what vLLM runs), vLLM's Triton kernel on FP8,
 and flashrl's FP8 decode kernel (issue 45; `_cast`: its V tile cast inside the dot's operand read, as before issue 74;
-`_fp8qk`: its opt-in transposed scores, FP8 keys straight into Hopper's warpgroup MMA with the FP8 query).
+`_fp8qk`: its opt-in transposed scores, FP8 keys straight into Hopper's warpgroup MMA with the FP8 query; `_lpt`: the
+default kernel taking the sequences longest first, the argsort timed with it).
 
 RESULTS "The FP8 KV cache and the attention backend": FA3's FP8 decode reads the cache at about half the bandwidth
 of its BF16 decode. This script times one decode step's attention for one layer at RL-step batch shapes, each
@@ -84,7 +85,8 @@ def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
     shape = (batch, kv_heads)
     qs, ks, vs = (b[n].expand(shape) for n in ("q_scale", "k_scale", "v_scale"))
     outs = {n: torch.empty(batch, q_heads, D, dtype=torch.bfloat16, device="cuda") for n in
-            ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk")}
+            ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk",
+             "flashrl_fp8_lpt")}
 
     def meta(dtype):
         return get_scheduler_metadata(batch, 1, max_len, q_heads, kv_heads, D, b["lens"], qkv_dtype=dtype,
@@ -124,10 +126,15 @@ def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
         fp8_decode_attn.fp8_decode_attention(b["q8"], k8, v8, outs["flashrl_fp8qk"], b["bt"], b["lens"], b["qsl"],
                                              scale, b["k_scale"], b["v_scale"], q_scale=b["q_scale"], qk_fp8=True)
 
+    def flashrl_lpt():  # the sequences taken longest first (the argsort timed with the kernel)
+        fp8_decode_attn.fp8_decode_attention(b["q8"], k8, v8, outs["flashrl_fp8_lpt"], b["bt"], b["lens"], b["qsl"],
+                                             scale, b["k_scale"], b["v_scale"], q_scale=b["q_scale"], longest_first=True)
+
     return {"fa3_bf16": (fa3_bf16, outs["fa3_bf16"], 2), "fa3_fp8": (fa3_fp8, outs["fa3_fp8"], 1),
             "triton_vllm_fp8": (triton_vllm, outs["triton_vllm_fp8"], 1), "flashrl_fp8": (flashrl, outs["flashrl_fp8"], 1),
             "flashrl_fp8_cast": (flashrl_cast, outs["flashrl_fp8_cast"], 1),
-            "flashrl_fp8qk": (flashrl_fp8qk, outs["flashrl_fp8qk"], 1)}
+            "flashrl_fp8qk": (flashrl_fp8qk, outs["flashrl_fp8qk"], 1),
+            "flashrl_fp8_lpt": (flashrl_lpt, outs["flashrl_fp8_lpt"], 1)}
 
 
 def main() -> None:
@@ -198,7 +205,7 @@ def main() -> None:
             del b, cands
             torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name()
-    names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk")
+    names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk", "flashrl_fp8_lpt")
     print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); mean contexts {args.ctx}, "
           f"{args.layout.upper()} layout" + (f"; groups of {args.group} share a {args.shared_prompt}-token prompt's pages"
                                              if args.shared_prompt else ""))

@@ -51,7 +51,8 @@ def runtime_log(output: str) -> dict:
     FLASHRL_SYNC_TIMING line of each completed sync -- [{pid, sync, tensors, convert_s, write_s}], where a sync's
     time went: our conversion, then the engine's loading ("write") --; "flashrl_decode_attn_ran", whether a decode
     batch went through flashrl's FP8 attention kernel (FLASHRL_DECODE_ATTN), "xqa_decode_attn_ran", one through XQA's
-    (FLASHRL_DECODE_ATTN=xqa), "fp8qk_decode_attn_ran", one through its FP8 score MMA (=fp8qk),
+    (FLASHRL_DECODE_ATTN=xqa), "fp8qk_decode_attn_ran", one through its FP8 score MMA (=fp8qk), "lpt_decode_attn_ran"
+    one with the sequences longest first (=lpt),
     "flashrl_decode_gemm_ran", whether an INT8 linear went through flashrl's few-rows GEMM
     (FLASHRL_DECODE_GEMM; each: its once-per-process line)."""
     from flashrl_tools.runtime.core import decode_attn, decode_gemm
@@ -60,7 +61,7 @@ def runtime_log(output: str) -> dict:
     return {"sync_log": [{"pid": int(pid), "sync": int(n), "tensors": int(t), "convert_s": float(c), "write_s": float(w)}
                          for pid, n, t, c, w in _SYNC_LINE.findall(output)],
             "flashrl_decode_attn_ran": "flashrl" in kernels, "xqa_decode_attn_ran": "xqa" in kernels,
-            "fp8qk_decode_attn_ran": "fp8qk" in kernels,
+            "fp8qk_decode_attn_ran": "fp8qk" in kernels, "lpt_decode_attn_ran": "lpt" in kernels,
             "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output}
 
 

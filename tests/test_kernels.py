@@ -333,6 +333,10 @@ def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
         err = (out[real].float() - ref[real]).abs().max()
         assert err <= 2 ** -7 * ref[real].abs().max(), (splits, heads, qk, float(err))  # one BF16 step (interpreter)
         assert torch.all(out[4] == 7.0)  # no sequence's token: untouched
+        lpt = torch.full_like(out, 7.0)  # the sequences taken longest first: each one's output the same bits
+        fp8_decode_attn.fp8_decode_attention(q, k, v, lpt, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
+                                             heads=heads, qk_fp8=qk, longest_first=True, **sc)
+        assert torch.equal(lpt, out), (splits, heads, qk)
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,fp8_query", [(8, 2, True), (7, 1, True), (4, 2, False)])
@@ -414,7 +418,8 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
     for value, capability, mode in (("0", (9, 0), ""), ("1", (8, 0), "flashrl"), ("", (9, 0), "flashrl"),
                                     ("auto", (8, 9), ""), ("auto", (10, 0), ""), ("xqa", (9, 0), "xqa"),
                                     ("xqa", (8, 9), "flashrl"), ("fp8qk", (9, 0), "fp8qk"),
-                                    ("fp8qk", (8, 9), "flashrl")):  # unset / auto: Hopper only; XQA's, fp8qk's too
+                                    ("fp8qk", (8, 9), "flashrl"), ("lpt", (8, 9), "lpt")):
+        # unset / auto: Hopper only; XQA's, fp8qk's too; lpt: any device (as 1)
         monkeypatch.setattr(core, "_state", {})
         monkeypatch.setenv("FLASHRL_DECODE_ATTN", value)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
@@ -445,6 +450,10 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
         fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, **sc)
         assert torch.equal(out, again)
+        lpt = torch.zeros_like(out)  # the sequences taken longest first: the same bits
+        fp8_decode_attn.fp8_decode_attention(q, k, v, lpt, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
+                                             sm_count=sms, longest_first=True, **sc)
+        assert torch.equal(out, lpt)
         plain = torch.zeros_like(out)  # V cast inside the dot's operand read: within the same bound
         fp8_decode_attn.fp8_decode_attention(q, k, v, plain, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, v_f16_first=False, **sc)
@@ -474,9 +483,9 @@ def _hopper_ptx(v_asm: bool, heads: int, qk: bool = False, warps: int | None = N
 
     split = fp8_decode_attn_qk.kernel(fp8_decode_attn) if qk else fp8_decode_attn._kernels()[0]
     ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32", "lens_ptr": "*i32",
-            "qsl_ptr": "*i32", "out_ptr": "*bf16"}
+            "qsl_ptr": "*i32", "out_ptr": "*bf16", "order_ptr": "*i32"}
     const = dict(GROUP=8 // heads, GROUP_PAD=16, D=128, PAGE=16, BLOCK_N=64 if heads > 1 or qk else 128, SPLITS=2,
-                 Q_SCALED=True, HPP=heads, V_ASM=v_asm, **({"WIDEN": False} if qk else {"Q_FP8": True}))
+                 Q_SCALED=True, HPP=heads, V_ASM=v_asm, ORDERED=False, **({"WIDEN": False} if qk else {"Q_FP8": True}))
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32" if n.endswith("_ptr") else
                                                       "fp32" if n == "sm_scale" else "i32") for n in split.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(split.arg_names)
@@ -583,6 +592,29 @@ def test_fp8qk_mode_gives_fp8_queries_over_e4m3_caches_the_fp8_score_kernel(monk
     lines = [r.getMessage() for r in caplog.records]
     assert sum(core.QK_LINE in line for line in lines) == 1 and core.kernels_in(lines[0]) == ["flashrl", "fp8qk"]
     assert core.ran()
+
+
+def test_lpt_mode_takes_the_sequences_longest_first(monkeypatch, caplog):
+    """FLASHRL_DECODE_ATTN=lpt (runtime/core/decode_attn.py): every batch asks flashrl's kernel for `longest_first`
+    (logged once with its own line, which also names flashrl's kernel); the default mode never does."""
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+    from flashrl_tools.runtime.core import decode_attn as core
+
+    calls = []
+    monkeypatch.setattr(fp8_decode_attn, "fp8_decode_attention", lambda *a, **k: calls.append(k["longest_first"]))
+    monkeypatch.setattr(core, "_sm_count", lambda index: 132)
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.float8_e4m3fn)
+    batch = dict(q=torch.zeros(2, 8, 128, dtype=torch.bfloat16), k_cache=cache, v_cache=cache,
+                 out=torch.zeros(2, 8, 128, dtype=torch.bfloat16), block_table=torch.zeros(2, 4, dtype=torch.int32),
+                 seq_lens=torch.tensor([9, 40], dtype=torch.int32), query_start_loc=torch.arange(3, dtype=torch.int32),
+                 scale=0.1, k_scale=torch.tensor([0.03]), v_scale=torch.tensor([0.02]))
+    with caplog.at_level(logging.INFO, logger="flashrl_tools.runtime"):
+        for mode, want in (("lpt", True), ("lpt", True), ("flashrl", False)):
+            monkeypatch.setattr(core, "_state", {"mode": mode, **({"logged": True} if calls else {})})
+            core.attend(**batch, via="test")
+            assert calls[-1] is want, (mode, want)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(core.LPT_LINE in line for line in lines) == 1 and core.kernels_in(lines[0]) == ["flashrl", "lpt"]
 
 
 def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):

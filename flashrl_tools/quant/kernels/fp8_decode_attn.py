@@ -72,7 +72,16 @@ def _kernels():
         else:
             return x.to(tl.float16)
 
-    global _bounds, _score_scale, _page_rows  # the split kernels' shared parts (module globals: as to_f16)
+    global _bounds, _score_scale, _page_rows, _program_seq  # the split kernels' shared parts (module globals: as to_f16)
+
+    @triton.jit
+    def _program_seq(order_ptr, ORDERED: tl.constexpr):
+        """The sequence a program takes: its grid row, or (ORDERED) that row's entry of `order` (longest first, so
+        the long sequences start in the first wave and the short ones fill the last; each sequence's math unchanged)."""
+        if ORDERED:
+            return tl.load(order_ptr + tl.program_id(1))
+        else:
+            return tl.program_id(1)
 
     @triton.jit
     def _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -103,13 +112,13 @@ def _kernels():
 
     @triton.jit
     def fp8_decode_attn_split(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr,
-                              part_ptr, lse_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                              stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
+                              part_ptr, lse_ptr, order_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks,
+                              stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
                               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                               BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_FP8: tl.constexpr,
-                              Q_SCALED: tl.constexpr, HPP: tl.constexpr, V_ASM: tl.constexpr):
+                              Q_SCALED: tl.constexpr, HPP: tl.constexpr, V_ASM: tl.constexpr, ORDERED: tl.constexpr):
         kvh = tl.program_id(0) * HPP  # the program's first KV head; it holds HPP of them
-        seq = tl.program_id(1)
+        seq = _program_seq(order_ptr, ORDERED)
         split = tl.program_id(2)
         seq_len, tok, q_len, start, end = _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS, BLOCK_N)
         if (q_len > 0) & (seq_len > 0):  # an empty split still writes its (empty) partial
@@ -192,7 +201,7 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          q_scale: torch.Tensor | float | None = None, splits: int | None = None,
                          block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                          heads: int | None = None, sm_count: int | None = None,
-                         v_f16_first: bool = True, qk_fp8: bool = False) -> torch.Tensor:
+                         v_f16_first: bool = True, qk_fp8: bool = False, longest_first: bool = False) -> torch.Tensor:
     """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
     heads a program holds, the keys it reads per iteration and its warps (64 and 2 for two heads, 128 and 4 for one:
     the sweeps' best, RESULTS "Where the FP8 decode kernel's time goes") and
@@ -200,7 +209,10 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     tile is converted to FP16 before it becomes the dot's operand (`to_f16`; the same values, 3-7 % faster on an
     H200: RESULTS "Where the FP8 decode kernel's time goes"); False: the plain cast (Triton's interpreter always).
     `qk_fp8`: an E4M3 query over E4M3 keys on Hopper takes `fp8_decode_attn_qk.kernel` (FP8 warpgroup MMA for the scores: 4 warps,
-    64 keys an iteration); other operands and devices keep the default kernel."""
+    64 keys an iteration); other operands and devices keep the default kernel. `longest_first`: the programs take
+    the sequences longest first (`torch.argsort` of `seq_lens` on the device, then the same kernel reading its
+    sequence through that order: the same bits), so the last wave of programs holds the short ones; opt-in until
+    `benchmarks/decode_attention.py`'s `flashrl_fp8_lpt` column shows it faster."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -234,8 +246,9 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if splits > 1:
         part = torch.empty((num_seqs * q_heads * splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_seqs * q_heads * splits,), dtype=torch.float32, device=q.device)
+    order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32) if longest_first else seq_lens
     args = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc, q_scale if q_scaled else k_scale, k_scale,
-            v_scale, out, part, lse, sm_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_scale, out, part, lse, order, sm_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1), q_heads)
     grid = (kv_heads // hpp, num_seqs, splits)
@@ -244,12 +257,12 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
         qk_kernel = fp8_decode_attn_qk.kernel(sys.modules[__name__])  # this module's jit helpers
         qk_kernel[grid](*args, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
-                        Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, WIDEN=_interpreted(), num_warps=num_warps,
-                        num_stages=num_stages)
+                        Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, ORDERED=longest_first, WIDEN=_interpreted(),
+                        num_warps=num_warps, num_stages=num_stages)
     else:
         split_kernel[grid](*args, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
-                           Q_FP8=q_fp8, Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, num_warps=num_warps,
-                           num_stages=num_stages)
+                           Q_FP8=q_fp8, Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, ORDERED=longest_first,
+                           num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         merge_kernel[(num_seqs, q_heads)](part, lse, seq_lens, query_start_loc, v_scale, out, out.stride(0),
                                           out.stride(1), q_heads, D=d, SPLITS=splits, num_warps=4)

@@ -19,19 +19,21 @@ def kernel(helpers):
     import triton
     import triton.language as tl
 
-    global to_f16, _bounds, _score_scale, _page_rows  # module globals: Triton resolves a kernel's callees there
+    global to_f16, _bounds, _score_scale, _page_rows, _program_seq  # module globals: Triton resolves callees there
     helpers._kernels()  # defines them
     to_f16, _bounds, _score_scale, _page_rows = helpers.to_f16, helpers._bounds, helpers._score_scale, helpers._page_rows
+    _program_seq = helpers._program_seq
 
     @triton.jit
     def fp8_decode_attn_split_fp8qk(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr,
-                                    part_ptr, lse_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                                    stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
-                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_SCALED: tl.constexpr,
-                                    HPP: tl.constexpr, V_ASM: tl.constexpr, WIDEN: tl.constexpr):
+                                    part_ptr, lse_ptr, order_ptr, sm_scale, stride_qt, stride_qh, stride_kb,
+                                    stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_ot,
+                                    stride_oh, q_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                                    Q_SCALED: tl.constexpr, HPP: tl.constexpr, V_ASM: tl.constexpr,
+                                    ORDERED: tl.constexpr, WIDEN: tl.constexpr):
         kvh = tl.program_id(0) * HPP
-        seq = tl.program_id(1)
+        seq = _program_seq(order_ptr, ORDERED)
         split = tl.program_id(2)
         seq_len, tok, q_len, start, end = _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS, BLOCK_N)
         if (q_len > 0) & (seq_len > 0):

@@ -8,7 +8,8 @@ exactly: `runtime/vllm/decode_attn.py` (FA3's `FlashAttentionImpl.forward`), `ru
 kernel (`quant/kernels/xqa_decode.py`: 20-28 % faster there, FP8 products: ~12x flashrl's error), smaller ones and
 pages XQA lacks through flashrl's kernel; the choice depends only on the batch's shape. `fp8qk` (opt-in, Hopper, not
 yet measured against the default): flashrl's kernel with the scores transposed, an FP8 query's products with the FP8
-keys formed by Hopper's FP8 warpgroup MMA (`fp8_decode_attn_qk.py`: no conversion of K)."""
+keys formed by Hopper's FP8 warpgroup MMA (`fp8_decode_attn_qk.py`: no conversion of K). `lpt` (opt-in, not yet
+measured in the step): flashrl's kernel taking a batch's sequences longest first (`longest_first`: the same bits)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,21 @@ log = logging.getLogger("flashrl_tools.runtime")
 LOG_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # logged once per process (the GPU tests read it)
 XQA_LINE = "FP8 KV decode attention through XQA's Hopper kernel"  # the same, for a batch XQA computed
 QK_LINE = f"{LOG_LINE}, FP8 keys in the score MMA"  # the same, for fp8qk (its batches count as flashrl's too)
+LPT_LINE = f"{LOG_LINE}, sequences longest first"  # the same, for lpt
 # "mode": the switch, resolved once per process; "logged" / "xqa_logged" / "qk_logged": a batch went through; "refused": why the
 # model's shape is not the kernels' (`choose`)
 _state: dict = {}
 
 
 def resolve(value: str, capability: tuple[int, int]) -> str:
-    """FLASHRL_DECODE_ATTN on a device of this capability -> "flashrl", "xqa", "fp8qk" or "" (the engine's own
-    attention): 1 flashrl's kernel, 0 off, `auto` (unset) flashrl's kernel on Hopper (sm_90), where its tiles were
+    """FLASHRL_DECODE_ATTN on a device of this capability -> "flashrl", "xqa", "fp8qk", "lpt" or "" (the engine's
+    own attention): 1 flashrl's kernel, 0 off, `auto` (unset) flashrl's kernel on Hopper (sm_90), where its tiles were
     swept and both adapters passed their GPU tests; `xqa` XQA on Hopper (its FP8 kernel is sm_90's), `fp8qk` the FP8
-    score MMA on Hopper (Hopper's warpgroup MMA); elsewhere both are flashrl's kernel."""
+    score MMA on Hopper (Hopper's warpgroup MMA); elsewhere both are flashrl's kernel; `lpt` flashrl's kernel taking
+    the sequences longest first, on any device (as 1)."""
     hopper = tuple(capability) == (9, 0)
+    if value == "lpt":
+        return value
     if value in ("xqa", "fp8qk"):
         return value if hopper else "flashrl"
     return "flashrl" if value == "1" or value == "auto" and hopper else ""
@@ -82,7 +87,8 @@ def ran() -> bool:
 def kernels_in(output: str) -> list[str]:
     """The kernels an engine's output says its FP8 KV decode batches went through: "flashrl", "xqa", "fp8qk" (with
     "flashrl": the same kernel family; each logs its line once per process); [] for the engine's own attention."""
-    return [name for name, line in (("flashrl", LOG_LINE), ("xqa", XQA_LINE), ("fp8qk", QK_LINE)) if line in output]
+    return [name for name, line in (("flashrl", LOG_LINE), ("xqa", XQA_LINE), ("fp8qk", QK_LINE), ("lpt", LPT_LINE))
+            if line in output]
 
 
 def ran_xqa() -> bool:
@@ -96,7 +102,7 @@ def _sm_count(index: int) -> int:
 
 
 def mode() -> str:
-    """The resolved switch ("flashrl", "xqa" or ""; "" before the first CUDA batch resolved it)."""
+    """The resolved switch ("flashrl", "xqa", "fp8qk", "lpt" or ""; "" before the first CUDA batch resolved it)."""
     return _state.get("mode", "")
 
 
@@ -122,9 +128,11 @@ def attend(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, sca
         key, line = "xqa_logged", XQA_LINE
     else:
         qk = mode() == "fp8qk" and q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
+        lpt = mode() == "lpt"
         fp8_decode_attn.fp8_decode_attention(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale,
-                                             k_scale, v_scale, q_scale=q_scale, splits=splits, sm_count=sms, qk_fp8=qk)
-        key, line = ("qk_logged", QK_LINE) if qk else ("logged", LOG_LINE)
+                                             k_scale, v_scale, q_scale=q_scale, splits=splits, sm_count=sms, qk_fp8=qk,
+                                             longest_first=lpt)
+        key, line = ("qk_logged", QK_LINE) if qk else ("logged", LPT_LINE if lpt else LOG_LINE)
     if key not in _state:
         _state[key] = True
         log.info("%s (FLASHRL_DECODE_ATTN; %s)", line, via)
