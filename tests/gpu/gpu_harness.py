@@ -32,6 +32,7 @@ SEQS = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 
 WIDE = [[(7 * i + 3 * j) % 380 + 2 for j in range(6 + i % 9)] for i in range(40)]
 XQA = {"FLASHRL_DECODE_ATTN": "xqa"}
 FP8_QK = {"FLASHRL_DECODE_ATTN": "fp8qk"}  # flashrl's kernel with FP8 score products (opt-in; any batch size)
+LPT = {"FLASHRL_DECODE_ATTN": "lpt"}  # flashrl's kernel taking the sequences longest first (opt-in)
 COMMON = dict(vocab_size=384, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
               max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="bfloat16")
 ARCHS = {  # HF config class, its extra fields
@@ -141,7 +142,8 @@ def decode_attn_expected() -> bool:
 def expect_xqa(row: dict, logs: list[str], kernel: str = "xqa") -> dict:
     """An `xqa` case's engines (`logs`: each one's output): recorded, and a failure where one of them did not
     decode through XQA (FLASHRL_DECODE_ATTN=xqa on a Hopper GPU, a batch of 32+ sequences); the row. `kernel="fp8qk"`:
-    the same for flashrl's FP8 score MMA (FLASHRL_DECODE_ATTN=fp8qk, FP8_QK)."""
+    the same for flashrl's FP8 score MMA (FLASHRL_DECODE_ATTN=fp8qk, FP8_QK); `kernel="lpt"` for its longest-first
+    order (LPT)."""
     row[f"{kernel}_decode_attn"] = seen = [kernel in kernels_in(text) for text in logs]
     if not all(seen):
         row.setdefault("failures", []).append(f"{kernel}'s decode attention {seen}, expected in every engine "

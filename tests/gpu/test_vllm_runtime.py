@@ -8,7 +8,8 @@ KV cache both engines decode through flashrl's FP8 attention kernel where FLASHR
 (unset: Hopper), through FA3 elsewhere. `@xqa`: both engines under FLASHRL_DECODE_ATTN=xqa observing 40 sequences,
 so their decode batches go through XQA's Hopper kernel (asserted from their logs); `@xqa-graphs` the same with
 CUDA graphs (captured up to 48 sequences: the 40 padded). `@fp8qk(-graphs)`: both under FLASHRL_DECODE_ATTN=fp8qk
-(flashrl's kernel with the FP8 query x FP8 key products in Hopper's FP8 MMA; asserted from their logs)."""
+(flashrl's kernel with the FP8 query x FP8 key products in Hopper's FP8 MMA; asserted from their logs);
+`@lpt-graphs`: under FLASHRL_DECODE_ATTN=lpt (the sequences longest first, the argsort inside the CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import gpu_harness as h
 
 CASES = ["int8", "fp8", "fp8_channel", "w4a16", "bf16+kv", "int8+kv", "fp8+kv", "fp8_channel+kv", "w4a16+kv",
-         "int8+kv@xqa", "int8+kv@xqa-graphs", "int8+kv@fp8qk", "int8+kv@fp8qk-graphs"]
+         "int8+kv@xqa", "int8+kv@xqa-graphs", "int8+kv@fp8qk", "int8+kv@fp8qk-graphs", "int8+kv@lpt-graphs"]
 GRAPHS = {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48]}}
 # its offline checkpoint (`flashrl quantize`); w4a16: pack-quantized INT4, served by vLLM's WNA16 kernels (Machete /
 # Marlin on Hopper: the reload re-packs the synced weights into the kernel's layout)
@@ -30,8 +31,8 @@ def run_case(case: str, work) -> dict:
     case, _, option = case.partition("@")
     config, kv = case.removesuffix("+kv"), case.endswith("+kv")
     orig, pert = h.model_pair(work, "qwen2")
-    kernel = option.removesuffix("-graphs")  # "xqa", "fp8qk" or ""
-    xqa = {"xqa": h.XQA, "fp8qk": h.FP8_QK}.get(kernel, {})
+    kernel = option.removesuffix("-graphs")  # "xqa", "fp8qk", "lpt" or ""
+    xqa = {"xqa": h.XQA, "fp8qk": h.FP8_QK, "lpt": h.LPT}.get(kernel, {})
     env = {"FLASHRL_CONFIG": h.config_value(work, config), **({"FLASHRL_KV_CACHE_DTYPE": "fp8"} if kv else {}), **xqa}
     ekw = {**h.VLLM_ENGINE, **(GRAPHS if option.endswith("-graphs") else {})}
     seqs = {"sequences": h.WIDE} if option else {}
