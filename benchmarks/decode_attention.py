@@ -171,8 +171,9 @@ def main() -> None:
             row = {"layout": args.layout, "shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "batch": batch,
                    "ctx": ctx, "shared_prompt": args.shared_prompt, "group": args.group,
                    "kv_tokens": int(b["lens"].sum()),
-                   "default_splits": fp8_decode_attn.splits_for(batch, kv_heads,
-                                                                torch.cuda.get_device_properties(0).multi_processor_count)}
+                   "default_splits": fp8_decode_attn.splits_for(  # as the kernel picks: per program's KV heads
+                       batch, kv_heads // fp8_decode_attn.heads_per_program(q_heads, kv_heads),
+                       torch.cuda.get_device_properties(0).multi_processor_count)}
             for name, (fn, out, elem) in cands.items():
                 try:
                     fn()
