@@ -16,7 +16,8 @@ config. Reports rollout s (each), sync s, step s = rollout after the sync + sync
 KV capacity (tokens; how many full-length sequences fit), peak device memory, ratios vs the
 `bf16` row of the same run; prints a table, writes JSON (`sync_log`: each sync's conversion and write as the
 runtime logged them, FLASHRL_SYNC_TIMING, in every engine process -- SGLang's schedulers included;
-`flashrl_decode_attn_ran`: whether decode batches went through flashrl's FP8 attention kernel).
+`flashrl_decode_attn_ran`: whether decode batches went through flashrl's FP8 attention kernel; `roofline`: the
+rollout's least bytes over the device's peak bandwidth, and the fraction of that bound it reached, `roofline.py`).
 
     python benchmarks/rl_step.py --shapes 7b --configs bf16,fp8,int8,int8+kv --json benchmarks/results/rl_step/7b.json
     python benchmarks/rl_step.py --preset smoke     # CPU, config-only tiny shape (CI)
