@@ -46,8 +46,12 @@ def bench(fn) -> float:
 
 
 def make_batch(q_heads: int, kv_heads: int, batch: int, ctx: int, gen: torch.Generator, layout: str = "nhd",
-               shared: int = 0, group: int = 8, device: str = "cuda") -> dict:
+               shared: int = 0, group: int = 8, device: str = "cuda", equal: bool = False) -> dict:
+    """One decode batch over a shuffled paged FP8 cache: lengths uniform in [ctx/2, 3 ctx/2], or (`equal`) all `ctx`
+    -- a rollout whose requests started together with one prompt length decodes equal contexts."""
     lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (batch,), generator=gen, device=device, dtype=torch.int32)
+    if equal:
+        lens = torch.full_like(lens, ctx)
     lens = lens.clamp(min=shared + 1)  # a group's sequences all hold its prompt
     pages = [(int(n) + PAGE - 1) // PAGE for n in lens]
     total = sum(pages)
@@ -151,6 +155,9 @@ def main() -> None:
     ap.add_argument("--shared-prompt", type=int, default=0,
                     help="tokens of prompt each group of --group sequences reads from the same pages (prefix cache)")
     ap.add_argument("--group", type=int, default=8, help="sequences per group sharing a prompt (GRPO's samples)")
+    ap.add_argument("--equal-lengths", action="store_true",
+                    help="every sequence exactly --ctx tokens (a rollout whose requests started together): the launch "
+                    "grid's last wave of programs is then as long as the others")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -162,7 +169,8 @@ def main() -> None:
         q_heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         for ctx, batch in itertools.product((int(x) for x in args.ctx.split(",")),
                                             [int(x) for x in args.batches.split(",")]):
-            b = make_batch(q_heads, kv_heads, batch, ctx, gen, args.layout, args.shared_prompt, args.group)
+            b = make_batch(q_heads, kv_heads, batch, ctx, gen, args.layout, args.shared_prompt, args.group,
+                           equal=args.equal_lengths)
             cands = candidates(b, q_heads, kv_heads)
             n_ref = min(batch, 16)
             ref = fp8_decode_attn.reference(b["q8"][:n_ref], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n_ref],
@@ -170,6 +178,7 @@ def main() -> None:
                                             b["v_scale"], q_scale=b["q_scale"])
             row = {"layout": args.layout, "shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "batch": batch,
                    "ctx": ctx, "shared_prompt": args.shared_prompt, "group": args.group,
+                   "equal_lengths": args.equal_lengths,
                    "kv_tokens": int(b["lens"].sum()),
                    "default_splits": fp8_decode_attn.splits_for(  # as the kernel picks: per program's KV heads
                        batch, kv_heads // fp8_decode_attn.heads_per_program(q_heads, kv_heads),

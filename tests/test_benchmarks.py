@@ -515,6 +515,10 @@ def test_decode_attention_shared_prompt_gives_each_group_the_same_prompt_pages()
     assert not torch.equal(bt[0, :full], bt[4, :full])
     plain = da.make_batch(8, 2, 16, 200, torch.Generator().manual_seed(0), device="cpu")["bt"]
     assert len({int(p) for i in range(16) for p in plain[i, :full]}) == 16 * full
+    # --equal-lengths: every sequence the context (a rollout whose requests started together), pages as many
+    eq = da.make_batch(8, 2, 16, 200, torch.Generator().manual_seed(0), device="cpu", equal=True)
+    assert eq["lens"].tolist() == [200] * 16 and eq["kv_bytes"] == 16 * 200 * 2 * 2 * da.D
+    assert eq["bt"].shape[1] == (200 + da.PAGE - 1) // da.PAGE
 
 
 def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path, monkeypatch):
