@@ -362,7 +362,8 @@ def main() -> None:
             if "error" not in r:  # issue 74's goal 5: the rollout's fraction of its least bytes at the peak bandwidth
                 hf_config = json.loads((Path(path) / "config.json").read_text())
                 r["roofline"] = roofline(hf_config, config, [plens[i // opts["samples"]] for i in range(len(lengths))],
-                                         lengths, device, r["rollout_2"]["rollout_s"], gpus=a.tp)
+                                         lengths, device, r["rollout_2"]["rollout_s"], gpus=a.tp,
+                                         bands=r["rollout_2"].get("bands"))
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("rollout_")}), flush=True)
     add_ratios(rows)

@@ -44,41 +44,72 @@ def expected_experts(experts: int, per_token: int, tokens: int) -> float:
     return experts * (1 - (1 - per_token / experts) ** tokens)
 
 
-def rollout_bytes(hf_config: dict, config: str, prompt_lens: list[int], out_lens: list[int]) -> float | None:
-    """The rollout's least bytes read (module docstring) for a model's config.json dict; None where `config`'s
-    element sizes are not uniform."""
+def step_bytes(hf_config: dict, config: str, prompt_lens: list[int], out_lens: list[int]) -> list[tuple[int, float]] | None:
+    """Per decode step (module docstring): (requests running, least bytes read); None where `config`'s element sizes
+    are not uniform."""
     sizes = element_bytes(config)
     if sizes is None:
         return None
     w_bytes, kv_bytes = sizes
     h, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
-    heads, kv_heads = hf_config["num_attention_heads"], hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads", heads)
     head_dim = hf_config.get("head_dim") or h // heads
     attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o; k, v
     lm_head = 2.0 * hf_config["vocab_size"] * h  # kept in BF16 by every config
     experts = hf_config.get("num_experts")
-    steps = max(out_lens)
-    running = [sum(1 for n in out_lens if n > t) for t in range(steps)]
-    if experts:
-        expert = 3 * h * hf_config["moe_intermediate_size"]
-        per_token = hf_config["num_experts_per_tok"]
-        weights = sum(layers * (w_bytes * (attn + expected_experts(experts, per_token, b) * expert)
-                                + 2.0 * h * experts)  # the router, BF16
-                      + lm_head for b in running)
-    else:
-        weights = steps * (layers * w_bytes * (attn + 3 * h * hf_config["intermediate_size"]) + lm_head)
-    per_token = layers * 2 * kv_heads * head_dim * kv_bytes
-    contexts = sum(n * p + n * (n - 1) / 2 for p, n in zip(prompt_lens, out_lens))
-    return weights + per_token * contexts
+    per_token = layers * 2 * kv_heads * head_dim * kv_bytes  # a context token's K and V in every layer
+
+    def weights(running: int) -> float:
+        if not experts:
+            return layers * w_bytes * (attn + 3 * h * hf_config["intermediate_size"]) + lm_head
+        routed = expected_experts(experts, hf_config["num_experts_per_tok"], running)
+        return layers * (w_bytes * (attn + routed * 3 * h * hf_config["moe_intermediate_size"])
+                         + 2.0 * h * experts) + lm_head  # the router in BF16
+
+    ends = sorted(zip(out_lens, prompt_lens))  # requests leave the batch in order of their lengths
+    running, prompts, gone, steps = len(ends), sum(prompt_lens), 0, []
+    for t in range(max(out_lens)):
+        while ends[gone][0] <= t:  # a request of n tokens decodes at steps 0 .. n - 1
+            running, prompts, gone = running - 1, prompts - ends[gone][1], gone + 1
+        steps.append((running, weights(running) + per_token * (prompts + running * t)))
+    return steps
+
+
+def rollout_bytes(hf_config: dict, config: str, prompt_lens: list[int], out_lens: list[int]) -> float | None:
+    """The rollout's least bytes read (module docstring) for a model's config.json dict; None where `config`'s
+    element sizes are not uniform."""
+    steps = step_bytes(hf_config, config, prompt_lens, out_lens)
+    return None if steps is None else sum(b for _, b in steps)
+
+
+def band_roofline(hf_config: dict, config: str, prompt_lens: list[int], out_lens: list[int], bands: list[dict],
+                  peak: float | None) -> list[dict]:
+    """`rl_step.py --step-bands`' measured bands (`step_bands.BANDS`: name, steps, seconds), each with the steps the
+    model counts in it, their least bytes, its bound at `peak` TB/s and the fraction of it the band reached."""
+    from step_bands import BANDS, band_name
+
+    steps = step_bytes(hf_config, config, prompt_lens, out_lens) or []
+    out = []
+    for (lo, hi), band in zip(BANDS, bands):
+        inside = [b for n, b in steps if lo <= n and (hi is None or n <= hi)]
+        total = sum(inside) if inside else 0.0
+        bound = total / (peak * 1e12) if peak and steps else None
+        out.append({"band": band_name(lo, hi), "model_steps": len(inside), "bytes": total, "bound_s": bound,
+                    "fraction": bound / band["seconds"] if bound and band.get("seconds") else None})
+    return out
 
 
 def roofline(hf_config: dict, config: str, prompt_lens: list[int], out_lens: list[int], device: str,
-             rollout_s: float, gpus: int = 1) -> dict:
+             rollout_s: float, gpus: int = 1, bands: list[dict] | None = None) -> dict:
     """A row's `roofline` entry: its least bytes, the peak bandwidth of its `gpus` devices (tensor parallel: each
     reads its shard), the bound's seconds and the fraction of it the measured rollout reached (None where the
-    device's peak or the config's sizes are unknown)."""
+    device's peak or the config's sizes are unknown); with the rollout's measured `bands`, the same per band."""
     total = rollout_bytes(hf_config, config, prompt_lens, out_lens)
     peak = peak_tb_s(device) * gpus if peak_tb_s(device) else None
     bound = total / (peak * 1e12) if total is not None and peak else None
-    return {"bytes": total, "peak_tb_s": peak, "bound_s": bound,
-            "fraction": bound / rollout_s if bound is not None and rollout_s > 0 else None}
+    entry = {"bytes": total, "peak_tb_s": peak, "bound_s": bound,
+             "fraction": bound / rollout_s if bound is not None and rollout_s > 0 else None}
+    if bands:
+        entry["bands"] = band_roofline(hf_config, config, prompt_lens, out_lens, bands, peak)
+    return entry

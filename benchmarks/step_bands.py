@@ -120,3 +120,7 @@ def print_bands(rows: list[dict]) -> None:
             x = f" {b['seconds'] / ref['seconds']:.2f}x" if ref and ref["seconds"] else ""
             cells.append(f"{b['seconds']:.2f} ({b['ms_per_step']:.2f}{x})" if b["steps"] else "-")
         print(f"{r['shape']:8} {r['config']:9} " + " ".join(f"{c:>22}" for c in cells))
+        roof = (r.get("roofline") or {}).get("bands") or []
+        if any(b["fraction"] for b in roof):  # the share of each band's least bytes at the peak (roofline.py)
+            print(f"{'':8} {'roofline':9} " + " ".join(f"{b['fraction']:>22.2f}" if b["fraction"] else f"{'-':>22}"
+                                                      for b in roof))

@@ -107,6 +107,8 @@ def test_rl_step_benchmark_smoke(tmp_path):
         longest = sorted(lengths, reverse=True) + [0]
         for name, (lo, hi) in (("1", (1, 1)), ("2-4", (2, 4))):
             decoding = longest[lo - 1] - longest[hi]  # steps with lo..hi requests left, one token each
+            model = {b["band"]: b for b in r["roofline"]["bands"]}[name]  # roofline.py counts the same steps
+            assert model["model_steps"] == decoding and model["bytes"] > 0 and model["fraction"] is None
             # the FP8 KV recalibration after the sync: one prefill step per calibration sequence, alone
             decoding += CALIBRATION_PROMPTS if config.endswith("+kv") and name == "1" else 0
             assert decoding <= bands[name]["steps"] <= decoding + 3, (name, bands[name], lengths)
@@ -638,3 +640,9 @@ def test_roofline_counts_each_steps_weights_and_each_sequences_context():
     assert row["bound_s"] == bound and row["fraction"] == 0.25
     assert roofline(dense, "bf16", prompts, outs, "NVIDIA H200", 4 * bound, gpus=2)["fraction"] == 0.125
     assert roofline(dense, "bf16", prompts, outs, "CPU", 1.0)["fraction"] is None
+    # per band of running requests (rl_step.py --step-bands): step 0 runs both requests ("2-4"), step 1 one ("1")
+    measured = [{"band": n, "seconds": 1.0} for n in ("1", "2-4", "5-16", "17-32", "33-64", "65-128", "129+")]
+    bands = {b["band"]: b for b in roofline(dense, "bf16", prompts, outs, "NVIDIA H200", 2.0, bands=measured)["bands"]}
+    assert bands["2-4"]["model_steps"] == 1 and bands["2-4"]["bytes"] == weights(2) + kv_token(2) * (3 + 5)
+    assert bands["1"]["model_steps"] == 1 and bands["1"]["bytes"] == weights(2) + kv_token(2) * 4
+    assert bands["1"]["fraction"] == bands["1"]["bytes"] / 4.8e12 and bands["5-16"]["fraction"] is None
