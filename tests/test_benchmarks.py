@@ -30,7 +30,8 @@ def test_profile_memory_benchmark_smoke(tmp_path):
 def _bench(tmp_path, script: str, *args: str) -> dict:
     out = tmp_path / f"{script}.json"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--preset", "smoke",
-                          "--json", str(out), *args], capture_output=True, text=True, timeout=900,
+                          "--json", str(out), "--workdir", str(tmp_path / "work"), *args],  # not a dir left in /tmp
+                         capture_output=True, text=True, timeout=900,
                          env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(out.read_text())
