@@ -16,13 +16,25 @@ bound_s / rollout_s is at most 1."""
 
 from __future__ import annotations
 
+from step_bands import BANDS, band_name
+
+from flashrl_tools.quant.formats import QuantFn, Strategy
+from flashrl_tools.quant.quantizer import INT4_GROUP
+
 # the devices' HBM bandwidth by spec (SXM parts), TB/s
 PEAK_TB_S = {"H200": 4.8, "H100": 3.35, "B200": 8.0, "A100": 2.04}
 
-# bytes a stored weight element takes: 8-bit formats 1 (plus a scale a channel / block: left out); W4A16 half a byte
-# plus a BF16 scale a group of 128
-_WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0, "fp8_channel": 1.0, "fp8_tensor": 1.0, "fp8_block": 1.0,
-                 "w4a16": 0.5 + 2 / 128}
+
+def _weight_bytes(name: str) -> float | None:
+    """Bytes a stored weight element takes under an `rl_step.py` config name (the format table's bits; a BF16 scale a
+    group of INT4_GROUP for grouped formats, per-channel / block scales left out); vLLM's online `fp8` 1."""
+    if name in ("bf16", "fp8"):
+        return 2.0 if name == "bf16" else 1.0
+    try:
+        fn = QuantFn(name)
+    except ValueError:
+        return None
+    return fn.bits / 8 + (2 / INT4_GROUP if fn.strategy == Strategy.group else 0.0)
 
 
 def peak_tb_s(device: str) -> float | None:
@@ -34,9 +46,10 @@ def element_bytes(config: str) -> tuple[float, float] | None:
     """(weight, KV cache) bytes an element for an `rl_step.py` config ("int8+kv": INT8 weights, FP8 KV cache); None
     for a config whose layers differ (a YAML mix)."""
     weights, _, kv = config.partition("+")
-    if weights not in _WEIGHT_BYTES or kv not in ("", "kv"):
+    w_bytes = _weight_bytes(weights)
+    if w_bytes is None or kv not in ("", "kv"):
         return None
-    return _WEIGHT_BYTES[weights], 1.0 if kv else 2.0
+    return w_bytes, 1.0 if kv else 2.0
 
 
 def expected_experts(experts: int, per_token: int, tokens: int) -> float:
@@ -83,13 +96,9 @@ def rollout_bytes(hf_config: dict, config: str, prompt_lens: list[int], out_lens
     return None if steps is None else sum(b for _, b in steps)
 
 
-def band_roofline(hf_config: dict, config: str, prompt_lens: list[int], out_lens: list[int], bands: list[dict],
-                  peak: float | None) -> list[dict]:
-    """`rl_step.py --step-bands`' measured bands (`step_bands.BANDS`: name, steps, seconds), each with the steps the
-    model counts in it, their least bytes, its bound at `peak` TB/s and the fraction of it the band reached."""
-    from step_bands import BANDS, band_name
-
-    steps = step_bytes(hf_config, config, prompt_lens, out_lens) or []
+def band_roofline(steps: list[tuple[int, float]], bands: list[dict], peak: float | None) -> list[dict]:
+    """`rl_step.py --step-bands`' measured bands (`step_bands.BANDS`: name, steps, seconds), each with the model's
+    `steps` (`step_bytes`) in it, their least bytes, its bound at `peak` TB/s and the fraction of it the band reached."""
     out = []
     for (lo, hi), band in zip(BANDS, bands):
         inside = [b for n, b in steps if lo <= n and (hi is None or n <= hi)]
@@ -105,11 +114,12 @@ def roofline(hf_config: dict, config: str, prompt_lens: list[int], out_lens: lis
     """A row's `roofline` entry: its least bytes, the peak bandwidth of its `gpus` devices (tensor parallel: each
     reads its shard), the bound's seconds and the fraction of it the measured rollout reached (None where the
     device's peak or the config's sizes are unknown); with the rollout's measured `bands`, the same per band."""
-    total = rollout_bytes(hf_config, config, prompt_lens, out_lens)
+    steps = step_bytes(hf_config, config, prompt_lens, out_lens)
+    total = None if steps is None else sum(b for _, b in steps)
     peak = peak_tb_s(device) * gpus if peak_tb_s(device) else None
     bound = total / (peak * 1e12) if total is not None and peak else None
     entry = {"bytes": total, "peak_tb_s": peak, "bound_s": bound,
              "fraction": bound / rollout_s if bound is not None and rollout_s > 0 else None}
     if bands:
-        entry["bands"] = band_roofline(hf_config, config, prompt_lens, out_lens, bands, peak)
+        entry["bands"] = band_roofline(steps or [], bands, peak)
     return entry
