@@ -10,7 +10,8 @@ kv_heads, K|V]; `--layout hnd`: [blocks, kv_heads, page, K|V]), with random bloc
 uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV bytes the step must read / its time. Each kernel's output is
 checked against a float32 reference on the same FP8 values (`fp8_decode_attn.reference`, the first 16
 sequences). Prints a table and writes JSON; `--sweep B,..` also times flashrl's kernel at every split count and
-tile at those batch sizes and the first `--ctx` (`--sweep-grid`: the default kernel's, the FP8-score kernel's, or both).
+tile at those batch sizes and the first `--ctx` (`--sweep-grid`: the default kernel's, the FP8-score kernel's, or both;
+`tail`: up to 64 splits of at least `min_split` keys each, every cell kept in the JSON).
 `--shared-prompt P`: each group of `--group` sequences (a GRPO group) reads the same
 physical pages for its first P tokens' full pages, as a prefix cache gives them (the bandwidth column still counts
 every sequence's reads): whether a group's prompt is read from DRAM once per sequence or hits L2.
@@ -37,6 +38,8 @@ from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
 PAGE, D = 16, 128
 SWEEP = {"splits": [1, 2, 4, 8, 16], "block_n": [32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [2, 3]}
 SWEEP_QK = {"splits": [1, 2, 4, 8, 16], "block_n": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}  # warpgroups
+# the default tile, many splits, each of at least `min_split` keys (issue 74's tail: <= 16 running, long contexts)
+SWEEP_TAIL = {"splits": [8, 16, 32, 64], "min_split": [0, 256, 512, 1024]}
 
 
 def bench(fn) -> float:
@@ -149,8 +152,9 @@ def main() -> None:
                     "e.g. 2000,4000,8000: the goal table's)")
     ap.add_argument("--sweep", default="", help="batch sizes (e.g. 128,16) at which flashrl's kernel is timed at every "
                     "split count and tile")
-    ap.add_argument("--sweep-grid", default="both", choices=("default", "fp8qk", "both"),
-                    help="which kernel's tiles --sweep times: the default kernel's, the FP8-score kernel's, or both")
+    ap.add_argument("--sweep-grid", default="both", choices=("default", "fp8qk", "both", "tail"),
+                    help="which kernel's tiles --sweep times: the default kernel's, the FP8-score kernel's, or both; "
+                    "tail: the default kernel's splits up to 64 with a least split (`min_split`), every time recorded")
     ap.add_argument("--layout", default="nhd", choices=("nhd", "hnd"), help="vLLM's KV cache layout (default NHD)")
     ap.add_argument("--shared-prompt", type=int, default=0,
                     help="tokens of prompt each group of --group sequences reads from the same pages (prefix cache)")
@@ -197,17 +201,22 @@ def main() -> None:
             if str(batch) in args.sweep.split(",") and str(ctx) == args.ctx.split(",")[0]:  # at the first context:
                 # the default kernel's tiles, then the FP8-score kernel's
                 fn = cands["flashrl_fp8"][0]
-                grids = {"default": ("flashrl_best", SWEEP, {}), "fp8qk": ("flashrl_fp8qk_best", SWEEP_QK, {"qk_fp8": True})}
-                for key, grid, extra in (g for name, g in grids.items() if args.sweep_grid in (name, "both")):
-                    best = None
+                grids = {"default": ("flashrl_best", SWEEP, {}), "fp8qk": ("flashrl_fp8qk_best", SWEEP_QK, {"qk_fp8": True}),
+                         "tail": ("flashrl_tail_best", SWEEP_TAIL, {})}
+                for key, grid, extra in (g for name, g in grids.items() if args.sweep_grid in (name, "both")
+                                         and not (name == "tail" and args.sweep_grid == "both")):
+                    best, timed = None, []
                     for vals in itertools.product(*grid.values()):
                         c = dict(zip(grid, vals))
                         try:
                             us = bench(lambda c=c, fn=fn, extra=extra: fn(**c, **extra))
                         except Exception:
                             continue
+                        timed.append({**c, "us": round(us, 2)})
                         if best is None or us < best[1]:
                             best = (c, us)
+                    if key == "flashrl_tail_best":  # every cell: a rule by length needs the whole table
+                        row["flashrl_tail"] = timed
                     if best:
                         row[key] = {**best[0], "us": round(best[1], 2), "tb_s": round(b["kv_bytes"] / best[1] / 1e6, 2)}
             rows.append(row)
@@ -220,14 +229,15 @@ def main() -> None:
           f"{args.layout.upper()} layout" + (f"; groups of {args.group} share a {args.shared_prompt}-token prompt's pages"
                                              if args.shared_prompt else ""))
     print("| shape | context | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) | "
-          "fp8qk best (cfg) |")
-    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |")
+          "fp8qk best (cfg) | tail best (splits/min_split) |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- | --- |")
     for r in rows:
         cells = [f"{r[n]['us']:.1f} ({r[n]['tb_s']})" if "us" in r.get(n, {}) else "error" for n in names]
         ratio = (f"{r['flashrl_fp8']['us'] / r['fa3_fp8']['us']:.2f}x"
                  if "us" in r.get("flashrl_fp8", {}) and "us" in r.get("fa3_fp8", {}) else "-")
-        bcells = [f"{best['us']:.1f} ({best['tb_s']}; {best['splits']}/{best['block_n']}/{best['num_warps']}/"
-                  f"{best['num_stages']})" if best else "-" for best in (r.get("flashrl_best"), r.get("flashrl_fp8qk_best"))]
+        bcells = [f"{best['us']:.1f} ({best['tb_s']}; " + "/".join(str(v) for k, v in best.items() if k not in ("us", "tb_s"))
+                  + ")" if best else "-" for best in (r.get("flashrl_best"), r.get("flashrl_fp8qk_best"),
+                                                      r.get("flashrl_tail_best"))]
         print(f"| {r['shape']} | {r['ctx']} | {r['batch']} | {r['kv_tokens']} | " + " | ".join(cells) + f" | {ratio} | "
               + " | ".join(bcells) + " |")
     if args.json:

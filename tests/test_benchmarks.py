@@ -524,6 +524,50 @@ def test_decode_attention_shared_prompt_gives_each_group_the_same_prompt_pages()
     assert eq["bt"].shape[1] == (200 + da.PAGE - 1) // da.PAGE
 
 
+def test_decode_attention_tail_sweep_keeps_every_cell(tmp_path, monkeypatch, capsys):
+    """decode_attention.py --sweep-grid tail: at a swept batch flashrl's kernel is called with every splits x
+    min_split cell (the default tile), each cell's time kept in the row and the fastest in the table. The GPU parts
+    (make_batch on the device, the candidates, CUDA-graph timing) are stood in for: the timing is the cell's splits
+    and min_split made into a number, so the best cell is known."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import decode_attention as da
+
+    calls = []
+
+    def flashrl(**cfg):
+        calls.append(cfg)
+
+    cpu_batch = da.make_batch
+    monkeypatch.setattr(da.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(da.torch, "Generator", lambda device=None: torch.default_generator.__class__())
+    monkeypatch.setattr(da, "make_batch", lambda *a, **k: cpu_batch(*a, **{**k, "device": "cpu"}))
+    def timed(fn):  # the cell's time: fewer us for more splits, more for a larger least split
+        fn()
+        return 100.0 - calls[-1].get("splits", 0) + calls[-1].get("min_split", 0) / 64
+
+    monkeypatch.setattr(da, "candidates",
+                        lambda b, qh, kvh: {"flashrl_fp8": (flashrl, torch.zeros(len(b["lens"]), qh, da.D), 1)})
+    monkeypatch.setattr(da.fp8_decode_attn, "reference", lambda q, *a, **k: torch.ones(q.shape))
+    monkeypatch.setattr(da, "bench", timed)
+    monkeypatch.setattr(da.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(da.torch.cuda, "get_device_name", lambda: "stand-in")
+    monkeypatch.setattr(da.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(da.torch.cuda, "synchronize", lambda: None)
+    out = tmp_path / "tail.json"
+    monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--shapes", "qwen3-8b", "--batches", "8", "--ctx", "300",
+                                      "--sweep", "8", "--sweep-grid", "tail", "--json", str(out)])
+    da.main()
+    row = json.loads(out.read_text())["rows"][0]
+    cells = {(c["splits"], c["min_split"]) for c in row["flashrl_tail"]}
+    assert cells == {(s, m) for s in da.SWEEP_TAIL["splits"] for m in da.SWEEP_TAIL["min_split"]}
+    assert {(c.get("splits"), c.get("min_split")) for c in calls if c} == cells
+    assert row["flashrl_tail_best"]["splits"] == 64 and row["flashrl_tail_best"]["min_split"] == 0
+    assert "flashrl_best" not in row and "flashrl_fp8qk_best" not in row
+    assert "| 36.0 (" in capsys.readouterr().out.split("tail best")[1]  # 100 - 64: the table's tail column
+
+
 def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path, monkeypatch):
     """`rl_step.py --engine sglang --step-bands`: SGLang's scheduler (its runtime hook after each processed batch,
     TP rank 0) appends a line per step to FLASHRL_STEP_LOG; `step_bands.LoggedSteps` charges each step the time

@@ -323,19 +323,21 @@ def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
     assert ref[0].abs().max() > 0
     # heads None: two a program where they pair; qk_fp8: the transposed scores (FP8 queries only; the interpreter
     # forms the same exact products in FP16)
-    for splits, heads, qk in ((1, None, False), (4, None, False), (4, 1, False), (1, None, True), (4, 1, True)):
+    # min_split: 8 splits of at least 64 keys -- the 100-key sequence takes two, the others one, the rest stay empty
+    for splits, heads, qk, least in ((1, None, False, 0), (4, None, False, 0), (4, 1, False, 0), (1, None, True, 0),
+                                     (4, 1, True, 0), (8, None, False, 64), (8, 1, True, 64)):
         if qk and not fp8_query:
             continue
         out = torch.full((q.shape[0] + 1, *q.shape[1:]), 7.0, dtype=torch.bfloat16)
         fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
-                                             heads=heads, qk_fp8=qk, **sc)
+                                             heads=heads, qk_fp8=qk, min_split=least, **sc)
         real = [0, 1, 2, 3]  # the tokens of sequences 0, 2, 3, 4
         err = (out[real].float() - ref[real]).abs().max()
         assert err <= 2 ** -7 * ref[real].abs().max(), (splits, heads, qk, float(err))  # one BF16 step (interpreter)
         assert torch.all(out[4] == 7.0)  # no sequence's token: untouched
         lpt = torch.full_like(out, 7.0)  # the sequences taken longest first: each one's output the same bits
         fp8_decode_attn.fp8_decode_attention(q, k, v, lpt, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
-                                             heads=heads, qk_fp8=qk, longest_first=True, **sc)
+                                             heads=heads, qk_fp8=qk, longest_first=True, min_split=least, **sc)
         assert torch.equal(lpt, out), (splits, heads, qk)
 
 
@@ -376,6 +378,9 @@ def test_fp8_decode_attention_splits_and_refusals():
                                              sc["v_scale"], splits=1)
     with pytest.raises(ValueError, match="unsupported shapes"):
         fp8_decode_attn.fp8_decode_attention(q[:, :3], k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, splits=1, **sc)
+    with pytest.raises(ValueError, match="min_split=48, a multiple of the tile"):
+        fp8_decode_attn.fp8_decode_attention(q, k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, splits=4, block_n=32,
+                                             min_split=48, **sc)
     with pytest.raises(ValueError, match="2 KV heads a program: 2 KV heads of 16 query heads"):
         wide = torch.zeros(q.shape[0], 32, q.shape[2], dtype=q.dtype)
         fp8_decode_attn.fp8_decode_attention(wide, k, v, torch.empty(wide.shape), bt, lens, qsl, 0.1, splits=1,
@@ -440,34 +445,34 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
     ref = fp8_decode_attn.reference(q, k, v, bt, lens_t, qsl, 128 ** -0.5, **sc)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hpp = fp8_decode_attn.heads_per_program(q_heads, kv_heads)
-    for splits, heads in ((None, None), (1, None), (16, None), (None, 1)):  # None: the engine's choice
-        out = torch.zeros(q.shape, dtype=torch.bfloat16, device="cuda")
+    for splits, heads, least in ((None, None, 0), (1, None, 0), (16, None, 0), (None, 1, 0), (64, None, 512)):
+        out = torch.zeros(q.shape, dtype=torch.bfloat16, device="cuda")  # splits None: the engine's choice
         fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
-                                             sm_count=sms, **sc)
+                                             sm_count=sms, min_split=least, **sc)
         err = (out.float() - ref).abs().amax(dim=(1, 2))
         assert torch.all(err <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (splits, heads, hpp, err.max().item())
         again = torch.zeros_like(out)
         fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
-                                             sm_count=sms, **sc)
+                                             sm_count=sms, min_split=least, **sc)
         assert torch.equal(out, again)
         lpt = torch.zeros_like(out)  # the sequences taken longest first: the same bits
         fp8_decode_attn.fp8_decode_attention(q, k, v, lpt, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
-                                             sm_count=sms, longest_first=True, **sc)
+                                             sm_count=sms, longest_first=True, min_split=least, **sc)
         assert torch.equal(out, lpt)
         plain = torch.zeros_like(out)  # V cast inside the dot's operand read: within the same bound
         fp8_decode_attn.fp8_decode_attention(q, k, v, plain, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
-                                             sm_count=sms, v_f16_first=False, **sc)
+                                             sm_count=sms, v_f16_first=False, min_split=least, **sc)
         err_plain = (plain.float() - ref).abs().amax(dim=(1, 2))
         assert torch.all(err_plain <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (splits, heads, err_plain.max())
         if query == "fp8":  # FLASHRL_DECODE_ATTN=fp8qk: the same exact products summed by the FP8 MMA
             qk = torch.zeros_like(out)
             fp8_decode_attn.fp8_decode_attention(q, k, v, qk, bt, lens_t, qsl, 128 ** -0.5, splits=splits,
-                                                 heads=heads, sm_count=sms, qk_fp8=True, **sc)
+                                                 heads=heads, sm_count=sms, qk_fp8=True, min_split=least, **sc)
             qk_err = (qk.float() - ref).abs().amax(dim=(1, 2))
             assert torch.all(qk_err <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (splits, heads, qk_err.max().item())
             again = torch.zeros_like(qk)
             fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits,
-                                                 heads=heads, sm_count=sms, qk_fp8=True, **sc)
+                                                 heads=heads, sm_count=sms, qk_fp8=True, min_split=least, **sc)
             assert torch.equal(qk, again)
 
 

@@ -72,7 +72,7 @@ def _kernels():
         else:
             return x.to(tl.float16)
 
-    global _bounds, _score_scale, _page_rows, _program_seq  # the split kernels' shared parts (module globals: as to_f16)
+    global _bounds, _per_split, _score_scale, _page_rows, _program_seq  # the split kernels' shared parts (as to_f16)
 
     @triton.jit
     def _program_seq(order_ptr, ORDERED: tl.constexpr):
@@ -84,12 +84,21 @@ def _kernels():
             return tl.program_id(1)
 
     @triton.jit
-    def _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _per_split(seq_len, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+        """A split's keys: the length over SPLITS in whole tiles, at least MIN_SPLIT (then the splits past the
+        sequence's end are empty: a long sequence takes them all, a short one few, under one launch grid)."""
+        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+        if MIN_SPLIT > 0:
+            per_split = tl.maximum(per_split, MIN_SPLIT)
+        return per_split
+
+    @triton.jit
+    def _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
         """(the sequence's length, its query token, its query tokens, this split's first and last key + 1)."""
         seq_len = tl.load(lens_ptr + seq)
         tok = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - tok
-        per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+        per_split = _per_split(seq_len, SPLITS, BLOCK_N, MIN_SPLIT)
         start = split * per_split
         return seq_len, tok, q_len, start, tl.minimum(start + per_split, seq_len)
 
@@ -116,12 +125,13 @@ def _kernels():
                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
                               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                               BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, Q_FP8: tl.constexpr,
-                              Q_SCALED: tl.constexpr, HPP: tl.constexpr, V_ASM: tl.constexpr, ORDERED: tl.constexpr):
+                              Q_SCALED: tl.constexpr, HPP: tl.constexpr, V_ASM: tl.constexpr, ORDERED: tl.constexpr,
+                              MIN_SPLIT: tl.constexpr):
         kvh = tl.program_id(0) * HPP  # the program's first KV head; it holds HPP of them
         seq = _program_seq(order_ptr, ORDERED)
         split = tl.program_id(2)
-        seq_len, tok, q_len, start, end = _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS, BLOCK_N)
-        if (q_len > 0) & (seq_len > 0):  # an empty split still writes its (empty) partial
+        seq_len, tok, q_len, start, end = _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS, BLOCK_N, MIN_SPLIT)
+        if (q_len > 0) & (start < seq_len):  # an empty split writes nothing (the merge reads only the others)
             rg = tl.arange(0, GROUP_PAD)
             rd = tl.arange(0, D)
             rn = tl.arange(0, BLOCK_N)
@@ -177,18 +187,20 @@ def _kernels():
 
     @triton.jit
     def fp8_decode_attn_merge(part_ptr, lse_ptr, lens_ptr, qsl_ptr, vs_ptr, out_ptr, stride_ot, stride_oh, q_heads,
-                              D: tl.constexpr, SPLITS: tl.constexpr):
+                              D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
         seq = tl.program_id(0)
         head = tl.program_id(1)
         tok = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - tok
-        if (q_len > 0) & (tl.load(lens_ptr + seq) > 0):
+        seq_len = tl.load(lens_ptr + seq)
+        if (q_len > 0) & (seq_len > 0):
             rs = tl.arange(0, SPLITS)
             rd = tl.arange(0, D)
             row = (seq.to(tl.int64) * q_heads + head) * SPLITS
-            lse = tl.load(lse_ptr + row + rs)
+            live = rs < tl.cdiv(seq_len, _per_split(seq_len, SPLITS, BLOCK_N, MIN_SPLIT))  # the splits with keys
+            lse = tl.load(lse_ptr + row + rs, mask=live, other=float("-inf"))
             w = tl.exp2(lse - tl.max(lse, axis=0))
-            part = tl.load(part_ptr + (row + rs)[:, None] * D + rd[None, :])
+            part = tl.load(part_ptr + (row + rs)[:, None] * D + rd[None, :], mask=live[:, None], other=0.0)
             o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0) * tl.load(vs_ptr)
             tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
 
@@ -201,7 +213,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          q_scale: torch.Tensor | float | None = None, splits: int | None = None,
                          block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                          heads: int | None = None, sm_count: int | None = None,
-                         v_f16_first: bool = True, qk_fp8: bool = False, longest_first: bool = False) -> torch.Tensor:
+                         v_f16_first: bool = True, qk_fp8: bool = False, longest_first: bool = False,
+                         min_split: int = 0) -> torch.Tensor:
     """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
     heads a program holds, the keys it reads per iteration and its warps (64 and 2 for two heads, 128 and 4 for one:
     the sweeps' best, RESULTS "Where the FP8 decode kernel's time goes") and
@@ -212,7 +225,11 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     64 keys an iteration); other operands and devices keep the default kernel. `longest_first`: the programs take
     the sequences longest first (`torch.argsort` of `seq_lens` on the device, then the same kernel reading its
     sequence through that order: the same bits), so the last wave of programs holds the short ones; opt-in: its
-    `flashrl_fp8_lpt` column is faster at 128-256 long sequences, slower at 64 (the argsort), and the RL step slower."""
+    `flashrl_fp8_lpt` column is faster at 128-256 long sequences, slower at 64 (the argsort), and the RL step slower.
+    `min_split`: each split reads at least this many keys (a multiple of the tile; 0: the length over `splits`), so
+    with many splits a long sequence takes them all and a short one few, each program a similar share of work under
+    one launch grid (CUDA graphs); the splits a sequence leaves empty write nothing and the merge skips them. Not a
+    default until measured (benchmarks/decode_attention.py `--sweep-grid tail`)."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -235,6 +252,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         splits = splits_for(num_seqs, kv_heads // hpp, sm_count)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"fp8_decode_attention: splits={splits}, a power of 2 is needed")
+    if min_split < 0 or min_split % block_n:
+        raise ValueError(f"fp8_decode_attention: min_split={min_split}, a multiple of the tile ({block_n} keys) is needed")
     q_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if q_fp8 != (q_scale is not None):
         raise ValueError("fp8_decode_attention: an FP8 query takes q_scale, a 16-bit one does not")
@@ -258,14 +277,15 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         qk_kernel = fp8_decode_attn_qk.kernel(sys.modules[__name__])  # this module's jit helpers
         qk_kernel[grid](*args, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
                         Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, ORDERED=longest_first, WIDEN=_interpreted(),
-                        num_warps=num_warps, num_stages=num_stages)
+                        MIN_SPLIT=min_split, num_warps=num_warps, num_stages=num_stages)
     else:
         split_kernel[grid](*args, GROUP=group, GROUP_PAD=group_pad, D=d, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
                            Q_FP8=q_fp8, Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, ORDERED=longest_first,
-                           num_warps=num_warps, num_stages=num_stages)
+                           MIN_SPLIT=min_split, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         merge_kernel[(num_seqs, q_heads)](part, lse, seq_lens, query_start_loc, v_scale, out, out.stride(0),
-                                          out.stride(1), q_heads, D=d, SPLITS=splits, num_warps=4)
+                                          out.stride(1), q_heads, D=d, SPLITS=splits, BLOCK_N=block_n,
+                                          MIN_SPLIT=min_split, num_warps=4)
     return out
 
 

@@ -31,12 +31,12 @@ def kernel(helpers):
                                     stride_oh, q_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                                     Q_SCALED: tl.constexpr, HPP: tl.constexpr, V_ASM: tl.constexpr,
-                                    ORDERED: tl.constexpr, WIDEN: tl.constexpr):
+                                    ORDERED: tl.constexpr, WIDEN: tl.constexpr, MIN_SPLIT: tl.constexpr):
         kvh = tl.program_id(0) * HPP
         seq = _program_seq(order_ptr, ORDERED)
         split = tl.program_id(2)
-        seq_len, tok, q_len, start, end = _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS, BLOCK_N)
-        if (q_len > 0) & (seq_len > 0):
+        seq_len, tok, q_len, start, end = _bounds(lens_ptr, qsl_ptr, seq, split, SPLITS, BLOCK_N, MIN_SPLIT)
+        if (q_len > 0) & (start < seq_len):
             rg = tl.arange(0, GROUP_PAD)
             rd = tl.arange(0, D)
             rn = tl.arange(0, BLOCK_N)
