@@ -200,7 +200,7 @@ def main() -> None:
                              "max_abs_err": err, "ref_max": ref.abs().max().item()}
             if str(batch) in args.sweep.split(",") and str(ctx) == args.ctx.split(",")[0]:  # at the first context:
                 # the default kernel's tiles, then the FP8-score kernel's
-                fn = cands["flashrl_fp8"][0]
+                fn, fn_out = cands["flashrl_fp8"][0], cands["flashrl_fp8"][1]
                 grids = {"default": ("flashrl_best", SWEEP, {}), "fp8qk": ("flashrl_fp8qk_best", SWEEP_QK, {"qk_fp8": True}),
                          "tail": ("flashrl_tail_best", SWEEP_TAIL, {})}
                 for key, grid, extra in (g for name, g in grids.items() if args.sweep_grid in (name, "both")
@@ -210,9 +210,11 @@ def main() -> None:
                         c = dict(zip(grid, vals))
                         try:
                             us = bench(lambda c=c, fn=fn, extra=extra: fn(**c, **extra))
-                        except Exception:
+                        except Exception as e:  # a cell that cannot run (shared memory, a refusal): kept, with why
+                            timed.append({**c, "error": f"{type(e).__name__}: {e}"[:200]})
                             continue
-                        timed.append({**c, "us": round(us, 2)})
+                        err = (fn_out[:n_ref].float() - ref).abs().max().item()  # the last timed call's output
+                        timed.append({**c, "us": round(us, 2), "max_abs_err": err})
                         if best is None or us < best[1]:
                             best = (c, us)
                     if key == "flashrl_tail_best":  # every cell: a rule by length needs the whole table

@@ -538,6 +538,8 @@ def test_decode_attention_tail_sweep_keeps_every_cell(tmp_path, monkeypatch, cap
 
     def flashrl(**cfg):
         calls.append(cfg)
+        if cfg == {"splits": 8, "min_split": 1024}:  # a cell that cannot run: kept with its error
+            raise ValueError("stand-in refusal")
 
     cpu_batch = da.make_batch
     monkeypatch.setattr(da.torch.cuda, "is_available", lambda: True)
@@ -563,9 +565,24 @@ def test_decode_attention_tail_sweep_keeps_every_cell(tmp_path, monkeypatch, cap
     cells = {(c["splits"], c["min_split"]) for c in row["flashrl_tail"]}
     assert cells == {(s, m) for s in da.SWEEP_TAIL["splits"] for m in da.SWEEP_TAIL["min_split"]}
     assert {(c.get("splits"), c.get("min_split")) for c in calls if c} == cells
+    assert all(set(c) <= {"splits", "min_split"} for c in calls)  # the default tile: no tile keys passed
+    failed = [c for c in row["flashrl_tail"] if "error" in c]
+    assert failed == [{"splits": 8, "min_split": 1024, "error": "ValueError: stand-in refusal"}]
+    assert all(c["max_abs_err"] == 1.0 for c in row["flashrl_tail"] if "us" in c)  # zeros against the stand-in's ones
     assert row["flashrl_tail_best"]["splits"] == 64 and row["flashrl_tail_best"]["min_split"] == 0
     assert "flashrl_best" not in row and "flashrl_fp8qk_best" not in row
     assert "| 36.0 (" in capsys.readouterr().out.split("tail best")[1]  # 100 - 64: the table's tail column
+    # --sweep-grid default: the tile grid's best in its column (splits/block_n/num_warps/num_stages), no tail cells
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--shapes", "qwen3-8b", "--batches", "8", "--ctx", "300",
+                                      "--sweep", "8", "--sweep-grid", "default", "--json", str(out)])
+    da.main()
+    row = json.loads(out.read_text())["rows"][0]
+    assert "flashrl_tail" not in row and "flashrl_tail_best" not in row
+    best = row["flashrl_best"]
+    assert best["splits"] == 16 and best["us"] == 84.0  # the grid's most splits
+    printed = capsys.readouterr().out
+    assert f"84.0 ({best['tb_s']}; 16/{best['block_n']}/{best['num_warps']}/{best['num_stages']}) | - | - |" in printed
 
 
 def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path, monkeypatch):

@@ -71,6 +71,8 @@ def test_a_job_file_names_what_exists(path):
         files = [a.split("::")[0] for a in args if a.endswith(".py") or ".py::" in a]
         assert files and all((REPO / f).is_file() for f in files), line
         assert _selected(args), f"selects no test: {line}"
+        missing = [a for a in args if ".py::" in a and a not in _node_ids()]
+        assert not missing, f"node ids pytest does not collect: {missing}"
     if job["ROWS"]:
         sys.path.insert(0, str(REPO / "benchmarks"))
         from shapes import LLAMA3, QWEN3, QWEN3_MOE, QWEN25

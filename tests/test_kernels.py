@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -329,8 +330,15 @@ def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
         if qk and not fp8_query:
             continue
         out = torch.full((q.shape[0] + 1, *q.shape[1:]), 7.0, dtype=torch.bfloat16)
-        fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
-                                             heads=heads, qk_fp8=qk, min_split=least, **sc)
+        with _nan_partials(lens.shape[0] * q.shape[1] * splits) as made:  # a partial never written reads as NaN
+            fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
+                                                 heads=heads, qk_fp8=qk, min_split=least, **sc)
+        if splits > 1:  # each sequence's first head: the splits written = those its keys reach, no more
+            lse = next(x for x in made if x.dim() == 1).view(lens.shape[0], q.shape[1], splits)[:, 0]
+            cdiv = lambda a, b: -(-a // b)  # noqa: E731
+            for i, n in enumerate(lens.tolist()):
+                per = max(cdiv(cdiv(n, splits), 32) * 32, least)  # the kernel's split: whole tiles, >= min_split
+                assert int((~lse[i].isnan()).sum()) == (cdiv(n, per) if n else 0), (splits, least, i, lse[i])
         real = [0, 1, 2, 3]  # the tokens of sequences 0, 2, 3, 4
         err = (out[real].float() - ref[real]).abs().max()
         assert err <= 2 ** -7 * ref[real].abs().max(), (splits, heads, qk, float(err))  # one BF16 step (interpreter)
@@ -339,6 +347,30 @@ def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
         fp8_decode_attn.fp8_decode_attention(q, k, v, lpt, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
                                              heads=heads, qk_fp8=qk, longest_first=True, min_split=least, **sc)
         assert torch.equal(lpt, out), (splits, heads, qk)
+        if not least:  # a least split of one tile changes no split: the same bits
+            tile = torch.full_like(out, 7.0)
+            fp8_decode_attn.fp8_decode_attention(q, k, v, tile, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
+                                                 heads=heads, qk_fp8=qk, min_split=32, **sc)
+            assert torch.equal(tile, out), (splits, heads, qk)
+
+
+@contextlib.contextmanager
+def _nan_partials(rows: int):
+    """torch.empty's float32 tensors of `rows` rows (the kernel's partials and their log-sum-exps) come NaN-filled
+    and are listed, so a merge that reads a split nobody wrote turns the output NaN."""
+    empty, made = torch.empty, []
+
+    def nan_empty(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        if x.dtype == torch.float32 and x.dim() and x.shape[0] == rows:
+            made.append(x.fill_(float("nan")))
+        return x
+
+    torch.empty = nan_empty
+    try:
+        yield made
+    finally:
+        torch.empty = empty
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,fp8_query", [(8, 2, True), (7, 1, True), (4, 2, False)])
@@ -445,7 +477,8 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
     ref = fp8_decode_attn.reference(q, k, v, bt, lens_t, qsl, 128 ** -0.5, **sc)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hpp = fp8_decode_attn.heads_per_program(q_heads, kv_heads)
-    for splits, heads, least in ((None, None, 0), (1, None, 0), (16, None, 0), (None, 1, 0), (64, None, 512)):
+    for splits, heads, least in ((None, None, 0), (1, None, 0), (16, None, 0), (None, 1, 0), (64, None, 512),
+                                 (64, 1, 512)):
         out = torch.zeros(q.shape, dtype=torch.bfloat16, device="cuda")  # splits None: the engine's choice
         fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, min_split=least, **sc)
