@@ -8,7 +8,7 @@ of its BF16 decode. This script times one decode step's attention for one layer 
 call replayed from a CUDA graph (as vLLM's decode steps run), in vLLM 0.26's cache layout (NHD: [blocks, page,
 kv_heads, K|V]; `--layout hnd`: [blocks, kv_heads, page, K|V]), with random block tables and context lengths
 uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV bytes the step must read / its time. Each kernel's output is
-checked against a float32 reference on the same FP8 values (`fp8_decode_attn.reference`, the first 16
+checked against a float32 reference on the same FP8 values (`fp8_decode_attn_ref.reference`, the first 16
 sequences). Prints a table and writes JSON; `--sweep B,..` also times flashrl's kernel at every split count and
 tile at those batch sizes and the first `--ctx` (`--sweep-grid`: the default kernel's, the FP8-score kernel's, or both;
 `tail`: up to 64 splits of at least `min_split` keys each, every cell kept in the JSON).
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import QWEN3, QWEN25  # noqa: E402
 
-from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
+from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_ref  # noqa: E402
 
 PAGE, D = 16, 128
 SWEEP = {"splits": [1, 2, 4, 8, 16], "block_n": [32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [2, 3]}
@@ -177,7 +177,7 @@ def main() -> None:
                            equal=args.equal_lengths)
             cands = candidates(b, q_heads, kv_heads)
             n_ref = min(batch, 16)
-            ref = fp8_decode_attn.reference(b["q8"][:n_ref], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n_ref],
+            ref = fp8_decode_attn_ref.reference(b["q8"][:n_ref], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n_ref],
                                             b["lens"][:n_ref], b["qsl"][:n_ref + 1], D ** -0.5, b["k_scale"],
                                             b["v_scale"], q_scale=b["q_scale"])
             row = {"layout": args.layout, "shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "batch": batch,

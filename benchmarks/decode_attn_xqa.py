@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import D, PAGE, bench, make_batch  # noqa: E402
 from shapes import QWEN3, QWEN25  # noqa: E402
 
-from flashrl_tools.quant.kernels import fp8_decode_attn  # noqa: E402
+from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_ref  # noqa: E402
 from flashrl_tools.quant.kernels.xqa_decode import SCRATCH_BYTES, SEMAPHORE_BYTES  # noqa: E402
 
 
@@ -150,7 +150,7 @@ def main() -> None:
             b = make_batch(q_heads, kv_heads, batch, args.ctx, torch.Generator(device="cuda").manual_seed(0))
             n, raw = min(8, batch), b["raw"]
             q16 = b["q16"]
-            refs = {q: fp8_decode_attn.reference(x[:n], raw[..., :D], raw[..., D:], b["bt"][:n], b["lens"][:n],
+            refs = {q: fp8_decode_attn_ref.reference(x[:n], raw[..., :D], raw[..., D:], b["bt"][:n], b["lens"][:n],
                                                  b["qsl"][:n + 1], D ** -0.5, b["k_scale"], b["v_scale"], q_scale=s)
                     for q, x, s in (("q8", b["q8"], b["q_scale"]), ("q16", q16, None))}
             for name in ("package", "package_bf16q", "xqa_sm90", "xqa_generic"):

@@ -551,7 +551,7 @@ def test_decode_attention_tail_sweep_keeps_every_cell(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(da, "candidates",
                         lambda b, qh, kvh: {"flashrl_fp8": (flashrl, torch.zeros(len(b["lens"]), qh, da.D), 1)})
-    monkeypatch.setattr(da.fp8_decode_attn, "reference", lambda q, *a, **k: torch.ones(q.shape))
+    monkeypatch.setattr(da.fp8_decode_attn_ref, "reference", lambda q, *a, **k: torch.ones(q.shape))
     monkeypatch.setattr(da, "bench", timed)
     monkeypatch.setattr(da.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(da.torch.cuda, "get_device_name", lambda: "stand-in")

@@ -315,12 +315,12 @@ def _paged_batch(lens, q_heads, kv_heads, d=128, page=16, fp8_query=True, device
 
 def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
     """Run inside a process started with TRITON_INTERPRET=1 (Triton reads it when it is imported)."""
-    from flashrl_tools.quant.kernels import fp8_decode_attn
+    from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_ref
 
     # a 16-bit query in FP16: Triton's interpreter multiplies BF16 as integers (the GPU test covers BF16)
     q, k, v, bt, lens, qsl, sc = _paged_batch([37, 0, 100, 5, 16], q_heads, kv_heads, fp8_query=fp8_query,
                                               query_dtype=torch.float16)
-    ref = fp8_decode_attn.reference(q, k, v, bt, lens, qsl, 128 ** -0.5, **sc)
+    ref = fp8_decode_attn_ref.reference(q, k, v, bt, lens, qsl, 128 ** -0.5, **sc)
     assert ref[0].abs().max() > 0
     # heads None: two a program where they pair; qk_fp8: the transposed scores (FP8 queries only; the interpreter
     # forms the same exact products in FP16)
@@ -468,13 +468,13 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
 def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, query):
     """The compiled kernel at decode shapes (issue 45): within the output's BF16 rounding of float32 attention over
     the same FP8 values, at the split count the engine picks and at one split, and the same bits when run again."""
-    from flashrl_tools.quant.kernels import fp8_decode_attn
+    from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_ref
 
     g = torch.Generator().manual_seed(q_heads)
     lens = [int(x) for x in torch.randint(1, 5000, (48,), generator=g)]
     lens[1] = 0
     q, k, v, bt, lens_t, qsl, sc = _paged_batch(lens, q_heads, kv_heads, fp8_query=query == "fp8", device="cuda")
-    ref = fp8_decode_attn.reference(q, k, v, bt, lens_t, qsl, 128 ** -0.5, **sc)
+    ref = fp8_decode_attn_ref.reference(q, k, v, bt, lens_t, qsl, 128 ** -0.5, **sc)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hpp = fp8_decode_attn.heads_per_program(q_heads, kv_heads)
     for splits, heads, least in ((None, None, 0), (1, None, 0), (16, None, 0), (None, 1, 0), (64, None, 512),
@@ -571,7 +571,7 @@ def test_xqa_decode_matches_float32_attention_within_fp8_attention_error(q_heads
     CUDA graph it gives the same bits, and a V scale changed in place (as a recalibration writes it) scales the
     output without a new capture."""
     pytest.importorskip("flashinfer")
-    from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
+    from flashrl_tools.quant.kernels import fp8_decode_attn_ref, xqa_decode
 
     g = torch.Generator().manual_seed(seqs)
     lens = [int(x) for x in torch.randint(1, 5000, (seqs,), generator=g)]
@@ -581,7 +581,7 @@ def test_xqa_decode_matches_float32_attention_within_fp8_attention_error(q_heads
     if query == "fp8":
         sc["q_scale"] = torch.tensor([0.04], device="cuda")
         q = (q.float() / sc["q_scale"]).to(torch.float8_e4m3fn)
-    ref = fp8_decode_attn.reference(q, k, v, bt, lens_t, qsl, 0.1, **sc)
+    ref = fp8_decode_attn_ref.reference(q, k, v, bt, lens_t, qsl, 0.1, **sc)
     out = torch.zeros(seqs + 2, q_heads, 128, dtype=torch.bfloat16, device="cuda")
 
     def run():

@@ -1132,7 +1132,7 @@ def _sglang_decode_attn_check() -> None:
     """Run inside a process started with TRITON_INTERPRET=1: fa3's decode call through the hook equals float32
     attention over the pool's FP8 values (page sizes 1 and 16, SGLang's output buffer or a new BF16 one, its
     deterministic `num_splits=1`), logged once."""
-    from flashrl_tools.quant.kernels import fp8_decode_attn
+    from flashrl_tools.quant.kernels import fp8_decode_attn_ref
     from flashrl_tools.runtime.core import decode_attn as core
     from flashrl_tools.runtime.sglang import decode_attn, kv_store
 
@@ -1151,7 +1151,7 @@ def _sglang_decode_attn_check() -> None:
         kw["num_splits"] = num_splits
         out = decode_attn.flash_attn_with_kvcache(fail, **kw)
         assert out.dtype == torch.bfloat16 and out.shape == kw["q"].shape and (out is kw["out"] or not given_out)
-        ref = fp8_decode_attn.reference(kw["q"], kw["k_cache"], kw["v_cache"], kw["page_table"], kw["cache_seqlens"],
+        ref = fp8_decode_attn_ref.reference(kw["q"], kw["k_cache"], kw["v_cache"], kw["page_table"], kw["cache_seqlens"],
                                         kw["cu_seqlens_q"], kw["softmax_scale"], kw["k_descale"][0, 0],
                                         kw["v_descale"][0, 0], q_scale=1.0)
         err = float((out.float() - ref).abs().max() / ref.abs().max())
