@@ -9,14 +9,15 @@ categories by name; idle = the traced window minus the union of those intervals.
 --tokens (the prefill of short prompts is a small part). Prints a table, writes JSON (with each phase's longest
 kernels by name, `top_kernels`: what "other" holds).
 
-The profiler's own CPU cost slows every step, so its wall time says nothing about the host's share. `--plain` adds,
-per config, a second process (vLLM's default engine-core process, no profiler) timing the same `generate` per phase:
-`plain` ms per step, and `gap` = plain - the profiled kernels' busy time = what the device waits per step at full
-speed (scheduling, Python, sampling output, launches). `--cached-prompts` turns prefix caching on, so the phase's
-warm-up `generate` leaves its prompts' KV cached and the timed steps are decode only (long prompts: their prefill
-would otherwise be counted in the decode steps). `--engine sglang` (GPU): SGLang's offline Engine (overlap scheduler
-on, CUDA graphs, `--attention-backend`, default triton), traced by its own profiler in its scheduler's process
-(`Engine.start_profile` / `stop_profile`, GPU activity); its radix cache stands for prefix caching.
+The profiler's own CPU cost slows every step, so its wall time says nothing about the host's share. `--plain` adds, per
+config, a second process (vLLM's default engine-core process, no profiler) timing the same `generate` per phase:
+`plain` ms per step, and `gap` = plain - the profiled kernels' busy time = what the device waits per step at full speed
+(scheduling, Python, sampling output, launches); `marginal` = the time of 2 x --tokens minus that of --tokens, per step
+(one more decode step, without the call's fixed host costs), `m.gap` = marginal - busy. `--cached-prompts` turns prefix
+caching on, so the phase's warm-up `generate` leaves its prompts' KV cached and the timed steps are decode only (long
+prompts: their prefill would otherwise be counted in the decode steps). `--engine sglang` (GPU): SGLang's offline
+Engine (overlap scheduler on, CUDA graphs, `--attention-backend`, default triton), traced by its own profiler in its
+scheduler's process (`Engine.start_profile` / `stop_profile`, GPU activity); its radix cache stands for prefix caching.
 
     python benchmarks/step_profile.py --shapes 7b --configs bf16,int8,int8+kv \
         --json benchmarks/results/rl_step/step_profile_7b.json
@@ -30,10 +31,8 @@ on, CUDA graphs, `--attention-backend`, default triton), traced by its own profi
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -44,97 +43,12 @@ from harness import (  # noqa: E402
     bench_parser, config_env, output_args, page_size_error, preset_options, run_worker, serve_worker, sglang_engine,
     vllm_settings)
 from shapes import model_dir  # noqa: E402
+from trace_breakdown import CATEGORIES, breakdown, read_trace  # noqa: E402
 
 PRESETS = {
     "gpu": dict(shapes="7b,14b", configs="bf16,int8,int8+kv,fp8+kv", bulk=256, tail=4, tokens=64, prompt_len=64),
     "smoke": dict(shapes="default", configs="bf16,int8", bulk=8, tail=2, tokens=8, prompt_len=16),
 }
-# first match wins; kernel names of CUDA (cuBLAS / CUTLASS / Triton / FlashAttention / FlashInfer) and CPU (aten,
-# oneDNN) builds
-CATEGORIES = [  # first match wins: a norm is "other" although FlashInfer's name holds "flash" (its fused norm + INT8
-    # quantization in vLLM's compiled graph too)
-    ("other", r"rms_?norm|layer_?norm|norm::"),
-    ("attention", r"attn|attention|flash|paged|reshape_and_cache|kv_cache|mla|rotary|rope"),
-    ("linear", r"gemm|gemv|matmul|cutlass|cublas|scaled_mm|w8a8|int8_mm|fp8_mm|xmma|sm90|sm80|linear|addmm|aten::mm|"
-               r"onednn|dnnl|bmm"),
-    ("sampling", r"sampl|topk|top_k|top_p|softmax|argmax|multinomial|exponential|gumbel|logprob|sort|cumsum"),
-]
-DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-TOP_KERNELS = 15  # the JSON keeps the phase's longest kernels by name (what "other" holds, which GEMM runs)
-
-
-def category(name: str) -> str:
-    low = name.lower()
-    for cat, pattern in CATEGORIES:
-        if re.search(pattern, low):
-            return cat
-    return "other"
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
-
-
-def top_level(events: list[dict]) -> list[dict]:
-    """Per thread, the events no other event of that thread contains (CPU ops nest: count each span once)."""
-    out = []
-    by_thread: dict = {}
-    for e in events:
-        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    for evs in by_thread.values():
-        end = None
-        for e in sorted(evs, key=lambda x: (x["ts"], -x["dur"])):
-            if end is None or e["ts"] >= end:
-                out.append(e)
-                end = e["ts"] + e["dur"]
-    return out
-
-
-def breakdown(trace: dict, steps: int) -> dict:
-    """Milliseconds per decode step by category, idle, and which events were counted ("device" kernels, or
-    top-level "cpu" ops where the trace has no device events)."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    device = [e for e in events if e.get("cat") in DEVICE_CATS]
-    source = "device" if device else "cpu"
-    counted = device if device else top_level([e for e in events if e.get("cat") == "cpu_op"])
-    if not counted:
-        raise ValueError("the trace has neither device kernels nor CPU ops")
-    start = min(e["ts"] for e in counted)
-    end = max(e["ts"] + e["dur"] for e in counted)
-    per: dict[str, float] = {cat: 0.0 for cat, _ in CATEGORIES}
-    per["other"] = 0.0
-    by_name: dict[str, float] = {}
-    for e in counted:
-        per[category(e.get("name", ""))] += e["dur"]
-        by_name[e.get("name", "")] = by_name.get(e.get("name", ""), 0.0) + e["dur"]
-    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in counted])
-    us_to_ms = 1e-3 / steps
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
-    return {"source": source, "events": len(counted), "window_ms_per_step": (end - start) * us_to_ms,
-            **{f"{cat}_ms_per_step": v * us_to_ms for cat, v in per.items()},
-            "idle_ms_per_step": (end - start - busy) * us_to_ms,
-            "top_kernels": [{"name": n[:160], "category": category(n), "ms_per_step": v * us_to_ms} for n, v in top]}
-
-
-def read_trace(directory: Path) -> dict:
-    files = sorted(directory.rglob("*.json*"), key=lambda p: p.stat().st_mtime)
-    files = [f for f in files if f.name.endswith((".json", ".json.gz"))]
-    if not files:
-        raise FileNotFoundError(f"no trace written under {directory}")
-    f = files[-1]
-    opener = gzip.open if f.name.endswith(".gz") else open
-    with opener(f, "rt") as fh:
-        return json.load(fh)
-
-
 def phase_requests(spec: dict, phase: str) -> list[list[int]]:
     """The phase's prompts (token ids; the same for every config and engine)."""
     return [[11 + (i * 7 + j) % 200 for j in range(spec["prompt_len"])] for i in range(spec[phase])]
@@ -153,7 +67,7 @@ def worker(spec: dict) -> dict:
         "profiler": "torch", "torch_profiler_dir": str(out_dir), "torch_profiler_with_stack": False,
         "torch_profiler_use_gzip": False}}
     llm = LLM(model=spec["model"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["tokens"] + 8, enforce_eager=not gpu,
+              dtype="bfloat16", max_model_len=spec["prompt_len"] + longest(spec) + 8, enforce_eager=not gpu,
               gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0,
               enable_prefix_caching=bool(spec.get("cached_prompts")), **profiler,
               **({"attention_backend": spec["attention_backend"]} if spec.get("attention_backend") else {}))
@@ -161,20 +75,17 @@ def worker(spec: dict) -> dict:
     for phase in ("bulk", "tail"):
         n = spec[phase]
         reqs = [{"prompt_token_ids": p} for p in phase_requests(spec, phase)]
-        params = SamplingParams(temperature=1.0, max_tokens=spec["tokens"], ignore_eos=True, logprobs=0, seed=0,
-                                detokenize=False)
-        llm.generate(reqs, params, use_tqdm=False)  # warm-up of this batch size
-        if spec.get("plain"):  # the same generate at full speed: the best of three
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                llm.generate(reqs, params, use_tqdm=False)
-                times.append(time.perf_counter() - t0)
-            rows[phase] = {"plain_ms_per_step": min(times) * 1e3 / spec["tokens"]}
+
+        def generate(tokens=spec["tokens"], reqs=reqs):
+            llm.generate(reqs, SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0, seed=0,
+                                              detokenize=False), use_tqdm=False)
+        generate()  # warm-up of this batch size
+        if spec.get("plain"):  # the same generate at full speed
+            rows[phase] = plain_times(generate, spec["tokens"])
             continue
         t0 = time.perf_counter()
         llm.start_profile(profile_prefix=phase)
-        llm.generate(reqs, params, use_tqdm=False)
+        generate()
         llm.stop_profile()
         wall = time.perf_counter() - t0
         rows[phase] = {"sequences": n, "wall_ms_per_step": wall * 1e3 / spec["tokens"],
@@ -189,25 +100,20 @@ def worker_sglang(spec: dict) -> dict:
     """The same phases on SGLang (module docstring): T=1 with each token's logprob, ignore_eos; profiled by the
     scheduler's torch profiler (GPU activity: its device kernels), or timed plain (best of three)."""
     out_dir = Path(spec["trace_dir"])
-    engine = sglang_engine(spec, spec["prompt_len"] + spec["tokens"] + 8,
+    engine = sglang_engine(spec, spec["prompt_len"] + longest(spec) + 8,
                            disable_radix_cache=not spec.get("cached_prompts"))
     try:
         rows = {}
-        params = {"temperature": 1.0, "max_new_tokens": spec["tokens"], "ignore_eos": True}
         for phase in ("bulk", "tail"):
             ids = phase_requests(spec, phase)
 
-            def generate(ids=ids):
-                engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+            def generate(tokens=spec["tokens"], ids=ids):
+                engine.generate(input_ids=ids, return_logprob=True,
+                                sampling_params={"temperature": 1.0, "max_new_tokens": tokens, "ignore_eos": True})
 
             generate()  # warm-up of this batch size
             if spec.get("plain"):
-                times = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    generate()
-                    times.append(time.perf_counter() - t0)
-                rows[phase] = {"plain_ms_per_step": min(times) * 1e3 / spec["tokens"]}
+                rows[phase] = plain_times(generate, spec["tokens"])
                 continue
             traces = out_dir / phase
             t0 = time.perf_counter()
@@ -224,6 +130,28 @@ def worker_sglang(spec: dict) -> dict:
         engine.shutdown()
 
 
+def longest(spec: dict) -> int:
+    """New tokens a request may take: --tokens, twice that in the plain process (its marginal step)."""
+    return spec["tokens"] * (2 if spec.get("plain") else 1)
+
+
+def plain_times(generate, tokens: int) -> dict:
+    """A phase timed unprofiled, the best of three: `generate(n)` of n new tokens a request at n = tokens and 2 x
+    tokens. plain = the first / tokens (the call's own host costs -- adding the requests, their prefix-cache lookups,
+    the first step -- spread over its steps); marginal = the difference / tokens: one more decode step of that batch,
+    what a long rollout's steps cost."""
+    best = {}
+    for n in (tokens, 2 * tokens):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            generate(n)
+            times.append(time.perf_counter() - t0)
+        best[n] = min(times)
+    return {"plain_ms_per_step": best[tokens] * 1e3 / tokens,
+            "marginal_ms_per_step": (best[2 * tokens] - best[tokens]) * 1e3 / tokens}
+
+
 def add_plain(row: dict, plain: dict) -> None:
     """Per phase of a profiled row: the unprofiled ms per step and the device's wait per step at that speed
     (plain - the kernels' busy time); the plain process's engine settings under `plain_engine`."""
@@ -232,8 +160,10 @@ def add_plain(row: dict, plain: dict) -> None:
         return
     for phase, p in row["phases"].items():
         busy = p["window_ms_per_step"] - p["idle_ms_per_step"]
-        p["plain_ms_per_step"] = plain["phases"][phase]["plain_ms_per_step"]
+        for k in ("plain", "marginal"):
+            p[f"{k}_ms_per_step"] = plain["phases"][phase][f"{k}_ms_per_step"]
         p["gap_ms_per_step"] = p["plain_ms_per_step"] - busy
+        p["marginal_gap_ms_per_step"] = p["marginal_ms_per_step"] - busy
     row["plain_engine"] = {k: v for k, v in plain.items() if k != "phases"}
 
 
@@ -287,13 +217,14 @@ def main() -> None:
     print(f"\nms per decode step on {device} ({opts['tokens']} steps profiled; bulk {opts['bulk']} / tail "
           f"{opts['tail']} sequences)")
     print(f"{'shape':8} {'config':9} {'phase':5} {'wall':>7} " + " ".join(f"{c:>9}" for c in cats)
-          + f" {'plain':>7} {'gap':>7}  counted")
+          + f" {'plain':>7} {'gap':>7} {'marginal':>8} {'m.gap':>7}  counted")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:8} {r['config']:9} error: {r['error']}")
             continue
         for phase, p in r["phases"].items():
-            plain = " ".join(f"{p[k]:7.3f}" if k in p else f"{'-':>7}" for k in ("plain_ms_per_step", "gap_ms_per_step"))
+            plain = " ".join(f"{p[k]:{w}.3f}" if k in p else f"{'-':>{w}}" for k, w in (
+                ("plain_ms_per_step", 7), ("gap_ms_per_step", 7), ("marginal_ms_per_step", 8), ("marginal_gap_ms_per_step", 7)))
             print(f"{r['shape']:8} {r['config']:9} {phase:5} {p['wall_ms_per_step']:7.2f} "
                   + " ".join(f"{p[c + '_ms_per_step']:9.3f}" for c in cats) + f" {plain}  {p['source']}")
     if a.json:

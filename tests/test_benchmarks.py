@@ -331,7 +331,7 @@ def test_step_profile_splits_a_trace_by_kernel_name():
     linear, sampling, else other), idle = the window minus the union of the kernels (overlaps counted once), per step;
     a trace with only CPU ops counts each thread's top-level ops once."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from step_profile import breakdown, category
+    from trace_breakdown import breakdown, category
 
     assert category("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>") == "linear"
     assert category("_fwd_kernel_flash_decode_stage1") == "attention"
@@ -372,7 +372,28 @@ def test_step_profile_benchmark_smoke(tmp_path):
         busy = p["window_ms_per_step"] - p["idle_ms_per_step"]
         assert 0 < p["plain_ms_per_step"] < p["wall_ms_per_step"]
         assert abs(p["gap_ms_per_step"] - (p["plain_ms_per_step"] - busy)) < 1e-9
+        assert p["marginal_ms_per_step"] > 0  # twice the tokens took longer
+        assert abs(p["marginal_gap_ms_per_step"] - (p["marginal_ms_per_step"] - busy)) < 1e-9
     assert r["plain_engine"]["decode_gemm"] == "auto" and "engine_core_process" in r["plain_engine"]
+
+
+def test_step_profile_marginal_step_leaves_out_a_calls_fixed_cost(monkeypatch):
+    """`--plain`'s marginal step: a generate of n tokens costing 50 ms + 2 ms a token (the best of three runs) gives
+    plain = 66 ms / 8 = 8.25 ms a step at n = 8 but marginal = 2 ms (what one more decode step costs)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import step_profile
+
+    clock = [0.0]
+    calls = []
+
+    def generate(n):
+        calls.append(n)
+        clock[0] += 0.050 + 0.002 * n + (0.010 if len(calls) % 3 == 1 else 0.0)  # the first of each three slower
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: clock[0])
+    got = step_profile.plain_times(generate, 8)
+    assert calls == [8, 8, 8, 16, 16, 16]
+    assert abs(got["plain_ms_per_step"] - 66.0 / 8) < 1e-9 and abs(got["marginal_ms_per_step"] - 2.0) < 1e-9
+    assert step_profile.longest({"tokens": 8}) == 8 and step_profile.longest({"tokens": 8, "plain": True}) == 16
 
 
 def test_a_stalled_engine_process_prints_where_it_waits_and_lives_on(tmp_path):
