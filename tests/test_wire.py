@@ -113,6 +113,27 @@ def test_a_tp2_engine_takes_trainer_quantized_tensors_on_every_push_path(tiny_mo
         assert stages[tag]["tokens"] == fresh["tokens"] and stages[tag]["logprobs"] == fresh["logprobs"], tag
 
 
+def test_the_wire_probe_fails_an_observation_that_does_not_repeat():
+    """The GPU wire probe observes the start twice: with vLLM's multiprocess engine core two prompts of one call
+    share a prefill step or not by timing, and vLLM 0.26's W4A16 kernels (Machete, Marlin) give other bits in
+    another batch -- the 4-bit cases of 2026-11-30 failed with every weight digest equal. An observation that
+    does not repeat is a failure of its own, not a sync's (the probe then observes one prompt per call)."""
+    sys.path.insert(0, str(REPO / "tests" / "probes"))
+    from wire_probe import verdict
+
+    def stage(tag, digest, logprob):
+        return {"tag": tag, "digest": [{"w": digest}], "tokens": [[1, 2]], "logprobs": [[logprob]]}
+
+    res = {"stages": [stage("start", "a", -1.0), stage("engine-side", "b", -2.0), stage("restore-engine-side", "a", -1.0),
+                      stage("load_weights", "b", -2.0)],
+           "start_again": stage("start", "a", -1.0 + 2 ** -20)}  # the same weights, other bits
+    checks = verdict(res)
+    assert checks["the start observed twice = itself"] is False
+    assert checks["restore-engine-side = start"] and checks["load_weights = engine-side sync"]
+    res["start_again"] = stage("start", "a", -1.0)
+    assert all(verdict(res).values())
+
+
 def test_a_smoothquant_profile_is_converted_once(default_model, smoothquant_checkpoint, sq_profile, tmp_path):
     """A calibrated SmoothQuant checkpoint + profile: the trainer's call rescales the norms and quantizes as the
     engine's conversion does, behind `flashrl.converted`; an engine-side converter receiving that sync takes

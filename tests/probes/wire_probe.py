@@ -15,7 +15,13 @@ digest (runtime/core/digest.py):
   transfer      (CPU) the 8-bit tensors, saved to a checkpoint, through the weight-transfer API with the CPU
                 tests' checkpoint backend (sync_probe.py: loads like the IPC backend)
 A refusal: one 8-bit tensor with a scale of the wrong shape (one line, the engine keeps serving).
-Usage: python wire_probe.py ORIGINAL NEW OUT.json [--bucket-bytes N]"""
+The start is observed twice: an observation that does not repeat bit for bit cannot tell a sync's fault. With vLLM's
+multiprocess engine core (which CUDA IPC needs) two prompts of one `generate` call share their prefill step or not by
+timing -- the core starts a step as soon as the first request arrives -- and a kernel whose sums depend on the rows
+of the batch (vLLM 0.26's W4A16 kernels, Machete and Marlin, pick their tiles and splits by the token count) then gives
+other bits with the same weights (GPU run of 2026-11-30: the 4-bit cases' digests all equal, their logprobs not):
+`--one-prompt-per-call` observes each prompt in a call of its own.
+Usage: python wire_probe.py ORIGINAL NEW OUT.json [--bucket-bytes N] [--one-prompt-per-call]"""
 
 import argparse
 import json
@@ -152,6 +158,8 @@ def verdict(res: dict) -> dict:
     def same(a, b):
         return not any(differences(a, b).values())
     checks = {"the engine-side sync changed the weights": ref["digest"] != start["digest"]}
+    if "start_again" in res:  # the observation itself repeats bit for bit
+        checks["the start observed twice = itself"] = same(res["start_again"], start)
     for tag, stage in st.items():
         if tag.startswith("restore-"):
             checks[f"{tag} = start"] = same(stage, start)
@@ -185,6 +193,8 @@ def main() -> None:
     ap.add_argument("--paths", default="load_weights,ipc,ipc-packed,ipc-bf16", help="comma-separated (CPU: load_weights)")
     ap.add_argument("--no-refusal", action="store_true")
     ap.add_argument("--kernel-values", default=None, help="record kernel-held tensors whose name holds this")
+    ap.add_argument("--one-prompt-per-call", action="store_true",
+                    help="observe each prompt in a generate call of its own (a multiprocess engine core's batches)")
     x = ap.parse_args()
     paths = x.paths.split(",")
     import torch
@@ -222,7 +232,10 @@ def main() -> None:
 
     def observe(tag, seconds=None):
         p = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
-        outs = llm.generate([{"prompt_token_ids": s} for s in seqs], p, use_tqdm=False)
+        if x.one_prompt_per_call:  # each prefill alone: the batch's rows never depend on timing
+            outs = [llm.generate([{"prompt_token_ids": s}], p, use_tqdm=False)[0] for s in seqs]
+        else:
+            outs = llm.generate([{"prompt_token_ids": s} for s in seqs], p, use_tqdm=False)
         stage = {"tag": tag, "seconds": seconds, "digest": llm.collective_rpc(digest),  # one per TP rank
                  "tokens": [list(o.outputs[0].token_ids) for o in outs],
                  "logprobs": [[lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(seqs, outs)]}
@@ -241,6 +254,7 @@ def main() -> None:
     res = {"config": os.environ.get("FLASHRL_CONFIG"), "trainer_quantize_s": quantize_s,
            "bytes": {"bf16": sum(t.numel() * t.element_size() for _, t in new), "wire": wire_bytes(buckets)},
            "stages": [observe("start")]}
+    res["start_again"] = observe("start")
 
     def restore():
         llm.collective_rpc(push_checkpoint(x.original))

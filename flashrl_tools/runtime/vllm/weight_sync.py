@@ -93,12 +93,16 @@ class LayerwiseWriter:
 
 
 def _modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
-    owners: dict[int, list[torch.nn.Module]] = {}
+    """Modules holding a Parameter that another module holds too (a tied lm_head and its embedding). A
+    module holding one Parameter under two names is not one: vLLM 0.26's Marlin WNA16 MoE method aliases
+    its processed `w13_weight_packed` / `w2_weight_packed` as `w13_weight` / `w2_weight`, and processing
+    those again repacks Marlin's layout as if it were the checkpoint's (`Hidden size mismatch w1`)."""
+    owners: dict[int, dict[int, torch.nn.Module]] = {}
     for module in model.modules():
         for param in module._parameters.values():
             if param is not None:
-                owners.setdefault(id(param), []).append(module)
-    shared = {id(m): m for ms in owners.values() if len(ms) > 1 for m in ms}
+                owners.setdefault(id(param), {})[id(module)] = module
+    shared = {id(m): m for ms in owners.values() if len(ms) > 1 for m in ms.values()}
     return [m for m in shared.values() if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")]
 
 
