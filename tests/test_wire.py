@@ -115,8 +115,8 @@ def test_a_tp2_engine_takes_trainer_quantized_tensors_on_every_push_path(tiny_mo
 
 def test_the_wire_probe_fails_an_observation_that_does_not_repeat():
     """The GPU wire probe observes the start twice: with vLLM's multiprocess engine core two prompts of one call
-    share a prefill step or not by timing, and vLLM 0.26's W4A16 kernels (Machete, Marlin) give other bits in
-    another batch -- the 4-bit cases of 2026-11-30 failed with every weight digest equal. An observation that
+    share a prefill step or not by timing, and vLLM 0.26's W4A16 kernels (Machete, Marlin) likely give other bits
+    in another batch -- the 4-bit cases of 2026-11-30 failed with every weight digest equal. An observation that
     does not repeat is a failure of its own, not a sync's (the probe then observes one prompt per call)."""
     sys.path.insert(0, str(REPO / "tests" / "probes"))
     from wire_probe import verdict

@@ -13,7 +13,7 @@ scales it takes through load_weights (its digests, one per rank, = its engine-si
 profile, the trainer quantizing with the profile): its checkpoint is not the profile applied to the originals,
 so there the restores must equal the engine-side restore instead of the start. Each prompt is observed in a
 `generate` call of its own (the multiprocess engine core batches two prompts of one call by timing, and the 4-bit
-kernels' bits depend on the batch: wire_probe.py), and the start twice (an observation must repeat). Also recorded: bytes
+kernels' bits likely depend on the batch: wire_probe.py), and the start twice (an observation must repeat). Also recorded: bytes
 on the wire vs BF16, the trainer's quantize time and each push's time (tiny models: the 7B-32B figures
 are benchmarks/wire_sync.py's)."""
 

@@ -18,9 +18,9 @@ A refusal: one 8-bit tensor with a scale of the wrong shape (one line, the engin
 The start is observed twice: an observation that does not repeat bit for bit cannot tell a sync's fault. With vLLM's
 multiprocess engine core (which CUDA IPC needs) two prompts of one `generate` call share their prefill step or not by
 timing -- the core starts a step as soon as the first request arrives -- and a kernel whose sums depend on the rows
-of the batch (vLLM 0.26's W4A16 kernels, Machete and Marlin, pick their tiles and splits by the token count) then gives
-other bits with the same weights (GPU run of 2026-11-30: the 4-bit cases' digests all equal, their logprobs not):
-`--one-prompt-per-call` observes each prompt in a call of its own.
+of the batch (vLLM 0.26's W4A16 kernels, Machete and Marlin, pick their tiles and splits by the token count) may then
+give other bits with the same weights (the likely reading of the GPU run of 2026-11-30: the 4-bit cases' digests all
+equal, their logprobs not): `--one-prompt-per-call` observes each prompt in a call of its own.
 Usage: python wire_probe.py ORIGINAL NEW OUT.json [--bucket-bytes N] [--one-prompt-per-call]"""
 
 import argparse

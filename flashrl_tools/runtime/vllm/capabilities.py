@@ -35,7 +35,7 @@ GPU = Capabilities(
     tested=("0.26.0",),
     formats=ALL_FORMATS, formats_note="",
     moe_formats=ALL_FORMATS,
-    moe_note="w4a16: Marlin WNA16 MoE via the layerwise reload, synced = fresh on the GPU",
+    moe_note="w4a16: Marlin WNA16 MoE via the layerwise reload, synced = fresh on the GPU (eager)",
     fp8_dense=None, fp8_moe=QuantFn.fp8_channel,
     checkpoint_quantization="compressed-tensors", online_quantization=("fp8", "fp8_per_tensor"),
     fp8_kv_cache=True, kv_scales=("q", "k", "v"), fp8_kv_note="q / k / v scales recalibrated after every sync", kv_dtype_names={},
