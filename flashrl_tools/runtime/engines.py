@@ -31,7 +31,7 @@ def engine_table() -> str:
     from flashrl_tools.runtime.vllm.capabilities import cpu_capabilities
 
     caps = [engine_capabilities(e) for e in ENGINES]
-    cpu = cpu_capabilities()
+    cpu = cpu_capabilities(host=False)
     rows = [
         ("versions", [c.versions for c in caps]),
         ("quantized checkpoints (dense)", [_formats(c.formats) + (f" ({c.formats_note})" if c.formats_note else "")

