@@ -272,7 +272,7 @@ def test_vllm_cpu_without_a_wna16_kernel_refuses_4bit_at_start(monkeypatch, tmp_
     monkeypatch.setattr(cap, "cpu_serves_w4a16", lambda: False)
     caps = cap.cpu_capabilities()
     assert W4 not in caps.formats and QuantFn.int8 in caps.formats
-    with pytest.raises(FlashRLError, match=r"vLLM on CPU does not serve w4a16 checkpoints \(.*w4a16 only in its AVX-512"):
+    with pytest.raises(FlashRLError, match=r"vLLM on CPU does not serve w4a16 checkpoints \(.*w4a16 needs AVX-512"):
         refuse_unserved(resolve("w4a16"), caps, W4, False, "m")
     with pytest.raises(FlashRLError, match="vLLM on CPU does not serve w4a16 layers"):
         refuse_unserved(resolve(str(yaml)), caps, QuantFn.int8, False, "m")

@@ -35,7 +35,7 @@ GPU = Capabilities(
     tested=("0.26.0",),
     formats=ALL_FORMATS, formats_note="",
     moe_formats=ALL_FORMATS,
-    moe_note="w4a16: Marlin WNA16 MoE via the layerwise reload, synced = fresh on the GPU (eager)",
+    moe_note="w4a16: Marlin WNA16 MoE, synced = fresh on the GPU (eager)",
     fp8_dense=None, fp8_moe=QuantFn.fp8_channel,
     checkpoint_quantization="compressed-tensors", online_quantization=("fp8", "fp8_per_tensor"),
     fp8_kv_cache=True, kv_scales=("q", "k", "v"), fp8_kv_note="q / k / v scales recalibrated after every sync", kv_dtype_names={},
@@ -72,7 +72,7 @@ def cpu_capabilities(host: bool = True) -> Capabilities:
 
     formats = CPU_FORMATS if not host or cpu_serves_w4a16() else CPU_FORMATS - {QuantFn.w4a16}
     return replace(GPU, engine="vLLM on CPU", tested=CPU_TESTED, formats=formats,
-                   formats_note="vLLM-CPU has no FP8 kernels; w4a16 only in its AVX-512 build", moe_formats=frozenset(),
+                   formats_note="no FP8 kernels; w4a16 needs AVX-512", moe_formats=frozenset(),
                    moe_note="vLLM-CPU has no INT8 or FP8 MoE kernels",
                    fp8_kv_cache=bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
                    fp8_kv_note="has an FP8 KV cache only on x86 CPUs with AVX-512 or AMX, and this one has neither",
