@@ -70,7 +70,7 @@ def cpu_capabilities(host: bool = True) -> Capabilities:
     import torch
     from dataclasses import replace
 
-    formats = CPU_FORMATS if not host or cpu_serves_w4a16() else CPU_FORMATS - {QuantFn.w4a16}
+    formats = CPU_FORMATS if not host or cpu_serves_w4a16() else frozenset(f for f in CPU_FORMATS if f.bits == 8)
     return replace(GPU, engine="vLLM on CPU", tested=CPU_TESTED, formats=formats,
                    formats_note="no FP8 kernels; w4a16 needs AVX-512", moe_formats=frozenset(),
                    moe_note="vLLM-CPU has no INT8 or FP8 MoE kernels",
