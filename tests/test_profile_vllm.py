@@ -9,11 +9,11 @@ stale calibrated checkpoint, which still holds the unperturbed weights.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 
 from conftest import REPO
 from flashrl_tools.profile.apply import requantize_checkpoint
@@ -28,8 +28,8 @@ MAX_TOKENS = 16
 def probe(model: Path, tmp: Path, tag: str, score=None) -> dict:
     req, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
     req.write_text(json.dumps({"messages": MESSAGES, "max_tokens": MAX_TOKENS, "score": score}))
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "probes" / "vllm_probe.py"), str(model), str(req),
-                          str(out)], capture_output=True, text=True, timeout=900)
+    res = run_python([str(REPO / "tests" / "probes" / "vllm_probe.py"), str(model), str(req),
+                      str(out)], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 import torch
 
 from conftest import REPO, run_cli
@@ -101,8 +102,8 @@ def test_a_hub_config_serves_the_same_checkpoint_on_both_engines(policy, calibra
         ref = res.stdout.strip().splitlines()[-1].split("=", 1)[1]
         code = ("import json, sys; sys.path.insert(0, 'tests'); from runtime_harness import HARNESSES\n"
                 f"print(json.dumps({{n: h().start({ref!r}, {str(policy)!r}) for n, h in HARNESSES.items()}}))")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                             env={**__import__("os").environ, **env}, timeout=300)
+        out = run_python(["-c", code], cwd=REPO,
+                         env={**__import__("os").environ, **env}, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     plans = json.loads(out.stdout.strip().splitlines()[-1])
     assert plans["vllm"] == plans["sglang"] and plans["vllm"]["checkpoint"] == str(q)
@@ -463,7 +464,6 @@ def test_kv_scales_are_calibrated_per_layer_and_kept_for_the_weights(engine, pol
 
 def _front(name: str, kv, feed, events: list, monkeypatch):
     """rollout(rid): one request through the adapter's front end, the model side behind it."""
-    import sys
     from types import SimpleNamespace
 
     from flashrl_tools.runtime.core.kv_state import calibration_index

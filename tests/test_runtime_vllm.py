@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 
 from conftest import REPO, run_cli
 from flashrl_tools.profile.apply import requantize_checkpoint
@@ -35,8 +35,7 @@ def probe(tmp: Path, tag: str, env: dict, **request) -> dict:
     req, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
     req.write_text(json.dumps({"sequences": SEQUENCES, "max_tokens": 8, **request}))
     full_env = {k: v for k, v in __import__("os").environ.items() if k != "FLASHRL_CONFIG"}
-    res = subprocess.run([sys.executable, str(PROBE), str(req), str(out)], capture_output=True, text=True,
-                         env={**full_env, **env}, timeout=900)
+    res = run_python([str(PROBE), str(req), str(out)], env={**full_env, **env}, timeout=900)
     assert res.returncode == 0, res.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -293,9 +292,9 @@ def test_e2e_loop_engine_follows_the_bf16_learner(config, tmp_path):
     """examples/e2e_sync_loop.py: after every SGD step + push, the engine's log p(target) is
     close to the BF16 learner's (HF forward), and rises with it."""
     out = tmp_path / "e2e.json"
-    res = subprocess.run([sys.executable, str(REPO / "examples" / "e2e_sync_loop.py"), "--steps", "2",
-                          "--json", str(out)], capture_output=True, text=True, timeout=900,
-                         env={**__import__("os").environ, "FLASHRL_CONFIG": config})
+    res = run_python([str(REPO / "examples" / "e2e_sync_loop.py"), "--steps", "2",
+                      "--json", str(out)], timeout=900,
+                     env={**__import__("os").environ, "FLASHRL_CONFIG": config})
     assert res.returncode == 0, res.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
     engine = [r["engine_target_logprob"] for r in rows]
@@ -306,8 +305,8 @@ def test_e2e_loop_engine_follows_the_bf16_learner(config, tmp_path):
 
 def test_invalid_config_stops_the_engine(default_model):
     code = f"from vllm import LLM; LLM(model={str(default_model)!r}, enforce_eager=True, max_model_len=256)"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "FLASHRL_CONFIG": "int9",
+    res = run_python(["-c", code], timeout=300,
+                     env={**__import__("os").environ, "FLASHRL_CONFIG": "int9",
                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert res.returncode != 0
     assert "flashrl: invalid FLASHRL_CONFIG='int9'" in res.stderr

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 
 from conftest import REPO
 
@@ -20,9 +20,9 @@ def test_trl_grpo_colocate_int8_smoke(default_model, tmp_path):
     pytest.importorskip("trl")
     log = tmp_path / "log.jsonl"
     env = {**os.environ, "FLASHRL_CONFIG": "int8"}
-    res = subprocess.run([sys.executable, str(REPO / "examples" / "trl_grpo.py"), "--steps", "2", "--batch", "8",
-                          "--generations", "4", "--max-completion", "8", "--final-check", "--log", str(log),
-                          "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=1200)
+    res = run_python([str(REPO / "examples" / "trl_grpo.py"), "--steps", "2", "--batch", "8",
+                      "--generations", "4", "--max-completion", "8", "--final-check", "--log", str(log),
+                      "--out", str(tmp_path / "out")], env=env, timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     steps, final = rows[:-1], rows[-1]["final_check"]

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 
 from conftest import REPO
 from flashrl_tools.runtime.core import versions
@@ -94,8 +94,8 @@ def _probe(work: Path, tag: str, req: dict) -> tuple[dict, str]:
     rq.write_text(json.dumps(req))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHRL_")}
     env.update(FLASHRL_CONFIG="int8", FLASHRL_HOME=str(work / "home"))
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "probes" / "version_probe.py"), str(rq), str(out)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = run_python([str(REPO / "tests" / "probes" / "version_probe.py"), str(rq), str(out)],
+                     env=env, timeout=600)
     return (json.loads(out.read_text()) if out.is_file() else {"exit": res.returncode}), res.stdout + res.stderr
 
 

@@ -25,11 +25,11 @@ the INT8 engine's token must be a near tie of the reference's (NEAR_TIE).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
 
 from conftest import run_cli
 
@@ -43,8 +43,8 @@ NEAR_TIE = 0.5  # nats; measured departures: 0.10 and 0.11 (docstring)
 def probe(model: Path, tmp: Path, score=None, dtype: str = "bfloat16") -> dict:
     req, out = tmp / f"{model.name}-req.json", tmp / f"{model.name}-out.json"
     req.write_text(json.dumps({"messages": MESSAGES, "max_tokens": MAX_TOKENS, "score": score, "dtype": dtype}))
-    res = subprocess.run([sys.executable, str(PROBE), str(model), str(req), str(out)],
-                         capture_output=True, text=True, timeout=900)
+    res = run_python([str(PROBE), str(model), str(req), str(out)],
+                     timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from flashrl_tools.verify.zygote import run as run_python
+from flashrl_tools.verify.zygote import spawn
 import torch
 
 from conftest import REPO
@@ -31,7 +33,7 @@ def test_the_trainer_side_call_imports_no_engine(tiny_models):
             "assert any(t.dtype == torch.int8 for bucket in b for _, t in bucket); "
             "print(sorted(m for m in ('vllm', 'sglang') if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHRL_CONFIG")}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = spawn(["-c", code], env=env, timeout=300)  # a fresh interpreter: nothing imported before
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1] == "[]"
 
@@ -70,8 +72,7 @@ def _probe(tmp: Path, tag: str, **request) -> dict:
     req.write_text(json.dumps({"sequences": SEQUENCES, "max_tokens": 6, **request}))
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     env.update(FLASHRL_CONFIG="int8", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    res = subprocess.run([sys.executable, str(PROBE), str(req), str(out)], capture_output=True, text=True,
-                         env=env, timeout=900)
+    res = spawn([str(PROBE), str(req), str(out)], env=env, timeout=900)  # TP = 2: slower forked from a zygote
     assert res.returncode == 0, res.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -96,10 +97,10 @@ def test_a_tp2_engine_takes_trainer_quantized_tensors_on_every_push_path(tiny_mo
     tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "gpu_memory_utilization": 0.1}
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     out = tmp_path / "wire.json"
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "probes" / "wire_probe.py"), str(policy), str(new),
-                          str(out), "--paths", "load_weights,transfer", "--no-refusal", "--bucket-bytes",
-                          str(64 << 10), "--engine-args", json.dumps(tp2)], capture_output=True, text=True,
-                         env={**env, "FLASHRL_CONFIG": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=900)
+    res = spawn([str(REPO / "tests" / "probes" / "wire_probe.py"), str(policy), str(new), str(out), "--paths",
+                 "load_weights,transfer", "--no-refusal", "--bucket-bytes", str(64 << 10), "--engine-args",
+                 json.dumps(tp2)], env={**env, "FLASHRL_CONFIG": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                timeout=900)
     assert res.returncode == 0, res.stderr[-5000:]
     result = json.loads(out.read_text())
     checks = verdict(result)
@@ -207,8 +208,8 @@ def test_a_refused_calibrated_push_leaves_nothing_behind(default_model, smoothqu
     config = tmp_path / "sq.yaml"
     config.write_text(f"version: 1\nconfigs:\n- fn: int8\n  model: {smoothquant_checkpoint}\n  profile: {sq_profile[0]}\n")
     env = {**os.environ, "FLASHRL_CONFIG": str(config), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    res = subprocess.run([sys.executable, "-c", REFUSED_THEN_BF16, str(default_model), str(new)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = run_python(["-c", REFUSED_THEN_BF16, str(default_model), str(new)], env=env,
+                     timeout=600)
     line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, res.stdout[-2000:] + res.stderr[-3000:]
     got = json.loads(line[len("RESULT"):])
@@ -270,8 +271,8 @@ def test_a_hub_config_gives_the_trainer_the_same_tensors_as_its_local_file(tiny_
         res = run_cli("publish", cal, "--repo", "alice/tiny-int8", env={**env, "HF_TOKEN": "hf_alice"})
         assert res.returncode == 0, res.stderr
         ref = res.stdout.strip().splitlines()[-1].split("=", 1)[1]
-        out = subprocess.run([sys.executable, "-c", code, ref, str(cal)], capture_output=True, text=True, cwd=REPO,
-                             env={**os.environ, **env}, timeout=300)
+        out = run_python(["-c", code, ref, str(cal)], cwd=REPO,
+                         env={**os.environ, **env}, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["hub"] == got["local"] and got["hub"][0][0] == "flashrl.converted"

@@ -32,6 +32,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_ALLOW_LEGACY_PICKLE": ("allow_legacy_pickle", "0"),
     "FLASHRL_ENGINE_ARGS": ("engine_args", ""),
     "FLASHRL_VERSION_CHECK": ("version_check", "1"),
+    "FLASHRL_ZYGOTE": ("zygote", "1"),
 }
 
 
@@ -74,6 +75,7 @@ class Settings:
     allow_legacy_pickle: bool
     engine_args: str  # JSON: extra engine arguments (vllm.LLM / sglang.Engine) for the engines `verify` starts
     version_check: bool  # an engine version not declared tested runs the start-up self-check (runtime/core/versions.py)
+    zygote: bool  # CPU hosts: verify's / tune's engine jobs forked from a process that imported vLLM (verify/zygote.py)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -81,7 +83,7 @@ class Settings:
         environ = os.environ if environ is None else environ
         raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
         flags = {"lmhead_fp32", "test_reload", "sync_timing", "code_changes", "triton", "allow_legacy_pickle", "fused_kv_store",
-                 "version_check"}
+                 "version_check", "zygote"}
         values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
         values["inplace_sync"] = _switch(raw["inplace_sync"], on="1", unset="1")
         values["decode_gemm"] = _switch(raw["decode_gemm"], on="64", unset="auto")  # on: w8a8_gemm.MAX_ROWS rows

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from flashrl_tools.config.settings import settings
 from flashrl_tools.errors import FlashRLError
+from flashrl_tools.verify import zygote
 
 
 def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
@@ -35,8 +36,8 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
         req.write_text(json.dumps({"model": str(model), "steps": steps, "fault": fault,
                                    "engine_kwargs": engine_kwargs}))
         try:
-            res = subprocess.run([sys.executable, "-m", job, str(req), str(out)],
-                                 capture_output=True, text=True, env=env, timeout=timeout)
+            run = zygote.run if engine == "vllm" else zygote.spawn  # the zygote imported vLLM, not SGLang
+            res = run(["-m", job, str(req), str(out)], env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise FlashRLError(f"the {label} engine did not finish within {timeout:.0f} s", str(model)) from None
         result = json.loads(out.read_text()) if out.is_file() else {}

@@ -31,6 +31,7 @@ _SETTINGS = {
                                 "requests, the unfinished ones (`rl_step.py --engine sglang --step-bands`)"),
     "FLASHRL_ENGINE_ARGS": Setting("extra sglang.Engine arguments for the engines `flashrl verify --engine sglang` "
                                    "starts"),
+    "FLASHRL_ZYGOTE": Setting("not read (`verify` / `tune` fork vLLM's engine jobs on CPU hosts, not SGLang's)"),
 }
 CAPABILITIES = Capabilities(
     engine="SGLang", versions="tested: 0.5.17; others run a start-up self-check", tested=("0.5.17",),

