@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 
 LAZY = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_OMP_THREADS_BIND",
-        "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL")  # read when an engine starts, not at import
+        "VLLM_CPU_KVCACHE_SPACE")  # read when an engine starts, not at import (vLLM's logging level: not sure)
 
 
 def _may_differ(key: str) -> bool:
