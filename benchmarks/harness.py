@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from flashrl_tools.verify import zygote
 
 
 def preset_options(args, presets: dict, gpu_util: float) -> tuple[dict, float, Path]:
@@ -30,8 +31,7 @@ def run_worker(script: str, spec: dict, env: dict, scan=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
         req.write_text(json.dumps(spec))
-        res = subprocess.run([sys.executable, script, "--worker", str(req), str(out)], env=env,
-                             capture_output=True, text=True)
+        res = zygote.run([script, "--worker", str(req), str(out)], env=env)  # CPU: forked with vLLM imported
         if env.get("FLASHRL_BENCH_LOG"):
             with open(env["FLASHRL_BENCH_LOG"], "a") as log:
                 log.write(f"==== {Path(script).name} worker, rc {res.returncode}\n{res.stdout}{res.stderr}")

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,12 +47,13 @@ _one_core_per_worker()
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `flashrl ARGS` as a user would (its own process, real exit code and streams)."""
+    """Run `flashrl ARGS` as a user would (its own process, real exit code and streams); on CPU hosts forked from
+    the worker's zygote (verify/zygote.py: vLLM already imported; the run's engine jobs are forked from it too)."""
     import os
 
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "flashrl_tools", *map(str, args)],
-                          capture_output=True, text=True, env=full_env, timeout=timeout)
+    from flashrl_tools.verify.zygote import run
+
+    return run(["-m", "flashrl_tools", *map(str, args)], env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from flashrl_tools.verify import zygote
 
 # vLLM-CPU has an FP8 KV cache only with AVX-512 or AMX (runtime/vllm/capabilities.py refuses it elsewhere)
 FP8_KV_ON_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
@@ -29,10 +30,9 @@ def test_profile_memory_benchmark_smoke(tmp_path):
 
 def _bench(tmp_path, script: str, *args: str) -> dict:
     out = tmp_path / f"{script}.json"
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--preset", "smoke",
-                          "--json", str(out), "--workdir", str(tmp_path / "work"), *args],  # not a dir left in /tmp
-                         capture_output=True, text=True, timeout=900,
-                         env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    res = zygote.run([REPO / "benchmarks" / f"{script}.py", "--preset", "smoke",
+                      "--json", out, "--workdir", tmp_path / "work", *args],  # not a dir left in /tmp
+                     timeout=900, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(out.read_text())
 

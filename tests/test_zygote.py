@@ -29,11 +29,24 @@ def _forked(ppid: str) -> bool:
     return int(ppid) in {z.proc.pid for z in zygote._ZYGOTES.values() if z is not None}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_pool():
+    """A pool of this module's own (the worker's other tests may have filled its two places), closed at the end."""
+    saved = zygote._ZYGOTES, zygote._SEEN, zygote._HOST
+    zygote._ZYGOTES, zygote._SEEN, zygote._HOST = {}, set(), None
+    yield
+    for z in zygote._ZYGOTES.values():
+        if z is not None:
+            z.close()
+    zygote._ZYGOTES, zygote._SEEN, zygote._HOST = saved
+
+
 @pytest.fixture(autouse=True)
 def _zygote_up():
-    """This environment's zygote (started at its first job if it is the process's first, else at its second)."""
-    for _ in range(2):
-        zygote.run(["-c", "pass"])
+    """This environment's zygote: the pool's first, started at its first job."""
+    zygote.run(["-c", "pass"])
+    z = zygote._ZYGOTES.get(zygote.signature(dict(os.environ)))
+    assert z is not None and z.usable(), "the zygote did not start"
 
 
 def test_a_job_is_forked_from_the_zygote_with_its_own_argv_environment_and_directory(tmp_path):
@@ -80,6 +93,67 @@ def test_a_job_past_its_timeout_is_killed_with_its_own_processes(tmp_path):
     else:
         raise AssertionError("the job's own process outlived the timeout")
     assert _forked(_report(zygote.run(["-c", REPORT]))[0])  # the zygote serves the next job
+
+
+def test_jobs_run_side_by_side_and_a_job_s_own_jobs_go_to_its_zygote():
+    """Two jobs at once (threads) are both forked; a job's own job (a CLI run's engine job) is forked by the same
+    zygote, the job starting no zygote of its own."""
+    import threading
+
+    inner = ("from flashrl_tools.verify import zygote; "
+             f"print(zygote.run(['-c', {REPORT!r}]).stdout, end=''); print(len(zygote._ZYGOTES))")
+    argvs = [["-c", "import time; time.sleep(3); " + REPORT], ["-c", inner]]
+    results = [None, None]
+
+    def job(i):
+        results[i] = zygote.run(argvs[i])
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _forked(_report(results[0])[0])
+    report, own = results[1].stdout.strip().splitlines()
+    ppid, vllm_first, *_ = report.split("|")
+    assert _forked(ppid) and vllm_first == "True" and own == "0", results[1].stderr
+
+
+def test_a_job_whose_client_went_away_is_killed(tmp_path):
+    """A client killed while its job runs (a test timed out, pytest stopped): the zygote kills the job."""
+    pid_file = tmp_path / "job"
+    job_code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    client_script = tmp_path / "client.py"
+    client_script.write_text(
+        "import os\nfrom flashrl_tools.verify import zygote\n"
+        f"zygote._HOST = ({_zygote_socket()!r}, zygote.signature(dict(os.environ)))\n"
+        f"zygote.run(['-c', {job_code!r}])\n")
+    client = subprocess.Popen([sys.executable, str(client_script)])
+    for _ in range(300):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        import time
+
+        time.sleep(0.1)
+    job = int(pid_file.read_text())
+    client.kill()
+    client.wait()
+    for _ in range(100):
+        try:
+            os.kill(job, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the job outlived its client")
+
+
+def _zygote_pid() -> int:
+    return zygote._ZYGOTES[zygote.signature(dict(os.environ))].proc.pid
+
+
+def _zygote_socket() -> str:
+    return zygote._ZYGOTES[zygote.signature(dict(os.environ))].path
 
 
 @pytest.mark.parametrize("change", ["PYTHONPATH", "OMP_NUM_THREADS", "FLASHRL_ZYGOTE"])
