@@ -156,6 +156,46 @@ def _zygote_socket() -> str:
     return zygote._ZYGOTES[zygote.signature(dict(os.environ))].path
 
 
+SPAWNS = """
+import multiprocessing as mp, os, sys
+
+def child(conn, queue):
+    conn.send((os.getppid(), "vllm" in sys.modules, os.environ.get("FLASHRL_X")))
+    queue.put(os.getcwd())
+    sys.exit(7)
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        os.environ["PYTHONHASHSEED"] = "5"  # an environment no zygote was started with
+    os.environ["FLASHRL_X"] = "in the child"
+    ctx = mp.get_context("spawn")
+    r, w = ctx.Pipe(duplex=False)
+    queue = ctx.Queue()
+    p = ctx.Process(target=child, args=(w, queue), daemon=True)
+    p.start()
+    ppid, vllm_first, flag = r.recv()
+    p.join(60)
+    print(ppid, vllm_first, flag, queue.get(timeout=10), p.exitcode, os.getpid(), sep="|")
+"""
+
+
+@pytest.mark.parametrize("same_environment", [True, False])
+def test_a_job_s_spawned_processes_are_forked_by_its_zygote(tmp_path, same_environment):
+    """multiprocessing's spawn in a job (vLLM-CPU's engine core and workers): forked by the job's zygote with the
+    job's current environment and directory, a pipe and a queue passed, its exit code back; where the job changed
+    what an import may read, a fresh interpreter as before."""
+    script = tmp_path / "spawns.py"
+    script.write_text(SPAWNS)
+    res = zygote.run([script, *([] if same_environment else ["other"])], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    ppid, vllm_first, flag, cwd, exitcode, job = res.stdout.strip().split("|")
+    assert flag == "in the child" and cwd == str(tmp_path) and exitcode == "7"
+    if same_environment:
+        assert _forked(ppid) and vllm_first == "True"
+    else:
+        assert ppid == job and vllm_first == "False"
+
+
 @pytest.mark.parametrize("change", ["PYTHONPATH", "OMP_NUM_THREADS", "FLASHRL_ZYGOTE"])
 def test_a_job_no_zygote_can_stand_for_runs_as_a_plain_subprocess(change, monkeypatch, tmp_path):
     """The first job of an environment that differs in what an import may read (a zygote imported with its own),

@@ -7,10 +7,11 @@ of this process, started with the job's environment, that imported vLLM (and not
 read in the job) and serves jobs on a Unix socket, several at a time. The job gets its own session, working
 directory, environment and argv; its exit code, stdout and stderr come back as a subprocess's do. A job that runs
 jobs of its own with the same environment (a CLI run whose engine jobs are forked too) sends them to the zygote
-that forked it; a job whose client went away is killed.
+that forked it, and so do the processes it starts with multiprocessing's spawn (vLLM-CPU's engine core and workers:
+zygote_spawn.py); a job whose client went away is killed.
 
 Zygotes are kept per environment as far as an import may read it (all but FLASHRL_*, PYTEST_* and the vLLM switches
-in LAZY; importing vLLM changes a process's own environment: LD_PRELOAD, thread counts), two at most: the first
+in zygote_spawn.LAZY; importing vLLM changes a process's own environment: LD_PRELOAD, thread counts), two at most: the first
 environment's at once, another's at its second job. Other jobs, a zygote that failed, or FLASHRL_ZYGOTE=0 start a
 plain subprocess. Off where CUDA is visible (not checked on a GPU yet). The zygote does no torch work before it
 forks (OpenMP's threads do not survive a fork: DEVELOPERS "Torch CPU work in a process that then forks"), and
@@ -31,18 +32,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-LAZY = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_OMP_THREADS_BIND",
-        "VLLM_CPU_KVCACHE_SPACE")  # read when an engine starts, not at import (vLLM's logging level: not sure)
-
-
-def _may_differ(key: str) -> bool:
-    return key.startswith(("FLASHRL_", "PYTEST_")) or key in LAZY  # pytest names the running test in PYTEST_*
-
-
-def signature(env: dict) -> tuple:
-    """What of an environment a process's imports may read: all of it but FLASHRL_*, PYTEST_* and LAZY."""
-    return tuple(sorted((k, v) for k, v in env.items() if not _may_differ(k)))
-
+from flashrl_tools.verify import zygote_spawn
+from flashrl_tools.verify.zygote_spawn import signature
 
 class Zygote:
     """A zygote started with the environment `env`: its children are what `python` started with `env` would be.
@@ -176,36 +167,55 @@ def _text(data: bytes | str | None) -> str:
 
 # -- the zygote -----------------------------------------------------------------------------------------
 
-def _child(req: dict, host: tuple[str, tuple]) -> None:
-    """In the forked job: its session, directory, environment, streams and argv; then the job; never returns."""
-    import atexit
+def _child(req: dict, host: tuple[str, tuple]) -> int:
+    """In the forked job: its session, directory, environment, streams and argv; then the job."""
     import runpy
+
+    os.setsid()
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT),
+                            (2, req["stderr"], os.O_WRONLY | os.O_CREAT)):
+        os.dup2(os.open(path, flags, 0o644), fd)
+    sys.stdin = open(os.devnull)
+    _as_host(host)
+    argv = req["argv"]
+    if argv[0] == "-m":
+        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+def _mp_child(req: dict, fds: list[int], host: tuple[str, tuple]) -> int:
+    """In the forked child: a process the job started with multiprocessing's spawn (zygote_spawn)."""
+    _as_host(host)
+    return zygote_spawn.child(req, fds)
+
+
+def _as_host(host: tuple[str, tuple]) -> None:
+    """The forked process's jobs and spawned processes go to this zygote (this module as the process imports it)."""
+    from flashrl_tools.verify import zygote
+
+    zygote._HOST = host
+    zygote_spawn.install(host)
+
+
+def _exit_with(body, *args) -> None:
+    """In a forked child: run `body(*args)` as an interpreter runs a program, then end the process with its exit
+    code."""
+    import atexit
     import traceback
 
     code = 1
     try:
-        os.setsid()
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT),
-                                (2, req["stderr"], os.O_WRONLY | os.O_CREAT)):
-            os.dup2(os.open(path, flags, 0o644), fd)
-        sys.stdin = open(os.devnull)
-        from flashrl_tools.verify import zygote  # this module as the job imports it: its jobs go to this zygote
-
-        zygote._HOST = host
-        argv = req["argv"]
-        if argv[0] == "-m":
-            sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        elif argv[0] == "-c":
-            sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-        else:
-            sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
-        code = 0
+        code = body(*args)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -214,7 +224,7 @@ def _child(req: dict, host: tuple[str, tuple]) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
-        try:  # what the interpreter's own exit does: wait for the job's threads, run its exit handlers
+        try:  # what the interpreter's own exit does: wait for the process's threads, run its exit handlers
             threading._shutdown()
             atexit._run_exitfuncs()
         except BaseException:
@@ -261,17 +271,25 @@ def main() -> None:
             if server in ready:
                 conn = server.accept()[0]
                 conn.settimeout(30)
+                fds: list[int] = []
                 try:
-                    req = json.loads(conn.makefile("rb").readline())
+                    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
+                    while msg and not msg.endswith(b"\n"):
+                        msg += conn.recv(1 << 20)
+                    req = json.loads(msg)
                 except (OSError, ValueError):
                     conn.close()
+                    for fd in fds:
+                        os.close(fd)
                     continue
                 pid = os.fork()
                 if pid == 0:
                     server.close()
                     for c in (*jobs.values(), conn):
                         c.close()
-                    _child(req, host)
+                    _exit_with(_mp_child, req, fds, host) if req.get("mp") else _exit_with(_child, req, host)
+                for fd in fds:
+                    os.close(fd)
                 jobs[pid] = conn
                 _send(conn, {"pid": pid})
             while jobs:
