@@ -31,10 +31,11 @@ QWEN3 = {
 
 
 _LLAMA3_COMMON = {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-                  "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+                  "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
                   "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128009}
 LLAMA3 = {
-    # Llama-3-70B's dims (issue 75's 70B row: BF16 140 GB, 8-bit 70 GB, 4-bit ~37 GB of weights)
+    # Llama-3-70B's dims (issue 75's 70B row: BF16 140 GB, 8-bit 70 GB, 4-bit ~37 GB of weights); Llama-3.1's
+    # 131,072 positions: 3's 8,192 is shorter than the RL step's 1,024 + 8,192 tokens (vLLM refused it, 2026-11-30)
     "llama3-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                    "num_attention_heads": 64, "num_key_value_heads": 8},
 }

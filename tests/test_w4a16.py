@@ -472,6 +472,17 @@ class _NullWriter:
         pass
 
 
+def test_sglang_marlin_reduces_in_a_fixed_order():
+    """SGLang 0.5.17 sums Marlin's split-K partials with atomic adds on Hopper where N < 2048 <= K, in an order that
+    varies by run (H200: each sync path 0.015-0.018 from a fresh engine). The adapter's hook answers its switch False."""
+    from flashrl_tools.runtime.sglang import adapter, marlin
+
+    hooks = {h.target: h for h in adapter.HOOKS}
+    dense = hooks["sglang.srt.layers.quantization.marlin_utils.should_use_atomic_add_reduce"]
+    assert dense.fn is marlin.no_atomic_add and dense.kind.name == "AROUND"
+    assert marlin.no_atomic_add(lambda **k: True, m=4, n=1024, k=2048, device="cuda", dtype=None) is False
+
+
 def test_each_sync_logs_the_share_of_4bit_codes_it_changed(tiny_models, tmp_path, monkeypatch, caplog):
     """FLASHRL_CODE_CHANGES=1 (issue 75: a small update may move no 4-bit code at all): the sync session of a mixed
     4/8-bit engine records the 4-bit codes of its first sync and logs, for each later one, the share of codes that

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
 from flashrl_tools.runtime.core.hooks import declare
-from flashrl_tools.runtime.sglang import (decode_attn, decode_gemm, kv_front, kv_store, pause, scheduler, server_args,
-                                          weight_sync)
+from flashrl_tools.runtime.sglang import (decode_attn, decode_gemm, kv_front, kv_store, marlin, pause, scheduler,
+                                          server_args, weight_sync)
 
 _CT = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
 _CT_INT8 = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_int8"
@@ -33,6 +33,9 @@ HOOKS: tuple[Hook, ...] = declare("sglang", (
          "keep the loaded Parameters; refuse layouts in new memory"),
     Hook("moe_layout", f"{_CT}.CompressedTensorsFusedMoEMethod.process_weights_after_loading",
          weight_sync.around_processing, HookKind.AROUND, "scheduler", "the same for MoE experts"),
+    Hook("marlin_reduce", "sglang.srt.layers.quantization.marlin_utils.should_use_atomic_add_reduce",
+         marlin.no_atomic_add, HookKind.AROUND, "scheduler", "W4A16 linears: Marlin reduces in a fixed order, not by "
+         "atomic adds (their run-dependent order made an engine's logprobs vary; vLLM's default)", optional=True),
     Hook("model_runner", "sglang.srt.model_executor.model_runner.ModelRunner.load_model", weight_sync.runner_loaded,
          HookKind.AFTER, "scheduler", "a sync session replaces `model.load_weights`; FP8 KV scales state"),
     Hook("kv_store_decode", "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend.forward_decode",

@@ -38,7 +38,7 @@ CAPABILITIES = Capabilities(
     # SGLang keeps per-channel layouts in the storage it loaded (weight_sync.py); per-tensor FP8 of fused
     # layers is re-quantized to one scale at load; W4A16 layers are re-laid out (marlin.py)
     formats=frozenset(f for f in QuantFn if f.strategy is Strategy.channel or f.packed),
-    formats_note="fused per-tensor FP8 re-quantized to one scale at load; block FP8 unchecked; w4a16 GPU test pending",
+    formats_note="fused per-tensor FP8 re-quantized to one scale at load; block FP8 unchecked; w4a16 GPU rerun pending",
     moe_formats=frozenset(f for f in QuantFn if f.is_fp8 and f.strategy is Strategy.channel),
     moe_note="SGLang 0.5.17 serves compressed-tensors INT8 MoE experts on NPU only",
     fp8_dense=QuantFn.fp8_channel, fp8_moe=QuantFn.fp8_channel,

@@ -5,7 +5,14 @@ through its loaders would land nowhere the kernel reads. Per such layer this pro
 storage and layout: what the loaders write; +0.5 byte a weight) beside the processed ones. A sync writes the loaded
 tensors through SGLang's own loaders (weight_sync.py), then `write` recomputes the processed layout from them with
 the scheme's own ops and kernel config and copies it into the tensors the kernel -- and a captured CUDA graph --
-reads. At start `check` holds the recomputation to SGLang's processing bit for bit, or the engine is refused."""
+reads. At start `check` holds the recomputation to SGLang's processing bit for bit, or the engine is refused.
+
+SGLang 0.5.17 sums Marlin's split-K partials with atomic adds on Hopper where N < 2048 <= K
+(`should_use_atomic_add_reduce`, its environment switch hard-wired on; its W4A16 MoE GEMMs always, but flashrl refuses
+4-bit experts on SGLang). Their order varies from run to run, and so may an engine's logprobs (H200, 2026-11-30: on
+the GPU tests' model, whose down projections take that path, every sync path ended 0.015-0.018 from a fresh engine),
+so no sync could be checked exact. `no_atomic_add` keeps Marlin's fixed-order reduction, vLLM's default
+(VLLM_MARLIN_USE_ATOMIC_ADD unset)."""
 
 from __future__ import annotations
 
@@ -85,3 +92,9 @@ class MarlinLayer:
         """After a sync wrote the loaded tensors: the processed layout, copied into the kernel's tensors."""
         for name, tensor in self.processed().items():
             self.layer._parameters[name].data.copy_(tensor)
+
+
+def no_atomic_add(original, *args, **kwargs) -> bool:
+    """AROUND marlin_utils.should_use_atomic_add_reduce: Marlin's linears reduce in a fixed order (never atomic)."""
+    return False
+
