@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from flashrl_tools.verify import zygote
+from flashrl_tools.verify import zygote, zygote_spawn
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the zygote is off where CUDA is visible")
 
@@ -116,7 +116,7 @@ def test_a_job_whose_client_went_away_is_killed(tmp_path):
     client_script = tmp_path / "client.py"
     client_script.write_text(
         "import os\nfrom flashrl_tools.verify import zygote\n"
-        f"zygote._HOST = ({_zygote_socket()!r}, zygote.signature(dict(os.environ)))\n"
+        f"zygote._HOST = ({_zygote_socket()!r}, *[zygote.signature(dict(os.environ))] * 2)\n"
         f"zygote.run(['-c', {job_code!r}])\n")
     client = subprocess.Popen([sys.executable, str(client_script)])
     for _ in range(300):
@@ -207,3 +207,36 @@ def test_the_lazy_vllm_switches_may_differ():
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "FLASHRL_CONFIG": "int8"}
     assert _forked(_report(zygote.run(["-c", REPORT], env=env))[0])
     assert sys.executable == zygote.run(["-c", "import sys; print(sys.executable)"]).stdout.strip()
+
+
+def test_a_zygote_stands_for_its_environment_before_or_after_its_vllm_import():
+    """A process that imported vLLM after it started its zygote passes what the import set (RAY_CLIENT_MODE, ...):
+    each variable as the zygote was started or as its import left it; anything else is another environment."""
+    before = (("A", "1"), ("PATH", "/bin"))
+    after = (("A", "1"), ("LD_LIBRARY_PATH", "/x:"), ("PATH", "/bin"), ("RAY_CLIENT_MODE", "0"))
+
+    def stands(env):
+        return zygote_spawn.stands_for(env, before, after)
+
+    assert stands({"A": "1", "PATH": "/bin"}) and stands({"A": "1", "PATH": "/bin", "LD_LIBRARY_PATH": "/x:"})
+    assert stands({"A": "1", "PATH": "/bin", "RAY_CLIENT_MODE": "0", "LD_LIBRARY_PATH": "/x:", "FLASHRL_X": "2"})
+    assert not stands({"A": "1", "PATH": "/bin", "RAY_CLIENT_MODE": "1"})  # a value neither had
+    assert not stands({"A": "1"}) and not stands({"A": "1", "PATH": "/bin", "B": "2"})  # a variable gone, one added
+    assert not stands({"A": "2", "PATH": "/bin", "RAY_CLIENT_MODE": "0"})
+
+
+@pytest.mark.parametrize("value", ["imported", "other"])
+def test_a_job_with_the_environment_the_zygote_s_import_left_is_forked(value, tmp_path):
+    """The zygote reports its environment after its vLLM import: a job (and what it spawns) with those values is
+    forked by it, with exactly its own environment; a value the zygote never had is another environment's job."""
+    after = dict(zygote._ZYGOTES[zygote.signature(dict(os.environ))].after)
+    assert after.get("RAY_CLIENT_MODE") == "0" and after.get("TORCHINDUCTOR_COMPILE_THREADS") == "1"  # vLLM's import
+    env = {**os.environ, **after, "FLASHRL_X": "7", **({"RAY_CLIENT_MODE": "2"} if value == "other" else {})}
+    check = f"assert os.environ['RAY_CLIENT_MODE'] == {env['RAY_CLIENT_MODE']!r}; "
+    ppid, vllm_first, _, flag, _ = _report(zygote.run(["-c", "import os; " + check + REPORT], env=env))
+    assert flag == "7" and _forked(ppid) == (value == "imported") and vllm_first == str(value == "imported")
+    if value == "imported":  # its spawned processes too (the other environment's: test_a_job_s_spawned_processes...)
+        (tmp_path / "spawns.py").write_text(SPAWNS)
+        res = zygote.run([tmp_path / "spawns.py"], env=env, cwd=tmp_path)
+        ppid, vllm_first, flag, *_ = res.stdout.strip().split("|")
+        assert flag == "in the child" and _forked(ppid) and vllm_first == "True", res.stderr

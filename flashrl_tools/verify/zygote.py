@@ -11,11 +11,13 @@ that forked it, and so do the processes it starts with multiprocessing's spawn (
 zygote_spawn.py); a job whose client went away is killed.
 
 Zygotes are kept per environment as far as an import may read it (all but FLASHRL_*, PYTEST_* and the vLLM switches
-in zygote_spawn.LAZY; importing vLLM changes a process's own environment: LD_PRELOAD, thread counts), two at most: the first
-environment's at once, another's at its second job. Other jobs, a zygote that failed, or FLASHRL_ZYGOTE=0 start a
-plain subprocess. Off where CUDA is visible (not checked on a GPU yet). The zygote does no torch work before it
-forks (OpenMP's threads do not survive a fork: DEVELOPERS "Torch CPU work in a process that then forks"), and
-freezes its heap: a job's garbage collections skip what the imports made.
+in zygote_spawn.LAZY), two at most: the first environment's at once, another's at its second job. Importing vLLM
+changes a process's own environment (RAY_CLIENT_MODE, LD_LIBRARY_PATH, inductor's settings): a zygote stands for an
+environment whose every variable is as the zygote was started or as its import left it (zygote_spawn.stands_for), so
+a process that imported vLLM after it started its zygote still forks its jobs from it. Other jobs, a zygote that
+failed, or FLASHRL_ZYGOTE=0 start a plain subprocess. Off where CUDA is visible (not checked on a GPU yet). The
+zygote does no torch work before it forks (OpenMP's threads do not survive a fork: DEVELOPERS "Torch CPU work in a
+process that then forks"), and freezes its heap: a job's garbage collections skip what the imports made.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flashrl_tools.verify.zygote_spawn import signature
+from flashrl_tools.verify.zygote_spawn import signature, stands_for
 
 class Zygote:
     """A zygote started with the environment `env`: its children are what `python` started with `env` would be.
@@ -44,9 +46,11 @@ class Zygote:
         self.path = os.path.join(self.dir, "socket")
         self.proc = subprocess.Popen([sys.executable, "-m", "flashrl_tools.verify.zygote_server", self.path],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        self.ok = self.proc.stdout.readline() == b"READY\n"
+        ready = self.proc.stdout.readline()
+        self.ok = ready.startswith(b"READY ")
         if not self.ok:
             shutil.rmtree(self.dir, ignore_errors=True)
+        self.after = tuple(map(tuple, json.loads(ready[6:]))) if self.ok else self.key  # its import's environment
 
     def usable(self) -> bool:
         return self.ok and self.proc.poll() is None
@@ -105,7 +109,7 @@ def _run_at(path: str, argv: list[str], env: dict, timeout: float | None, cwd: s
 POOL = 2  # zygotes a process keeps; one that failed or died is not started again
 _ZYGOTES: dict[tuple, Zygote | None] = {}
 _SEEN: set[tuple] = set()
-_HOST: tuple[str, tuple] | None = None  # in a job: the socket and signature of the zygote that forked it
+_HOST: tuple[str, tuple, tuple] | None = None  # in a job: the zygote that forked it (socket, signatures)
 
 
 def enabled() -> bool:
@@ -119,10 +123,14 @@ def enabled() -> bool:
 
 
 def _socket_for(env: dict) -> str | None:
-    """The socket of a zygote for `env`: the one that forked this process, or one of this process's own."""
-    key = signature(env)
-    if _HOST is not None and _HOST[1] == key:
+    """The socket of a zygote for `env`: the one that forked this process, or one of this process's own that stands
+    for it (zygote_spawn.stands_for: this process may have imported vLLM since it started that zygote)."""
+    if _HOST is not None and stands_for(env, *_HOST[1:]):
         return _HOST[0]
+    z = next((z for z in _ZYGOTES.values() if z is not None and z.usable() and stands_for(env, z.key, z.after)), None)
+    if z is not None:
+        return z.path
+    key = signature(env)
     if key not in _ZYGOTES and (key in _SEEN or not _ZYGOTES) and len(_ZYGOTES) < POOL:
         _ZYGOTES[key] = Zygote(env)
     _SEEN.add(key)

@@ -20,7 +20,7 @@ from flashrl_tools.verify import zygote_spawn
 from flashrl_tools.verify.zygote_spawn import signature
 
 
-def _child(req: dict, host: tuple[str, tuple]) -> int:
+def _child(req: dict, host: tuple[str, tuple, tuple]) -> int:
     """In the forked job: its session, directory, environment, streams and argv; then the job."""
     import runpy
 
@@ -46,13 +46,13 @@ def _child(req: dict, host: tuple[str, tuple]) -> int:
     return 0
 
 
-def _mp_child(req: dict, fds: list[int], host: tuple[str, tuple]) -> int:
+def _mp_child(req: dict, fds: list[int], host: tuple[str, tuple, tuple]) -> int:
     """In the forked child: a process the job started with multiprocessing's spawn (zygote_spawn)."""
     _as_host(host)
     return zygote_spawn.child(req, fds)
 
 
-def _as_host(host: tuple[str, tuple]) -> None:
+def _as_host(host: tuple[str, tuple, tuple]) -> None:
     """The forked process's jobs and spawned processes go to this zygote (this module as the process imports it)."""
     from flashrl_tools.verify import zygote
 
@@ -96,12 +96,15 @@ def _send(conn: socket.socket, msg: dict) -> None:
 
 def main() -> None:
     """The zygote: import vLLM, then fork a job per connection to the socket `argv[1]`; report each job's pid,
-    then its exit code; kill a job whose client went away; exit when stdin closes."""
+    then its exit code; kill a job whose client went away; exit when stdin closes. Its READY line carries its
+    environment's signature after the import (which changes this process's environment: RAY_CLIENT_MODE, ...)."""
     import gc
 
     path = sys.argv[1]
-    host = (path, signature(dict(os.environ)))  # as started: importing vLLM changes this process's environment
+    before = signature(dict(os.environ))
     import vllm.entrypoints.llm  # noqa: F401 -- the import every job would pay
+
+    host = (path, before, signature(dict(os.environ)))
 
     gc.collect()
     gc.freeze()  # the imported modules' objects: a job's collections (vLLM's engine start runs eight) skip them
@@ -110,7 +113,7 @@ def main() -> None:
     server.listen(64)
     jobs: dict[int, socket.socket] = {}  # pid -> its client's connection
     gone: set[int] = set()  # jobs whose client went away (killed, not reaped yet)
-    print("READY", flush=True)
+    print("READY", json.dumps(host[2]), flush=True)
     try:
         while True:
             waiting = [c for pid, c in jobs.items() if pid not in gone]

