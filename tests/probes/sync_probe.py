@@ -176,7 +176,7 @@ def prepare_verl():
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), stub]))
 
 
-def verl_cpu_platform(worker=None, job=None):
+def verl_cpu_platform(worker, job: str):
     """verl knows CUDA/ROCm/NPU platforms only and falls back to CUDA; on CPU its transfer code
     then calls torch.cuda. Register a CPU platform whose device calls are no-ops (CPU work is
     synchronous). Runs in the trainer process and, through collective_rpc, in each worker; with
