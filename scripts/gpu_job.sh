@@ -9,6 +9,7 @@
 #   RUN="shell command"                        run by bash from the repository root, gpu_env.sh sourced, JOBDIR set
 #   TESTS_GPU / RUN_GPU=N                      the GPU those parts run on (unset: every GPU, a lane of their own)
 #   ENV="A=1 B=2"                              set for the whole job (FLASHRL_DECODE_* / _FUSED_KV_STORE start unset)
+# ROWS_MATCH=TEXT in the runner's environment keeps only the ROWS lines that contain TEXT (one row of a job rerun).
 # A job's parts on one GPU run in the order TESTS, RUN, ROWS; different GPUs side by side. Per job RES/JOB/ (the
 # tests' gpu/*.json and GROUP.log, run.log, goal/*.{json,log}); RES/session.log; RES/SESSIONDONE at the end:
 #   setsid nohup bash scripts/gpu_job.sh /root/res JOB [JOB ...] > /root/job.out 2>&1 < /dev/null &
@@ -61,7 +62,7 @@ lane() {  # lane GPU|all: the job's parts on that GPU, one after another
     bash -c "$RUN" > "$JOBDIR/run.log" 2>&1; echo "exit $?" >> "$JOBDIR/run.log"
   fi
   if [ "$g" != all ] && grep -q "^$g:" <<< "$ROWS"; then
-    log "$JOB: rows on GPU $g"
+    log "$JOB: rows on GPU $g${ROWS_MATCH:+ matching $ROWS_MATCH}"
     QUEUES=$(grep "^$g:" <<< "$ROWS") ARGS=$ROW_ARGS bash scripts/gpu_rows.sh "$JOBDIR"
   fi
   log "$JOB: GPU $g done"
@@ -70,6 +71,7 @@ for JOB in "${jobs[@]}"; do
   (unset FLASHRL_DECODE_ATTN FLASHRL_DECODE_GEMM FLASHRL_FUSED_KV_STORE
    TESTS= TESTS_GPU= RUN= RUN_GPU= ROWS= ROW_ARGS= ENV=
    source "$J/$JOB.job"
+   [ -n "${ROWS_MATCH:-}" ] && ROWS=$(grep -F -e "$ROWS_MATCH" <<< "$ROWS")
    export JOB JOBDIR=$RES/$JOB
    # shellcheck disable=SC2086  # ENV: assignments
    [ -n "$ENV" ] && export $ENV
