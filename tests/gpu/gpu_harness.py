@@ -55,8 +55,9 @@ YAMLS = {  # configs that are YAML files (written into the work dir)
 # small vLLM engines side by side: a fixed KV cache skips vLLM's memory profiling (whose "free memory grew"
 # assertion other processes on the GPU trip)
 VLLM_ENGINE = {"gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30}
-# SGLang sizes its KV pool as free memory at start x mem_fraction_static - weights: a token cap keeps each small
-SGLANG_ENGINE = {"mem_fraction_static": 0.3, "max_total_tokens": 8192, "cuda_graph_max_bs_decode": 8,
+# SGLang sizes its KV pool as free memory at start - (1 - mem_fraction_static) of the GPU and refuses to start where
+# that is <= 0: a token cap keeps each pool small, and 0.6 lets the GPU's other 40 % hold a vLLM job beside it
+SGLANG_ENGINE = {"mem_fraction_static": 0.6, "max_total_tokens": 8192, "cuda_graph_max_bs_decode": 8,
                  "context_length": 512}
 
 
