@@ -271,11 +271,13 @@ def assert_exact(row: dict) -> None:
 def fresh_sglang(orig: Path, pert: Path, fmt: str | None, kv: str | None, work: Path,
                  engine_kwargs: dict | None = None, env: dict | None = None, sequences: list = SEQS,
                  logs: str | None = None) -> dict:
-    """Fresh SGLang engines on the offline quantization of the original and the perturbed weights (with an
-    FP8 KV cache the runtime runs there too: it calibrates them once at start): {tag: observation} or an error.
-    `logs`: a stem for their outputs (work / f"{logs}-{tag}.log")."""
+    """Fresh SGLang engines on the offline quantization of the original and the perturbed weights, running the
+    runtime as the synced engine does (FLASHRL_CONFIG=bf16: the checkpoint served as it is, with the runtime's hooks;
+    with an FP8 KV cache it calibrates the scales once at start): {tag: observation} or an error. A plain SGLang
+    engine is no reference: 0.5.17's Marlin W4A16 GEMM adds split-K partials atomically, in a run-dependent order
+    (the runtime's `marlin_reduce` hook keeps a fixed order). `logs`: a stem for their outputs (work / f"{logs}-{tag}.log")."""
     step = {"op": "observe", "sequences": sequences, "max_tokens": 8}
-    out = {tag: run_sglang(quantized(src, fmt, work), [step], "bf16" if kv else None, f"fresh {tag}", kv,
+    out = {tag: run_sglang(quantized(src, fmt, work), [step], "bf16", f"fresh {tag}", kv,
                            engine_kwargs, env, work / f"{logs}-{tag}.log" if logs else None)
            for tag, src in (("original", orig), ("perturbed", pert))}
     errors = [v for v in out.values() if isinstance(v, str)]

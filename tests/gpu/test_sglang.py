@@ -1,23 +1,22 @@
 """The SGLang adapter on a GPU (SGLang 0.5.17, CUDA graphs, triton attention; one engine per process:
 verify/sglang_job.py). HF-initialised random Qwen3 (dense) and Qwen3-MoE and a perturbed copy of each. Per case:
-plain SGLang engines on the offline quantization of the original and of the perturbed weights (the format the SGLang
-runtime serves: int8, per-channel FP8 for `fp8`) are the fresh references; the synced engine runs FLASHRL_CONFIG on
-the original BF16 weights and takes the perturbed weights one tensor per `update_weights_from_tensor` call, the
-originals back as one flattened bucket, the perturbed weights again as a bucket (GPU tensors, as verl's SGLang path
-sends), then the originals from disk (`update_weights_from_disk`: SGLang processes every layer again after that
-load; the runtime leaves synced layers as written). All exact (0.0). The sampled tokens' logprobs equal a hand
-computation from the engine's own distributions (tempered; with top-k / top-p and `return_sampling_mask`,
-renormalised). `@fa3`: SGLang's fa3 attention instead of triton (its decode kernels read the KV scales from the
-tensors the runtime writes in place: the decode graphs are not captured again after a recalibration, so equality
-with the fresh engines checks that too; `@fa3p16` with SGLang's pool by 16-token pages; `@xqa16` the same under
-FLASHRL_DECODE_ATTN=xqa, every engine observing 40 sequences, so their decode batches (CUDA graphs up to 48) go
-through XQA's Hopper kernel: asserted from each engine's log; `@fp8qk16` under FLASHRL_DECODE_ATTN=fp8qk, flashrl's FP8-score
-kernel, asserted the same way). `+kv`: FLASHRL_KV_CACHE_DTYPE=fp8 (the fresh engines
-run the runtime too, FLASHRL_CONFIG=bf16 on the quantized checkpoint: they calibrate once at start); the scales must
-be bit-equal to theirs, and the greedy tokens' logprobs (decode: they read the FP8 cache) are compared too.
-`moe-int8` must be refused at start (SGLang's compressed-tensors INT8 MoE is NPU-only). `w4a16`: SGLang's Marlin
-W4A16 layers, their kernel layout recomputed in place after each sync (runtime/sglang/marlin.py); `w4a16_mix` the
-4/8-bit YAML (each layer by its scheme)."""
+SGLang engines on the offline quantization of the original and of the perturbed weights (the format the SGLang
+runtime serves: int8, per-channel FP8 for `fp8`), running the runtime with FLASHRL_CONFIG=bf16, are the fresh
+references; the synced engine runs FLASHRL_CONFIG on the original BF16 weights and takes the perturbed weights one
+tensor per `update_weights_from_tensor` call, the originals back as one flattened bucket, the perturbed weights again
+as a bucket (GPU tensors, as verl's SGLang path sends), then the originals from disk (`update_weights_from_disk`:
+SGLang processes every layer again after that load; the runtime leaves synced layers as written). All exact (0.0).
+The sampled tokens' logprobs equal a hand computation from the engine's own distributions (tempered; with top-k /
+top-p and `return_sampling_mask`, renormalised). `@fa3`: SGLang's fa3 attention instead of triton (its decode kernels
+read the KV scales from the tensors the runtime writes in place: the decode graphs are not captured again after a
+recalibration, so equality with the fresh engines checks that too; `@fa3p16` with SGLang's pool by 16-token pages;
+`@xqa16` the same under FLASHRL_DECODE_ATTN=xqa, every engine observing 40 sequences, so their decode batches (CUDA
+graphs up to 48) go through XQA's Hopper kernel: asserted from each engine's log; `@fp8qk16` under
+FLASHRL_DECODE_ATTN=fp8qk, flashrl's FP8-score kernel, asserted the same way). `+kv`: FLASHRL_KV_CACHE_DTYPE=fp8 (the
+fresh engines calibrate once at start); the scales must be bit-equal to theirs, and the greedy tokens' logprobs
+(decode: they read the FP8 cache) are compared too. `moe-int8` must be refused at start (SGLang's compressed-tensors
+INT8 MoE is NPU-only). `w4a16`: SGLang's Marlin W4A16 layers, their kernel layout recomputed in place after each sync
+(runtime/sglang/marlin.py); `w4a16_mix` the 4/8-bit YAML (each layer by its scheme)."""
 
 from __future__ import annotations
 
