@@ -34,4 +34,8 @@ fi
 if ls "$DIR"/tf/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_sgl_tf "$DIR"/tf/*.whl
 fi
+if ls "$DIR"/jit/jit.xz.* >/dev/null 2>&1; then  # kernels SGLang JIT-built on an earlier lease (scripts/gpu_save_jit.sh)
+  mkdir -p ~/.cache/tvm-ffi && cat "$DIR"/jit/jit.xz.* | xz -dc | tar -C ~/.cache/tvm-ffi -xf -
+  echo "JIT kernels restored: $(find ~/.cache/tvm-ffi -name '*.so' | wc -l)"
+fi
 PYTHONPATH=/tmp/site_sgl_tf:/tmp/site_sgl:/tmp/site:$PWD python3 scripts/gpu_sglang_probe.py
