@@ -124,6 +124,7 @@ def worker(spec: dict) -> dict:
               enable_prefix_caching=True, disable_log_stats=not spec.get("stats", False), **tp_kwargs(spec),
               **({"attention_backend": spec["attention_backend"]} if spec.get("attention_backend") else {}))
     start_s = time.perf_counter() - t0
+    progress(f"engine started in {start_s:.0f} s")
     cache = llm.llm_engine.vllm_config.cache_config
     kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
     vocab = min(1000, json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"])
@@ -152,11 +153,13 @@ def worker(spec: dict) -> dict:
     llm.generate([{"prompt_token_ids": [11] * 8}], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
                  use_tqdm=False)  # warm-up outside the timed steps
     first = rollout(0, spec.get("first_max_len") or spec["max_len"])
+    progress(f"first rollout {first['rollout_s']:.0f} s; syncing")
     # the first sync of a process pays one-time costs (the Triton INT8 kernel's JIT): the step uses
     # the second; a third with the in-place fast path off measures what it saves (issue 16)
     first_sync, sync = slowest_rank(llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=2)))
     layerwise = slowest_rank(llm.collective_rpc(sync_in_worker(spec["model"], native=False, repeats=1,
                                                                inplace=False)))[0]
+    progress(f"sync {sync['sync_s']:.2f} s; the timed rollout")
     second = rollout(1, spec["max_len"], bands=spec.get("step_bands", False))
     memory = llm.collective_rpc(_device_memory)[0]
     return {"engine_start_s": start_s, "kv_cache_tokens": kv_tokens,
@@ -169,6 +172,11 @@ def worker(spec: dict) -> dict:
             "syncs_completed": sync["syncs_completed"], "sync_peak_extra_bytes": sync["peak_extra_bytes"],
             "step_s": second["rollout_s"] + sync["sync_s"], "output_tokens": second["output_tokens"],
             "output_tok_per_s": second["output_tok_per_s"], **memory, **vllm_settings(llm)}
+
+
+def progress(what: str) -> None:
+    """A row's phase on stderr, at once (its log shows where a row cut off by a lease was)."""
+    print(f"[rl_step {time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
 def tp_kwargs(spec: dict) -> dict:
@@ -232,6 +240,7 @@ def worker_sglang(spec: dict) -> dict:
 
         engine.generate(input_ids=[[11] * 8], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
         first = rollout(0, spec.get("first_max_len") or spec["max_len"])
+        progress(f"first rollout {first['rollout_s']:.0f} s; syncing")
         bucket = spec.get("sync_bucket_mb") or 512
         first_sync = sglang_sync_seconds(engine, spec["model"], bucket)  # one-time costs (JIT): reported apart
         sync = sglang_sync_seconds(engine, spec["model"], bucket)
