@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +19,6 @@ import torch
 from conftest import REPO
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.safetensors_io import CheckpointReader
-
-PROBE = REPO / "tests" / "probes" / "sync_probe.py"
-SEQUENCES = [[5, 70, 75, 82, 3, 40, 50, 60, 70, 80, 90, 100], [7, 8, 9, 10, 11, 200, 201, 202, 203, 204]]
 
 
 def test_the_trainer_side_call_imports_no_engine(tiny_models):
@@ -67,16 +63,6 @@ def test_configs_with_nothing_to_quantize_on_the_trainer_are_refused(tiny_models
     assert why in str(e.value) and "push BF16" in (e.value.fix or "")
 
 
-def _probe(tmp: Path, tag: str, **request) -> dict:
-    req, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
-    req.write_text(json.dumps({"sequences": SEQUENCES, "max_tokens": 6, **request}))
-    env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
-    env.update(FLASHRL_CONFIG="int8", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    res = spawn([str(PROBE), str(req), str(out)], env=env, timeout=900)  # TP = 2: slower forked from a zygote
-    assert res.returncode == 0, res.stderr[-5000:]
-    return json.loads(out.read_text())
-
-
 @pytest.mark.vllm
 def test_a_tp2_engine_takes_trainer_quantized_tensors_on_every_push_path(tiny_models, tmp_path):
     """TP = 2 on vLLM-CPU (two workers, one core each; tests/probes/wire_probe.py): the new BF16 weights synced
@@ -98,7 +84,7 @@ def test_a_tp2_engine_takes_trainer_quantized_tensors_on_every_push_path(tiny_mo
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     out = tmp_path / "wire.json"
     res = spawn([str(REPO / "tests" / "probes" / "wire_probe.py"), str(policy), str(new), str(out), "--paths",
-                 "load_weights,transfer", "--no-refusal", "--bucket-bytes", str(64 << 10), "--engine-args",
+                 "load_weights,transfer", "--no-refusal", "--fresh", "--bucket-bytes", str(64 << 10), "--engine-args",
                  json.dumps(tp2)], env={**env, "FLASHRL_CONFIG": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                 timeout=900)
     assert res.returncode == 0, res.stderr[-5000:]
@@ -109,7 +95,9 @@ def test_a_tp2_engine_takes_trainer_quantized_tensors_on_every_push_path(tiny_mo
     stages = {st["tag"]: st for st in result["stages"]}
     assert all(len(st["digest"]) == 2 for st in stages.values())  # one per rank
     assert result["bytes"]["wire"] < 0.7 * result["bytes"]["bf16"]
-    fresh = _probe(tmp_path, "fresh", model=str(new), max_tokens=8, engine_kwargs=tp2)["stages"][0]
+    fresh = result["fresh"]  # a fresh TP = 2 engine on the new weights, started by the probe after the stages
+    assert len(fresh["digest"]) == 2
+    assert (fresh["tokens"], fresh["logprobs"]) != (stages["start"]["tokens"], stages["start"]["logprobs"])
     for tag in ("load_weights", "transfer"):
         assert stages[tag]["tokens"] == fresh["tokens"] and stages[tag]["logprobs"] == fresh["logprobs"], tag
 

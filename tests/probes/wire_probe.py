@@ -21,7 +21,9 @@ timing -- the core starts a step as soon as the first request arrives -- and a k
 of the batch (vLLM 0.26's W4A16 kernels, Machete and Marlin, pick their tiles and splits by the token count) may then
 give other bits with the same weights (the likely reading of the GPU run of 2026-11-30: the 4-bit cases' digests all
 equal, their logprobs not): `--one-prompt-per-call` observes each prompt in a call of its own.
-Usage: python wire_probe.py ORIGINAL NEW OUT.json [--bucket-bytes N] [--one-prompt-per-call]"""
+With --fresh the engine is then shut down and a fresh one (the same settings, no transfer backend) started on NEW
+is observed once (`fresh`, beside the stages): what every push path must equal.
+Usage: python wire_probe.py ORIGINAL NEW OUT.json [--bucket-bytes N] [--one-prompt-per-call] [--fresh]"""
 
 import argparse
 import json
@@ -193,6 +195,8 @@ def main() -> None:
     ap.add_argument("--paths", default="load_weights,ipc,ipc-packed,ipc-bf16", help="comma-separated (CPU: load_weights)")
     ap.add_argument("--no-refusal", action="store_true")
     ap.add_argument("--kernel-values", default=None, help="record kernel-held tensors whose name holds this")
+    ap.add_argument("--fresh", action="store_true", help="then observe a fresh engine started on NEW (its own start: "
+                    "on a CPU host cheaper in this process than in another, which imports vLLM again)")
     ap.add_argument("--one-prompt-per-call", action="store_true",
                     help="observe each prompt in a generate call of its own (a multiprocess engine core's batches)")
     x = ap.parse_args()
@@ -215,8 +219,9 @@ def main() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         transfer = {"weight_transfer_config": {"backend": "flashrl_probe_checkpoint"},
                     "worker_extension_cls": "transfer_ext.Ext"}
-    llm = LLM(model=x.original, dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0,
-              enable_prefix_caching=False, **transfer, **x.engine_args)
+    settings = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0, enable_prefix_caching=False,
+                    **x.engine_args)
+    llm = LLM(model=x.original, **transfer, **settings)
     group = None
     if nccl_paths:
         import nccl_trainer
@@ -274,10 +279,17 @@ def main() -> None:
         if i:
             restore()
         res["stages"].append(observe(path, pushes[path]()))
-    if x.no_refusal:  # (a TP = 2 executor answers the next call with the other rank's error of this one)
+    def done():
+        nonlocal llm
+        if x.fresh:
+            llm.llm_engine.engine_core.shutdown()
+            llm = LLM(model=x.new, **settings)
+            res["fresh"] = observe("fresh")
         with open(x.out, "w") as f:
             json.dump(res, f)
-        return
+
+    if x.no_refusal:  # (a TP = 2 executor answers the next call with the other rank's error of this one)
+        return done()
     from flashrl_tools.runtime.core.convert import CONVERTED
 
     tensors = dict(wire)
@@ -291,8 +303,7 @@ def main() -> None:
         res["refusal"] = f"{type(e).__name__}: {e}"
     llm.collective_rpc(push_checkpoint(x.new))  # the engine still serves: a full push completes a sync
     res["stages"].append(observe("after-refusal"))
-    with open(x.out, "w") as f:
-        json.dump(res, f)
+    done()
 
 
 if __name__ == "__main__":
