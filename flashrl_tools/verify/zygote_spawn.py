@@ -25,7 +25,8 @@ LAZY = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "
 SPAWN_SETTINGS = ("VLLM_WORKER_MULTIPROC_METHOD", "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_COMPILE_THREADS",
                   "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "LOCAL_WORLD_SIZE",
                   "OMP_NUM_THREADS", "VLLM_OMP_NUM_THREADS_SET_BY_VLLM", "VLLM_DIST_IDENT",
-                  "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4")
+                  "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4",
+                  "GOMP_CPU_AFFINITY")  # (vLLM-CPU's worker binding: libgomp reads it at load, `child` applies it)
 
 
 def _may_differ(key: str) -> bool:
@@ -188,9 +189,23 @@ def child(req: dict, fds: list[int]) -> int:
     sys.stdin = open(os.devnull)
     _INHERITED[:] = inherited
     resource_tracker._resource_tracker._fd = tracker_fd
+    _bind_threads(os.environ.get("GOMP_CPU_AFFINITY"), os.environ.get("OMP_NUM_THREADS"))
     config = sys.modules.get("torch._inductor.config")
     if config is not None:  # read when torch imported it (in the zygote, before vLLM set them for its processes)
         if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
             config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
         config.cpp.dynamic_threads = os.environ.get("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "0") == "1"
     return spawn._main(data_r, os.dup(data_r))
+
+
+def _bind_threads(affinity: str | None, threads: str | None) -> None:
+    """What libgomp makes of GOMP_CPU_AFFINITY and OMP_NUM_THREADS when it loads (vLLM-CPU sets them for each worker
+    it spawns: its cores), in a fork of the zygote, where libgomp loaded before: the process kept to those cores and
+    torch's threads as many (a spawned worker's count: the same sums)."""
+    cores = [int(c) for c in (affinity or "").replace(",", " ").split() if c.isdigit()]
+    if cores:
+        os.sched_setaffinity(0, cores)
+    count = int(threads) if (threads or "").isdigit() else len(cores)
+    torch = sys.modules.get("torch")
+    if torch is not None and count > 0:
+        torch.set_num_threads(count)
