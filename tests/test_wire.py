@@ -83,6 +83,7 @@ def test_a_tp2_engine_takes_trainer_quantized_tensors_on_every_push_path(tiny_mo
     tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "gpu_memory_utilization": 0.1}
     env = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     out = tmp_path / "wire.json"
+    # spawned, not forked from the zygote (run_python): forked, its TP = 2 engine was slower in CI (272 s vs 222 s)
     res = spawn([str(REPO / "tests" / "probes" / "wire_probe.py"), str(policy), str(new), str(out), "--paths",
                  "load_weights,transfer", "--no-refusal", "--fresh", "--bucket-bytes", str(64 << 10), "--engine-args",
                  json.dumps(tp2)], env={**env, "FLASHRL_CONFIG": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
