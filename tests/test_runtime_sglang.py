@@ -220,13 +220,27 @@ def test_every_tp_rank_reports_its_fp8_kv_scales(monkeypatch):
             for rank in range(self.server_args.tp_size):  # every scheduler answers, each from its own state
                 kv = SimpleNamespace(current=ranks[rank], stale=lambda r=rank: stale[r])
                 monkeypatch.setattr(process, "kv_states", lambda kv=kv: [kv])
-                scheduler.dump_kv_scales(SimpleNamespace(tp_rank=rank), path)
+                scheduler.dump_kv_scales(SimpleNamespace(ps=SimpleNamespace(tp_rank=rank)), path)  # 0.5.17
 
     assert sglang_job.kv_scales(Engine(1)) == ranks[0]
     assert sglang_job.kv_scales(Engine(2)) == [ranks[0], ranks[1]]
     stale[1] = True
     with pytest.raises(RuntimeError, match="stale"):
         sglang_job.kv_scales(Engine(2))
+
+
+def test_the_tp_rank_is_read_where_each_sglang_release_keeps_it():
+    """SGLang 0.5.17's Scheduler and ModelRunner keep the rank in their parallel state (`ps.tp_rank`) and have no
+    `tp_rank`: read as `tp_rank` it was 0 on every rank, so at TP = 2 both schedulers wrote their FP8 KV scales
+    over rank 0's file and rank 1's was never written (2 x H200, 2026-11-30); older releases: `tp_rank`."""
+    from types import SimpleNamespace
+
+    from flashrl_tools.runtime.sglang.capabilities import tp_rank
+
+    assert tp_rank(SimpleNamespace(ps=SimpleNamespace(tp_rank=1))) == 1
+    assert tp_rank(SimpleNamespace(ps=SimpleNamespace(tp_rank=0), tp_rank=1)) == 0
+    assert tp_rank(SimpleNamespace(tp_rank=1)) == 1
+    assert tp_rank(SimpleNamespace()) == 0
 
 
 def test_a_reload_from_disk_does_not_process_the_synced_layers_again():

@@ -41,7 +41,12 @@ def kv_scales(engine) -> dict | list[dict]:
         path = Path(tmp) / "scales.json"
         engine.collective_rpc("flashrl_kv_scales", path=str(path))
         tp = engine.server_args.tp_size
-        reports = [json.loads((path if r == 0 else Path(f"{path}.rank{r}")).read_text()) for r in range(tp)]
+        files = [path if r == 0 else Path(f"{path}.rank{r}") for r in range(tp)]
+        missing = [r for r, f in enumerate(files) if not f.is_file()]
+        if missing:
+            raise RuntimeError(f"TP ranks {missing} wrote no FP8 KV scales (`flashrl_kv_scales`; the engine's log "
+                               "says why)")
+        reports = [json.loads(f.read_text()) for f in files]
     if any(r["stale"] for r in reports):
         raise RuntimeError("the FP8 KV scales are stale after a rollout")
     return reports[0]["scales"] if tp == 1 else [r["scales"] for r in reports]

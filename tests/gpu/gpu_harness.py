@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -197,10 +198,16 @@ def run_probe(probe: str, work: Path, tag: str, env: dict, req: dict, timeout: f
 def run_sglang(model: Path, steps: list[dict], config: str | None, label: str, kv: str | None = None,
                engine_kwargs: dict | None = None, env: dict | None = None, log: Path | None = None) -> list[dict] | str:
     """An SGLang engine job (verify/sglang_job.py): the steps' results, or its error (a refusal is a result);
-    `env`: more variables for it, `log`: where its output goes."""
+    `env`: more variables for it, `log`: where its output goes (default: engine-logs/ beside the results JSON, so
+    a failure's whole log comes back with them; the error keeps only its last line)."""
     from flashrl_tools.errors import FlashRLError
     from flashrl_tools.verify.engines import run_engine
 
+    if log is None and os.environ.get("FLASHRL_GPU_RESULTS"):
+        tp = (engine_kwargs or {}).get("tp_size", 1)
+        name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{label}{'-tp%d' % tp if tp > 1 else ''}")
+        log = Path(os.environ["FLASHRL_GPU_RESULTS"]).parent / "engine-logs" / f"{name}-{os.getpid()}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
     try:
         return run_engine(model, steps, config, label, engine_kwargs={**SGLANG_ENGINE, **(engine_kwargs or {})},
                           engine="sglang", timeout=900, kv_cache_dtype=kv, env=env, log=log)

@@ -64,3 +64,10 @@ def sglang_version() -> str:
     import sglang
 
     return str(getattr(sglang, "__version__", "unknown"))
+
+
+def tp_rank(obj) -> int:
+    """A Scheduler's or ModelRunner's TP rank: SGLang 0.5.17 keeps it in its parallel state (`obj.ps.tp_rank`;
+    the object has no `tp_rank`, so reading that gave 0 on every rank), earlier releases as `obj.tp_rank`."""
+    rank = getattr(getattr(obj, "ps", None), "tp_rank", None)
+    return int(getattr(obj, "tp_rank", 0) if rank is None else rank)

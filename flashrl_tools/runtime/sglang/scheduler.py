@@ -11,6 +11,7 @@ from flashrl_tools.runtime.core import process
 from flashrl_tools.runtime.core.admission import refusal
 from flashrl_tools.runtime.core.kv_state import ABANDON, FINISH, calibration_index, calibration_token
 from flashrl_tools.runtime.core.logs import stall_watch, step_line, stepping
+from flashrl_tools.runtime.sglang.capabilities import tp_rank
 
 log = logging.getLogger("flashrl_tools.runtime")
 _warned: set[str] = set()
@@ -189,7 +190,7 @@ def progress(result, scheduler, batch=None, *args, **kwargs):
     merged it into the running batch already, the normal one not yet) and the waiting ones."""
     stall_watch()
     batch = kwargs.get("batch", batch)
-    if batch is None or getattr(scheduler, "tp_rank", 0) != 0 or not stepping():
+    if batch is None or tp_rank(scheduler) != 0 or not stepping():
         return None
     mode, reqs = batch.forward_mode, batch.reqs
     waiting = len(getattr(scheduler, "waiting_queue", None) or ())
@@ -208,7 +209,7 @@ def dump_kv_scales(scheduler, path: str) -> None:
     at `path`, rank R's at `path.rankR` (TP > 1: each rank calibrates the heads it holds)."""
     from flashrl_tools.fsutil import atomic_write_text
 
-    rank = getattr(scheduler, "tp_rank", 0)
+    rank = tp_rank(scheduler)
     if process.kv_states():
         kv = process.kv_states()[0]
         atomic_write_text(path if rank == 0 else f"{path}.rank{rank}",

@@ -25,6 +25,7 @@ import torch
 from flashrl_tools.errors import FlashRLError
 from flashrl_tools.runtime.core.adapter import Converted
 from flashrl_tools.runtime.core.session import SyncSession, open_session
+from flashrl_tools.runtime.sglang.capabilities import tp_rank
 from flashrl_tools.runtime.sglang.marlin import MarlinLayer, is_w4a16
 
 log = logging.getLogger("flashrl_tools.runtime")
@@ -250,7 +251,7 @@ def runner_loaded(result, runner, *args, **kwargs):
         return result
     path = runner.model_config.model_path
     try:
-        session = attach(runner.model, path, process.config(), loaded(), getattr(runner, "tp_rank", 0))
+        session = attach(runner.model, path, process.config(), loaded(), tp_rank(runner))
         check_sglang_version(runner, session, process.config(), path)
         if uses_fp8_kv(runner):
             from flashrl_tools.runtime.sglang import decode_attn
