@@ -229,15 +229,16 @@ def test_every_tp_rank_reports_its_fp8_kv_scales(monkeypatch):
         sglang_job.kv_scales(Engine(2))
 
 
-def test_the_tp_rank_is_read_where_each_sglang_release_keeps_it():
+def test_the_tp_rank_and_size_are_read_where_each_sglang_release_keeps_them():
     """SGLang 0.5.17's Scheduler and ModelRunner keep the rank in their parallel state (`ps.tp_rank`) and have no
     `tp_rank`: read as `tp_rank` it was 0 on every rank, so at TP = 2 both schedulers wrote their FP8 KV scales
     over rank 0's file and rank 1's was never written (2 x H200, 2026-11-30); older releases: `tp_rank`."""
     from types import SimpleNamespace
 
-    from flashrl_tools.runtime.sglang.capabilities import tp_rank
+    from flashrl_tools.runtime.sglang.capabilities import tp_rank, tp_size
 
     assert tp_rank(SimpleNamespace(ps=SimpleNamespace(tp_rank=1))) == 1
+    assert tp_size(SimpleNamespace(ps=SimpleNamespace(tp_size=2))) == 2 and tp_size(SimpleNamespace()) == 1
     assert tp_rank(SimpleNamespace(ps=SimpleNamespace(tp_rank=0), tp_rank=1)) == 0
     assert tp_rank(SimpleNamespace(tp_rank=1)) == 1
     assert tp_rank(SimpleNamespace()) == 0

@@ -69,5 +69,14 @@ def sglang_version() -> str:
 def tp_rank(obj) -> int:
     """A Scheduler's or ModelRunner's TP rank: SGLang 0.5.17 keeps it in its parallel state (`obj.ps.tp_rank`;
     the object has no `tp_rank`, so reading that gave 0 on every rank), earlier releases as `obj.tp_rank`."""
-    rank = getattr(getattr(obj, "ps", None), "tp_rank", None)
-    return int(getattr(obj, "tp_rank", 0) if rank is None else rank)
+    return _parallel(obj, "tp_rank", 0)
+
+
+def tp_size(obj) -> int:
+    """Its TP size, the same way (`obj.ps.tp_size`, else `obj.tp_size`)."""
+    return max(1, _parallel(obj, "tp_size", 1))
+
+
+def _parallel(obj, name: str, default: int) -> int:
+    value = getattr(getattr(obj, "ps", None), name, None)
+    return int(getattr(obj, name, default) if value is None else value)

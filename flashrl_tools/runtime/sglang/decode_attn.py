@@ -21,6 +21,7 @@ import torch
 
 from flashrl_tools.runtime.core import decode_attn as core
 from flashrl_tools.runtime.sglang import kv_store
+from flashrl_tools.runtime.sglang.capabilities import tp_size
 
 _OFF = ("k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "cu_seqlens_k_new",
         "rotary_seqlens", "q_descale", "sinks", "score_mod", "aux_tensors")  # what the kernel does not compute
@@ -56,7 +57,7 @@ def forward_decode(original, backend, *args, **kwargs):
 def choose_for_sglang(runner) -> None:
     """At model load with an FP8 KV cache: flashrl's kernels for this model's shape, or fa3 for every batch (logged
     once: `core.choose`)."""
-    cfg, tp = runner.model_config, max(1, getattr(runner, "tp_size", 1))
+    cfg, tp = runner.model_config, tp_size(runner)
     try:
         shape = cfg.head_dim, cfg.num_attention_heads // tp, cfg.get_num_kv_heads(tp)
     except (AttributeError, TypeError):  # another SGLang's config: the per-call check (`takes`) still decides
