@@ -106,3 +106,33 @@ def test_settings_read_the_environment_as_it_is_now(monkeypatch):
     assert settings().version_check is False
     monkeypatch.setenv("FLASHRL_VERSION_CHECK", "1")
     assert settings().version_check is True
+
+
+def test_the_online_cache_drops_copies_of_deleted_policies(tiny_models, tmp_path, monkeypatch):
+    """A quantized copy whose policy folder is gone (a run's temporary checkpoint) is removed at the next build,
+    once past the grace period; one whose policy is still there, or that is recent, stays."""
+    import os
+    import shutil
+    import time
+
+    from flashrl_tools.quant.quantizer import QuantFn
+    from flashrl_tools.runtime.core.online_cache import ensure_quantized
+
+    monkeypatch.setenv("FLASHRL_HOME", str(tmp_path / "home"))
+
+    def policy(name):  # config only: the cache writes the quantized config (dummy weights), no tensors
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(tiny_models["qwen3-untied"] / "config.json", d)
+        return d
+
+    kept, gone, recent = policy("kept"), policy("gone"), policy("recent")
+    entries = {n: ensure_quantized(d, QuantFn.int8) for n, d in (("kept", kept), ("gone", gone), ("recent", recent))}
+    hour_ago = time.time() - 7200
+    for n in ("kept", "gone"):
+        os.utime(entries[n] / "flashrl_source.json", (hour_ago, hour_ago))
+    shutil.rmtree(gone)
+    shutil.rmtree(recent)
+    assert ensure_quantized(kept, QuantFn.int8) == entries["kept"] and entries["gone"].is_dir()  # cached: no build
+    ensure_quantized(policy("new"), QuantFn.int8)
+    assert not entries["gone"].exists() and entries["kept"].is_dir() and entries["recent"].is_dir()

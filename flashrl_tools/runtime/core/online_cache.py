@@ -16,6 +16,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from flashrl_tools import __version__
@@ -80,9 +81,30 @@ def _once(out: Path, model_dir: Path, build) -> Path:
     with open(_root() / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").is_file():
+            prune()
             build()
             (out / "flashrl_source.json").write_text(json.dumps({"bf16_model": str(Path(model_dir).resolve())}))
     return out
+
+
+def prune(grace_s: float = 3600.0) -> list[Path]:
+    """Remove the entries whose policy is gone (its folder deleted: a run's temporary checkpoint), built more than
+    `grace_s` ago (an engine may still be loading a newer one): the cache would otherwise keep a quantized copy of
+    every policy it ever served. Called under the lock, before a build; returns what it removed."""
+    import shutil
+
+    removed = []
+    for entry in sorted(_root().iterdir()):
+        source = entry / "flashrl_source.json"
+        try:
+            gone = not Path(json.loads(source.read_text())["bf16_model"]).is_dir()
+            old = time.time() - source.stat().st_mtime > grace_s
+        except (OSError, ValueError, KeyError, TypeError):  # not an entry (the lock) or one being built
+            continue
+        if gone and old:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def _in_child(job: dict, model_dir: Path, what: str) -> None:
