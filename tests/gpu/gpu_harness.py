@@ -205,7 +205,7 @@ def run_sglang(model: Path, steps: list[dict], config: str | None, label: str, k
 
     if log is None and os.environ.get("FLASHRL_GPU_RESULTS"):
         tp = (engine_kwargs or {}).get("tp_size", 1)
-        name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{label}{'-tp%d' % tp if tp > 1 else ''}")
+        name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", label + (f"-tp{tp}" if tp > 1 else ""))
         log = Path(os.environ["FLASHRL_GPU_RESULTS"]).parent / "engine-logs" / f"{name}-{os.getpid()}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -91,8 +92,6 @@ def prune(grace_s: float = 3600.0) -> list[Path]:
     """Remove the entries whose policy is gone (its folder deleted: a run's temporary checkpoint), built more than
     `grace_s` ago (an engine may still be loading a newer one): the cache would otherwise keep a quantized copy of
     every policy it ever served. Called under the lock, before a build; returns what it removed."""
-    import shutil
-
     removed = []
     for entry in sorted(_root().iterdir()):
         source = entry / "flashrl_source.json"
