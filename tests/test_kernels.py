@@ -40,6 +40,37 @@ def test_triton_int8_bit_identical(shape):
     assert all(torch.equal(a, b) for a, b in zip(int8_triton.int8_channel(v), _reference(v)))
 
 
+def test_int8_kernel_runs_on_the_weights_gpu_not_the_current_one(monkeypatch):
+    """SGLang at TP = 2 hands rank 1 the trainer's CUDA IPC tensor on GPU 0: the launch on rank 1's current GPU
+    failed ("Pointer argument (at 0) cannot be accessed from Triton", 2 x H200, 2026-11-30). The launch goes
+    under the weight's device, as a torch op on it would (the GPU check: the test below, on two GPUs)."""
+    from flashrl_tools.quant.kernels import int8_triton
+
+    entered, launched = [], []
+
+    @contextlib.contextmanager
+    def device(d):
+        entered.append(d)
+        yield
+        entered.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(int8_triton, "_kernel", lambda: {(3,): lambda *a, **k: launched.append(list(entered))})
+    w = torch.ones(3, 4, dtype=torch.bfloat16)
+    int8_triton.int8_channel(w)
+    assert launched == [[w.device]]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_int8_kernel_of_another_gpus_tensor_is_bit_identical():
+    from flashrl_tools.quant.kernels import int8_triton
+
+    w = (torch.randn(64, 1000, device="cuda:1") * 0.02).to(torch.bfloat16)
+    with torch.cuda.device(0):
+        q, s = int8_triton.int8_channel(w)
+    assert q.device == w.device and all(torch.equal(a, b) for a, b in zip((q, s), _reference(w)))
+
+
 def test_off_switch_and_cpu_fallback(monkeypatch):
     from flashrl_tools.quant.kernels import int8_triton
 

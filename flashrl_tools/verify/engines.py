@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,7 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
     if log is not None:
         Path(log).write_text(res.stdout + res.stderr)
     if res.returncode != 0 or "steps" not in result:
-        reason = result.get("error") or _last_error_line(res.stderr) or f"exit code {res.returncode}"
+        reason = result.get("error") or _error_line(res.stderr) or f"exit code {res.returncode}"
         raise FlashRLError(f"the {label} engine failed: {reason}",
                            f"model {model}, FLASHRL_CONFIG={config or '(unset)'}",
                            "run with FLASHRL_LOGGING_LEVEL=DEBUG for the engine's log")
@@ -84,6 +85,17 @@ def extra_engine_args() -> dict:
     return value
 
 
-def _last_error_line(stderr: str) -> str | None:
+_RAISED = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
+def _error_line(stderr: str) -> str | None:
+    """The first traceback's exception (the cause: the other ranks then fail on it, and the engine's crash report
+    follows), else the last line naming an error."""
+    traceback = False
+    for line in stderr.splitlines():
+        if line.rstrip().endswith("Traceback (most recent call last):"):
+            traceback = True
+        elif traceback and _RAISED.match(line):
+            return line.strip()
     lines = [ln for ln in stderr.splitlines() if "Error" in ln or "error:" in ln]
     return lines[-1].strip() if lines else None

@@ -70,6 +70,7 @@ def int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     q = torch.empty((rows, cols), dtype=torch.int8, device=w.device)
     scale = torch.empty((rows, 1), dtype=torch.bfloat16, device=w.device)
-    if rows:
-        _kernel()[(rows,)](w, q, scale, cols, w.stride(0), q.stride(0), BF16_EPS, BLOCK=1024)
+    if rows:  # on the weight's GPU: a TP rank can be handed another GPU's tensor (SGLang's CUDA IPC buckets)
+        with torch.cuda.device(w.device):
+            _kernel()[(rows,)](w, q, scale, cols, w.stride(0), q.stride(0), BF16_EPS, BLOCK=1024)
     return q, scale
