@@ -278,3 +278,43 @@ def test_a_job_with_the_environment_the_zygote_s_import_left_is_forked(value, tm
         res = zygote.run([tmp_path / "spawns.py"], env=env, cwd=tmp_path)
         ppid, vllm_first, flag, *_ = res.stdout.strip().split("|")
         assert flag == "in the child" and _forked(ppid) and vllm_first == "True", res.stderr
+
+
+def test_a_full_pool_makes_room_by_closing_its_least_recently_used_idle_zygote(monkeypatch):
+    """A process whose environment changed for good (`ray.init` sets RAY_* in it) kept forking plain subprocesses
+    once both places were taken (the suite's CLI jobs then paid vLLM's import each: ~25 s). The pool's policy, with
+    stand-in zygotes: the second job of a third environment closes the idle one used least recently; one running a
+    job, or one that failed, keeps its place."""
+
+    class Stub:
+        def __init__(self, env):
+            self.key, self.after, self.ok, self.closed = zygote.signature(env), zygote.signature(env), True, False
+            self.path, self.jobs, self.used = f"stub-{env['POOL_TEST']}", 0, 0.0
+
+        def usable(self):
+            return self.ok and not self.closed
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(zygote, "Zygote", Stub)
+    monkeypatch.setattr(zygote, "_ZYGOTES", {})
+    monkeypatch.setattr(zygote, "_SEEN", set())
+    env = {n: {**os.environ, "POOL_TEST": n} for n in "abcd"}
+
+    def job(name, step=0):  # what run() does around a job: the zygote's socket, then the job counted on it
+        path = zygote._socket_for(env[name])
+        if path is not None:
+            zygote._track(path, step)
+        return path
+
+    assert job("a") == "stub-a" and job("b") is None and job("b") == "stub-b"  # the first at once, another's second
+    a, b = (zygote._ZYGOTES[zygote.signature(env[n])] for n in "ab")
+    job("b")  # b used last
+    assert job("c") is None and job("c") == "stub-c" and a.closed and not b.closed
+    assert [z.path for z in zygote._ZYGOTES.values()] == ["stub-b", "stub-c"]
+    job("b", 1)  # b runs a job (never closed under it), c idle
+    assert job("d") is None and job("d") == "stub-d" and not b.closed
+    assert sorted(z.path for z in zygote._ZYGOTES.values()) == ["stub-b", "stub-d"]
+    zygote._track("stub-d", 1)  # both busy: no room, a plain subprocess
+    assert job("a") is None and len(zygote._ZYGOTES) == 2

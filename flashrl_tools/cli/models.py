@@ -9,7 +9,6 @@ import typer
 from flashrl_tools.cli.common import err, out
 from flashrl_tools.fsutil import check_writable
 from flashrl_tools.models.default import ensure_default_model
-from flashrl_tools.models.tiny import TinyArch, make_tiny_model
 
 app = typer.Typer(help="Materialise test models: the embedded default, or tiny random ones.",
                   no_args_is_help=True)
@@ -34,6 +33,7 @@ def tiny(
 ) -> None:
     """Write a tiny random-weight checkpoint (deterministic for a seed) with a byte tokenizer."""
     from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.models.tiny import TinyArch, make_tiny_model  # torch: only the command that needs it
 
     try:
         arch_ = TinyArch(arch)

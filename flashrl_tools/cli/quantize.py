@@ -9,7 +9,7 @@ from rich.table import Table
 
 from flashrl_tools.cli.common import ModelOption, err, model_path, out
 from flashrl_tools.fsutil import check_writable
-from flashrl_tools.quant.quantizer import QuantFn
+from flashrl_tools.quant.formats import QuantFn
 
 FN_HELP = " | ".join(f.value for f in QuantFn)
 

@@ -11,7 +11,9 @@ that forked it, and so do the processes it starts with multiprocessing's spawn (
 zygote_spawn.py); a job whose client went away is killed.
 
 Zygotes are kept per environment as far as an import may read it (all but FLASHRL_*, PYTEST_* and the vLLM switches
-in zygote_spawn.LAZY), two at most: the first environment's at once, another's at its second job. Importing vLLM
+in zygote_spawn.LAZY), two at most: the first environment's at once, another's at its second job; with both places
+taken, the idle one used least recently makes room (a process whose environment changed for good -- `ray.init`, a
+PYTHONPATH set -- kept forking plain subprocesses). Importing vLLM
 changes a process's own environment (RAY_CLIENT_MODE, LD_LIBRARY_PATH, inductor's settings): a zygote stands for an
 environment whose every variable is as the zygote was started or as its import left it (zygote_spawn.stands_for), so
 a process that imported vLLM after it started its zygote still forks its jobs from it. Other jobs, a zygote that
@@ -31,6 +33,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from flashrl_tools.verify.zygote_spawn import signature, stands_for
@@ -42,6 +46,7 @@ class Zygote:
 
     def __init__(self, env: dict) -> None:
         self.key = signature(env)
+        self.jobs, self.used = 0, time.monotonic()  # jobs of this process's running on it; its last use
         self.dir = tempfile.mkdtemp(prefix="flashrl-zygote-")
         self.path = os.path.join(self.dir, "socket")
         self.proc = subprocess.Popen([sys.executable, "-m", "flashrl_tools.verify.zygote_server", self.path],
@@ -109,6 +114,7 @@ def _run_at(path: str, argv: list[str], env: dict, timeout: float | None, cwd: s
 POOL = 2  # zygotes a process keeps; one that failed or died is not started again
 _ZYGOTES: dict[tuple, Zygote | None] = {}
 _SEEN: set[tuple] = set()
+_LOCK = threading.Lock()  # the pool's bookkeeping (jobs may be run from several threads)
 _HOST: tuple[str, tuple, tuple] | None = None  # in a job: the zygote that forked it (socket, signatures)
 
 
@@ -131,11 +137,27 @@ def _socket_for(env: dict) -> str | None:
     if z is not None:
         return z.path
     key = signature(env)
-    if key not in _ZYGOTES and (key in _SEEN or not _ZYGOTES) and len(_ZYGOTES) < POOL:
-        _ZYGOTES[key] = Zygote(env)
+    if key not in _ZYGOTES and (key in _SEEN or not _ZYGOTES):
+        if len(_ZYGOTES) >= POOL:
+            _retire_one()
+        if len(_ZYGOTES) < POOL:
+            _ZYGOTES[key] = Zygote(env)
     _SEEN.add(key)
     z = _ZYGOTES.get(key)
     return z.path if z is not None and z.usable() else None
+
+
+def _retire_one() -> None:
+    """Close the idle usable zygote used least recently (a failed one keeps its place: it is not started again)."""
+    idle = [(z.used, k) for k, z in _ZYGOTES.items() if z is not None and z.usable() and z.jobs == 0]
+    if idle:
+        _ZYGOTES.pop(min(idle)[1]).close()
+
+
+def _track(path: str, step: int) -> None:
+    for z in _ZYGOTES.values():
+        if z is not None and z.path == path:
+            z.jobs, z.used = z.jobs + step, time.monotonic()
 
 
 def run(argv: list[str], env: dict | None = None, timeout: float | None = None,
@@ -144,7 +166,10 @@ def run(argv: list[str], env: dict | None = None, timeout: float | None = None,
     global _HOST
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
-    path = _socket_for(env) if enabled() else None
+    with _LOCK:
+        path = _socket_for(env) if enabled() else None
+        if path is not None:
+            _track(path, 1)
     if path is not None:
         try:
             return _run_at(path, [str(a) for a in argv], env, timeout, cwd)
@@ -154,6 +179,9 @@ def run(argv: list[str], env: dict | None = None, timeout: float | None = None,
             for z in _ZYGOTES.values():
                 if z is not None and z.path == path:
                     z.ok = False
+        finally:
+            with _LOCK:
+                _track(path, -1)
     return spawn(argv, env, timeout, cwd)
 
 
