@@ -24,7 +24,7 @@ def preset_options(args, presets: dict, gpu_util: float) -> tuple[dict, float, P
 
 
 def run_worker(script: str, spec: dict, env: dict, scan=None) -> dict:
-    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": last stderr line};
+    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": the first traceback's exception, else the last stderr line};
     `scan(output)` adds what it finds in the worker's stdout + stderr (e.g. `runtime_log`) to the result.
     With FLASHRL_BENCH_LOG=PATH in the environment the worker's whole output is appended there (the engines'
     own logs: SGLang's scheduler at --log-level info, the runtime's at FLASHRL_LOGGING_LEVEL=INFO)."""
@@ -37,7 +37,9 @@ def run_worker(script: str, spec: dict, env: dict, scan=None) -> dict:
                 log.write(f"==== {Path(script).name} worker, rc {res.returncode}\n{res.stdout}{res.stderr}")
         if res.returncode != 0:
             sys.stderr.write(res.stderr[-4000:])
-            return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
+            from flashrl_tools.verify.engines import error_line  # the first traceback's exception: the cause
+
+            return {"error": error_line(res.stderr) or (res.stderr.strip().splitlines() or ["failed"])[-1]}
         result = json.loads(out.read_text())
         return {**result, **scan(res.stdout + res.stderr)} if scan else result
 

@@ -89,7 +89,7 @@ def test_engine_args_from_the_environment(monkeypatch):
 def test_an_engine_crash_is_reported_by_its_first_tracebacks_exception():
     """SGLang at TP = 2 (2 x H200, 2026-11-30): rank 1 raised, rank 0 then lost its peer, and the crash report's
     last "Error" line was py-spy's absence: the cause is the first traceback's exception."""
-    from flashrl_tools.verify.engines import _error_line
+    from flashrl_tools.verify.engines import error_line
 
     log = """[23:47:08 TP1] Scheduler hit an exception: Traceback (most recent call last):
   File "/x/int8_triton.py", line 74, in int8_channel
@@ -101,9 +101,9 @@ ValueError: Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)
 RuntimeError: [gloo] Connection closed by peer
 [23:47:14] Pyspy failed (py-spy dump --pid 1987). Error: /bin/sh: 1: py-spy: not found
 """
-    assert _error_line(log) == "ValueError: Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"
-    assert _error_line("loading\nCUDA error: out of memory\nbye") == "CUDA error: out of memory"
-    assert _error_line("all quiet") is None
+    assert error_line(log) == "ValueError: Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"
+    assert error_line("loading\nCUDA error: out of memory\nbye") == "CUDA error: out of memory"
+    assert error_line("all quiet") is None
 
 
 def checks_of(report: Path) -> dict[str, bool]:

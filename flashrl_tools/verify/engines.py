@@ -45,7 +45,7 @@ def run_engine(model: Path, steps: list[dict], config: str | None, label: str,
     if log is not None:
         Path(log).write_text(res.stdout + res.stderr)
     if res.returncode != 0 or "steps" not in result:
-        reason = result.get("error") or _error_line(res.stderr) or f"exit code {res.returncode}"
+        reason = result.get("error") or error_line(res.stderr) or f"exit code {res.returncode}"
         raise FlashRLError(f"the {label} engine failed: {reason}",
                            f"model {model}, FLASHRL_CONFIG={config or '(unset)'}",
                            "run with FLASHRL_LOGGING_LEVEL=DEBUG for the engine's log")
@@ -88,7 +88,7 @@ def extra_engine_args() -> dict:
 _RAISED = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b")
 
 
-def _error_line(stderr: str) -> str | None:
+def error_line(stderr: str) -> str | None:
     """The first traceback's exception (the cause: the other ranks then fail on it, and the engine's crash report
     follows), else the last line naming an error."""
     traceback = False
