@@ -24,7 +24,8 @@ def preset_options(args, presets: dict, gpu_util: float) -> tuple[dict, float, P
 
 
 def run_worker(script: str, spec: dict, env: dict, scan=None) -> dict:
-    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": the first traceback's exception, else the last stderr line};
+    """`python SCRIPT --worker REQ OUT` with this environment: its JSON result, or {"error": the first traceback's
+    exception, else the last stderr line};
     `scan(output)` adds what it finds in the worker's stdout + stderr (e.g. `runtime_log`) to the result.
     With FLASHRL_BENCH_LOG=PATH in the environment the worker's whole output is appended there (the engines'
     own logs: SGLang's scheduler at --log-level info, the runtime's at FLASHRL_LOGGING_LEVEL=INFO)."""
