@@ -13,13 +13,13 @@ zygote_spawn.py); a job whose client went away is killed.
 Zygotes are kept per environment as far as an import may read it (all but FLASHRL_*, PYTEST_* and the vLLM switches
 in zygote_spawn.LAZY), two at most: the first environment's at once, another's at its second job; with both places
 taken, the idle one used least recently makes room (a process whose environment changed for good -- `ray.init`, a
-PYTHONPATH set -- kept forking plain subprocesses). Importing vLLM
-changes a process's own environment (RAY_CLIENT_MODE, LD_LIBRARY_PATH, inductor's settings): a zygote stands for an
-environment whose every variable is as the zygote was started or as its import left it (zygote_spawn.stands_for), so
-a process that imported vLLM after it started its zygote still forks its jobs from it. Other jobs, a zygote that
-failed, or FLASHRL_ZYGOTE=0 start a plain subprocess. Off where CUDA is visible (not checked on a GPU yet). The
-zygote does no torch work before it forks (OpenMP's threads do not survive a fork: DEVELOPERS "Torch CPU work in a
-process that then forks"), and freezes its heap: a job's garbage collections skip what the imports made.
+PYTHONPATH set -- kept forking plain subprocesses). Importing vLLM changes a process's own environment
+(RAY_CLIENT_MODE, LD_LIBRARY_PATH, inductor's settings): a zygote stands for an environment whose every variable is
+as the zygote was started or as its import left it (zygote_spawn.stands_for), so a process that imported vLLM after
+it started its zygote still forks its jobs from it. Other jobs, a zygote that failed, or FLASHRL_ZYGOTE=0 start a
+plain subprocess. Off where CUDA is visible (not checked on a GPU yet). The zygote does no torch work before it forks
+(OpenMP's threads do not survive a fork: DEVELOPERS "Torch CPU work in a process that then forks"), and freezes its
+heap: a job's garbage collections skip what the imports made.
 """
 
 from __future__ import annotations
