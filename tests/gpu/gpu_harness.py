@@ -170,10 +170,22 @@ def async_scheduling(log: str) -> bool | None:
     return False if "async_scheduling=False" in log else None
 
 
+def engine_log(label: str) -> Path | None:
+    """Where a probe's or an engine's output goes when the run keeps results (FLASHRL_GPU_RESULTS): engine-logs/
+    beside the results JSON, so a failure's whole log comes back with them; else None."""
+    if not os.environ.get("FLASHRL_GPU_RESULTS"):
+        return None
+    name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", label)
+    log = Path(os.environ["FLASHRL_GPU_RESULTS"]).parent / "engine-logs" / f"{name}-{os.getpid()}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return log
+
+
 def run_probe(probe: str, work: Path, tag: str, env: dict, req: dict, timeout: float = 900) -> dict:
     """tests/probes/<probe>.py REQUEST RESULT in a process of its own (FLASHRL_* from `env` only);
     {"error", "log_tail"} when it failed."""
-    rq, out, log = work / f"{tag}-req.json", work / f"{tag}.json", work / f"{tag}.log"
+    rq, out = work / f"{tag}-req.json", work / f"{tag}.json"
+    log = engine_log(tag) or work / f"{tag}.log"
     rq.write_text(json.dumps({"sequences": SEQS, "max_tokens": 8, **req}))
     base = {k: v for k, v in os.environ.items() if k not in ("FLASHRL_CONFIG", "FLASHRL_KV_CACHE_DTYPE")}
     base.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines (the probes' weight-transfer path)
@@ -203,11 +215,9 @@ def run_sglang(model: Path, steps: list[dict], config: str | None, label: str, k
     from flashrl_tools.errors import FlashRLError
     from flashrl_tools.verify.engines import run_engine
 
-    if log is None and os.environ.get("FLASHRL_GPU_RESULTS"):
+    if log is None:
         tp = (engine_kwargs or {}).get("tp_size", 1)
-        name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", label + (f"-tp{tp}" if tp > 1 else ""))
-        log = Path(os.environ["FLASHRL_GPU_RESULTS"]).parent / "engine-logs" / f"{name}-{os.getpid()}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
+        log = engine_log(label + (f"-tp{tp}" if tp > 1 else ""))
     try:
         return run_engine(model, steps, config, label, engine_kwargs={**SGLANG_ENGINE, **(engine_kwargs or {})},
                           engine="sglang", timeout=900, kv_cache_dtype=kv, env=env, log=log)

@@ -1,9 +1,10 @@
 """verl 0.9.1's SGLang rollout path (tests/probes/verl_sglang_probe.py: verl's HTTP server adapter and its
 weight sync, hybrid mode: memory saver, weights CPU backup, dummy load) with FLASHRL_CONFIG: the original
 weights pushed, the perturbed, then a sleep / wake without a push (the CPU backup keeps the synced 8-bit
-weights), each vs a fresh plain engine on the offline quantization of the same weights (0.0, greedy tokens
-and their decode logprobs included). `+kv`: the FP8 KV cache, recalibrated by the server after each push.
-`w4a16`: SGLang's Marlin W4A16 layers (runtime/sglang/marlin.py) through the memory saver's release and resume."""
+weights), then the original again while awake, each vs a fresh plain engine on the offline quantization of
+the same weights (0.0, greedy tokens and their decode logprobs included). `+kv`: the FP8 KV cache,
+recalibrated by the server after each push. `w4a16`: SGLang's Marlin W4A16 layers (runtime/sglang/marlin.py)
+through the memory saver's release and resume."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def run_case(case: str, work) -> dict:
     return {"original_vs_fresh": h.same(got["original"], fresh["original"]),
             "perturbed_vs_fresh": h.same(got["perturbed"], fresh["perturbed"]),
             "wake_without_push_vs_fresh": h.same(got["wake_without_push"], fresh["perturbed"]),
+            "original_awake_vs_fresh": h.same(got["original_awake"], fresh["original"]),
             "changed_by_sync": h.max_diff(got["original"], got["perturbed"]), "push_seconds": got["push_seconds"]}
 
 

@@ -7,11 +7,12 @@ ServerArgs before SGLang loads the plugins, so the runtime's config applies in `
 step, verl's order: release(["kv_cache", "weights"]), resume(["weights"]), the trainer's BF16 weights through
 verl's `get_named_tensor_buckets` + SGLang's `weight_sync.utils.update_weights` (CUDA IPC, the `infer_tp`
 mesh), flush_cache, resume(["kv_cache"]); then greedy tokens + teacher-forced logprobs (and the greedy
-tokens' own) over HTTP. Pushed: the original weights, the perturbed, then a sleep / wake with no push.
+tokens' own) over HTTP. Pushed: the original weights, the perturbed, then a sleep / wake with no push, then the
+original again while awake (no release / resume around the push: tells a sleep-path fault from a push-path one).
 Usage: python verl_sglang_probe.py REQUEST.json RESULT.json
 REQUEST: {"original": dir, "perturbed": dir, "sequences": [[ids]], "max_tokens": n, "bucket_mb": n,
           "engine_kwargs": {...}}
-RESULT: {"original", "perturbed", "wake_without_push": observation, "push_seconds": [s, s]}"""
+RESULT: {"original", "perturbed", "wake_without_push", "original_awake": observation, "push_seconds": [s, s]}"""
 
 import asyncio
 import json
@@ -85,6 +86,9 @@ def main():
         out["perturbed"] = await observe(adapter, seqs, n)
         await cycle(adapter, mesh, None, mb)
         out["wake_without_push"] = await observe(adapter, seqs, n)
+        await push(adapter, mesh, req["original"], mb)  # awake, no release / resume around it (verl's async mode)
+        await adapter.flush_cache()
+        out["original_awake"] = await observe(adapter, seqs, n)
         return out
 
     try:
