@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from flashrl_tools.checkpoint_files import INDEX_NAME, checkpoint_files
 from flashrl_tools.errors import FlashRLError
 
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 _DTYPE_CODES = {
@@ -91,32 +91,6 @@ class CheckpointReader:
         if not buf:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(shape)
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a model directory (via its index when sharded)."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FlashRLError("model directory not found", str(model_dir),
-                           "pass a directory holding config.json and *.safetensors, or 'default'")
-    index = model_dir / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise FlashRLError(f"unreadable safetensors index ({e})", str(index),
-                               "re-save the checkpoint with save_pretrained") from None
-        files = [model_dir / n for n in dict.fromkeys(weight_map.values())]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FlashRLError("shard listed in the index is missing", missing[0],
-                               "download or copy the complete checkpoint")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FlashRLError("no *.safetensors weights found", str(model_dir),
-                           "convert the model to safetensors (save_pretrained(safe_serialization=True))")
-    return files
 
 
 def _read_header(path: Path) -> tuple[int, dict]:

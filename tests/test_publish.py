@@ -126,6 +126,20 @@ def test_dry_run_lists_the_upload_and_contacts_nobody(hub, local_config, tmp_pat
     assert not [r for r in hub.state.requests if "/api/agent" not in r[1]], hub.state.requests
 
 
+def test_publish_and_resolution_validate_a_profiled_config_without_torch(hub, local_config, tmp_path):
+    """A config's validation reads the profile's header and hashes files, no tensor: `flashrl publish` and a
+    node's resolution answer without importing torch (~4 s of each answer on two cores)."""
+    env = env_for(hub.url, tmp_path)
+    cli = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_module('flashrl_tools', run_name='__main__')\n"
+           "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", cli, "flashrl", "publish", str(local_config["config"]), "--repo",
+                          "alice/tiny", "--dry-run"], capture_output=True, text=True, env=env, timeout=300)
+    assert res.stdout.strip().splitlines()[-1] == "exit 0 False", res.stdout[-2000:] + res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-c", RESOLVE.replace("print(json", "print('torch' in sys.modules, json")],
+                         capture_output=True, text=True, timeout=300, env={**env, "FLASHRL_CONFIG": str(local_config["config"])})
+    assert res.returncode == 0 and res.stdout.startswith("False "), res.stdout[-2000:] + res.stderr[-2000:]
+
+
 def test_publish_one_commit_then_resolve_pinned_and_latest(hub, local_config, tmp_path):
     env = env_for(hub.url, tmp_path, "publisher", HF_TOKEN="hf_alice")
     first = pinned_line(publish([local_config["config"], "--repo", "alice/tiny"], env))

@@ -99,8 +99,8 @@ def check_entry(entry: RolloutConfig, source: str) -> None:
                            "point `model` at the 8-bit checkpoint the profile was made from")
     if entry.profile is None:
         return
-    from flashrl_tools.profile.format import load_profile
-    from flashrl_tools.safetensors_io import checkpoint_files
+    from flashrl_tools.checkpoint_files import checkpoint_files
+    from flashrl_tools.profile.format import read_meta
 
     profile_path = Path(entry.profile)
     if not profile_path.is_file():
@@ -108,7 +108,7 @@ def check_entry(entry: RolloutConfig, source: str) -> None:
     if entry.profile_sha256 and sha256_file(profile_path) != entry.profile_sha256:
         raise FlashRLError(f"profile {profile_path} does not match the sha256 recorded in the config", source,
                            "the file changed since `flashrl setup`: re-run setup or restore the file")
-    meta = load_profile(profile_path).meta
+    meta = read_meta(profile_path)
     if meta.fn != entry.fn.value:
         raise FlashRLError(f"profile is for fn {meta.fn} but the config says fn {entry.fn.value}", source)
     files = {f.name: sha256_file(f) for f in checkpoint_files(Path(entry.model))}

@@ -17,13 +17,15 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from flashrl_tools.errors import FlashRLError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 META_KEY = "flashrl_profile"
@@ -83,6 +85,8 @@ class Profile:
 
 def save_profile(profile: Profile, path: Path) -> None:
     """Write atomically: a temp file in the same directory, renamed when complete."""
+    from safetensors.torch import save_file
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -99,16 +103,12 @@ def save_profile(profile: Profile, path: Path) -> None:
 
 
 def load_profile(path: Path) -> Profile:
-    path = Path(path)
-    if not path.is_file():
-        raise FlashRLError("profile file not found", str(path), "run `flashrl profile` to make one")
-    try:
-        with safe_open(path, framework="pt") as f:
-            raw = (f.metadata() or {}).get(META_KEY)
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise FlashRLError(f"not a readable profile ({e})", str(path),
-                           "pass a file written by `flashrl profile` (FlashRL .pt: --from-flashrl)") from None
+    return Profile(read_meta(path), _read(path, lambda f: {k: f.get_tensor(k) for k in f.keys()}, "pt"))
+
+
+def read_meta(path: Path) -> ProfileMeta:
+    """The profile's metadata alone (its header; no tensor read, no torch): what a config's validation needs."""
+    raw = _read(path, lambda f: (f.metadata() or {}).get(META_KEY), "numpy")
     if raw is None:
         raise FlashRLError("safetensors file has no flashrl profile metadata", str(path),
                            "pass a file written by `flashrl profile`")
@@ -120,4 +120,16 @@ def load_profile(path: Path) -> Profile:
         raise FlashRLError(f"profile format version {meta.format_version} is not supported "
                            f"(this flashrl_tools reads {FORMAT_VERSION})", str(path),
                            "re-run `flashrl profile` with this version")
-    return Profile(meta, tensors)
+    return meta
+
+
+def _read(path: Path, fn, framework: str):
+    path = Path(path)
+    if not path.is_file():
+        raise FlashRLError("profile file not found", str(path), "run `flashrl profile` to make one")
+    try:
+        with safe_open(path, framework=framework) as f:
+            return fn(f)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise FlashRLError(f"not a readable profile ({e})", str(path),
+                           "pass a file written by `flashrl profile` (FlashRL .pt: --from-flashrl)") from None
