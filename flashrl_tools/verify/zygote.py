@@ -128,16 +128,17 @@ def enabled() -> bool:
     return not torch.cuda.is_available()
 
 
-def _socket_for(env: dict) -> str | None:
+def _socket_for(env: dict, spawns: bool = False) -> str | None:
     """The socket of a zygote for `env`: the one that forked this process, or one of this process's own that stands
-    for it (zygote_spawn.stands_for: this process may have imported vLLM since it started that zygote)."""
+    for it (zygote_spawn.stands_for: this process may have imported vLLM since it started that zygote). `spawns`:
+    a new environment's zygote starts at its first job."""
     if _HOST is not None and stands_for(env, *_HOST[1:]):
         return _HOST[0]
     z = next((z for z in _ZYGOTES.values() if z is not None and z.usable() and stands_for(env, z.key, z.after)), None)
     if z is not None:
         return z.path
     key = signature(env)
-    if key not in _ZYGOTES and (key in _SEEN or not _ZYGOTES):
+    if key not in _ZYGOTES and (key in _SEEN or not _ZYGOTES or spawns):
         if len(_ZYGOTES) >= POOL:
             _retire_one()
         if len(_ZYGOTES) < POOL:
@@ -161,13 +162,15 @@ def _track(path: str, step: int) -> None:
 
 
 def run(argv: list[str], env: dict | None = None, timeout: float | None = None,
-        cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-    """`python ARGV` (a script, `-m module` or `-c code`), its output captured as text."""
+        cwd: str | os.PathLike | None = None, spawns: bool = False) -> subprocess.CompletedProcess:
+    """`python ARGV` (a script, `-m module` or `-c code`), its output captured as text. `spawns`: the job starts a
+    multiprocess engine, whose core a zygote forks too: a new environment's zygote starts at once (one vLLM import
+    for the job and its engine core; a plain subprocess and the core it spawns import it twice)."""
     global _HOST
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
     with _LOCK:
-        path = _socket_for(env) if enabled() else None
+        path = _socket_for(env, spawns) if enabled() else None
         if path is not None:
             _track(path, 1)
     if path is not None:

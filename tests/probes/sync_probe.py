@@ -25,6 +25,10 @@ REQUEST: {"model": dir, "sequences": [[ids]], "max_tokens": n, "push": [dir, ...
                     (sampled tokens with the engine's logprobs of them and of its top-k),
           "digest": bool (the workers' weight digest at start, runtime/core/digest.py),
           "engine_kwargs": {...} (extra vllm.LLM arguments)}
+        or {"engines": [REQUEST, ...], ...}: in-process engines started one after another in this one process (a
+        process's first engine pays ~15 s of one-time start-up work on 2 CPU cores that later ones skip); each
+        REQUEST's keys over the shared ones. One FLASHRL_* environment for all (a process applies one config).
+RESULT: {"stages": [...], ...}, or {"engines": [RESULT, ...]}
 """
 
 import json
@@ -253,6 +257,33 @@ def digest(worker):
 
 def main():
     req = json.loads(open(sys.argv[1]).read())
+    if "engines" in req:
+        shared = {k: v for k, v in req.items() if k != "engines"}
+        assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "several engines: in-process ones only"
+        result = {"engines": []}
+        for one in req["engines"]:
+            result["engines"].append(serve({**shared, **one}))
+            release_engine()
+    else:
+        result = serve(req)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+
+
+def release_engine():
+    """After an in-process engine: its model parallel groups and memory released before the next one starts."""
+    import gc
+
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    gc.collect()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
+
+
+def serve(req: dict) -> dict:
+    """One engine on req["model"] through the request's stages; its result."""
     kwargs = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True, enable_prefix_caching=False,
                   gpu_memory_utilization=0.3, seed=0)
     kwargs.update(req.get("engine_kwargs", {}))
@@ -344,10 +375,9 @@ def main():
             llm.collective_rpc(push_checkpoint(a if i % 2 == 0 else b))
             memory.append(llm.collective_rpc(worker_memory)[0])
         stages.append(observe("after-repeat"))
-    with open(sys.argv[2], "w") as f:
-        json.dump({"stages": stages, "refused": refused, "discarded": discarded, "memory": memory, "sampled": sampled,
-                   "inplace_layers": _inplace_layers(llm), "start_digest": start_digest,
-                   "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}, f)
+    return {"stages": stages, "refused": refused, "discarded": discarded, "memory": memory, "sampled": sampled,
+            "inplace_layers": _inplace_layers(llm), "start_digest": start_digest,
+            "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}
 
 
 def _inplace_layers(llm) -> dict | None:
