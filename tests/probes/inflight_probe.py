@@ -21,8 +21,10 @@ With --ipc the full push comes from this process's GPU through vLLM's CUDA-IPC e
 With --nccl (two GPUs) the same through vLLM's NCCL engine, this process the trainer on GPU 1.
 With --reference sync (a calibrated YAML, which serves its own checkpoint) the reference is an engine started on A
 and synced to B with nothing in flight.
-Usage: python inflight_probe.py A B --mode keep|abort|wait [--clear-cache] [--floor] [--ipc HOW | --nccl HOW]
-       [--engine-args JSON] [--reference fresh|sync]
+Several modes (--mode keep,abort): each updated on an engine of its own, one reference engine answers them all, its
+prefix cache reset between modes; RESULT{mode: result}.
+Usage: python inflight_probe.py A B --mode keep|abort|wait[,...] [--transfer [MODES]] [--clear-cache] [--floor]
+       [--ipc HOW | --nccl HOW] [--engine-args JSON] [--reference fresh|sync]
 """
 
 import argparse
@@ -50,9 +52,58 @@ def admitted_prompt(i: int) -> list[int]:
     return PREFIX[::-1] + [100 + i, 200 + i]
 
 
-async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, requests: int, tokens: int,
-              pause_after: int, floor: bool = False, transfer: bool = False, ipc: str | None = None,
+async def run(a: str, b: str, modes: list[str], clear_cache: bool, engine_args: dict, requests: int, tokens: int,
+              pause_after: int, floor: bool = False, transfer: list[str] = (), ipc: str | None = None,
               nccl: str | None = None, reference: str = "fresh") -> dict:
+    """Each mode's update on an engine of its own (those in `transfer`: through the weight-transfer engine), then
+    one reference engine answers every mode's requests, its prefix cache reset between modes (it holds then no
+    block of an earlier mode's requests: each mode's requests find what a fresh engine's would). One mode: its
+    result; several: {mode: result}."""
+    from vllm import SamplingParams
+
+    from flashrl_tools.verify.engine_job import push_checkpoint
+
+    short = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    runs = []
+    for mode in modes:
+        runs.append(await update(a, b, mode, clear_cache, engine_args, requests, tokens, pause_after,
+                                 mode in transfer, ipc, nccl))
+    engine_args = runs[-1]["engine_args"]  # (one mode: the reference is started as the updated engine was)
+
+    phase("fresh engine")
+    if reference == "sync":  # a calibrated YAML serves its own checkpoint: the reference is an engine started
+        # the same way and synced to B with nothing in flight (= a fresh engine on B's calibrated checkpoint,
+        # tests/gpu/test_vllm_lifecycle.py)
+        fresh = start(a, engine_args)
+        await fresh.collective_rpc(push_checkpoint(b))
+    else:
+        fresh = start(b, engine_args)
+    for i, st in enumerate(runs):
+        if i:
+            st["res"]["reference_cache_reset"] = await fresh.reset_prefix_cache()
+        await compare(fresh, st, short)
+    fresh_scales = await kv_scales(fresh)
+    fresh.shutdown()
+    if floor and any(st["recomputed"] for st in runs):  # the FP8 cache's own effect: the same tokens on B with a
+        # BF16 KV cache
+        from flashrl_tools.runtime import apply
+
+        os.environ.pop("FLASHRL_KV_CACHE_DTYPE", None)
+        apply()  # this process serves the config without the FP8 KV cache (its engine processes read the env)
+        plain = start(b, {**engine_args, "kv_cache_dtype": "auto"})
+        for st in runs:
+            if st["recomputed"]:
+                bf16 = await teacher_forced(plain, st["finished"], st["at_pause"])
+                gaps = [abs(lp - bf16[r][j]) for r, lps in st["recomputed"].items() for j, lp in lps.items()]
+                st["res"]["fp8_kv_floor_mean"] = sum(gaps) / max(1, len(gaps))
+        plain.shutdown()
+    results = {st["res"]["mode"]: checked(st, fresh_scales) for st in runs}
+    return results[modes[0]] if len(modes) == 1 else results
+
+
+async def update(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, requests: int, tokens: int,
+                 pause_after: int, transfer: bool, ipc: str | None, nccl: str | None) -> dict:
+    """One mode's in-flight update on an engine started on A: what the reference engine then answers too."""
     from vllm import SamplingParams
 
     from flashrl_tools.runtime.core.session import SyncIncomplete
@@ -143,43 +194,36 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
                 max_tokens=tokens - len(f["tokens"]), temperature=0.0, logprobs=0, ignore_eos=True)))
     scales = await kv_scales(engine)
     engine.shutdown()
+    return {"res": res, "engine_args": engine_args, "finished": finished, "at_pause": at_pause, "admitted": admitted,
+            "resubmit": resubmit, "scales": scales, "recomputed": {}}
 
-    phase("fresh engine")
-    if reference == "sync":  # a calibrated YAML serves its own checkpoint: the reference is an engine started
-        # the same way and synced to B with nothing in flight (= a fresh engine on B's calibrated checkpoint,
-        # tests/gpu/test_vllm_lifecycle.py)
-        fresh = start(a, engine_args)
-        await fresh.collective_rpc(push_checkpoint(b))
-    else:
-        fresh = start(b, engine_args)
+
+async def compare(fresh, st: dict, short) -> None:
+    """The reference engine's answers to one mode's requests (st: what `update` returned)."""
+    from vllm import SamplingParams
+
+    res, admitted, finished, mode = st["res"], st["admitted"], st["finished"], st["res"]["mode"]
+    tag = f"{mode}-{id(st)}"
     fresh_out = {"during": admitted_prompt(50), "after": admitted_prompt(60), "repeat0": prompt(0)}
     res["admitted_equal_fresh"] = {}
     for r, ids in fresh_out.items():
-        got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, short, f"f-{r}")][-1])
+        got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, short, f"f-{r}-{tag}")][-1])
         res["admitted_equal_fresh"][r] = got == admitted[r]
     res["resubmitted_equal_fresh"] = {}
-    for r, (ids, out) in resubmit.items():
+    for r, (ids, out) in st["resubmit"].items():
         p = SamplingParams(max_tokens=len(out["tokens"]), temperature=0.0, logprobs=0, ignore_eos=True)
-        got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, p, f"f-{r}")][-1])
+        got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, p, f"f-{r}-{tag}")][-1])
         res["resubmitted_equal_fresh"][r] = got == out
-    recomputed = {}
     if mode == "keep":  # tokens after the update vs the same tokens recomputed on B
-        recomputed = await teacher_forced(fresh, finished, at_pause)
+        st["recomputed"] = recomputed = await teacher_forced(fresh, finished, st["at_pause"])
         deltas = [abs(lp - finished[r]["logprobs"][j]) for r, lps in recomputed.items() for j, lp in lps.items()]
         res["kept_logprob_delta_mean"] = sum(deltas) / max(1, len(deltas))
         res["kept_logprob_delta_max"] = max(deltas, default=0.0)
-    fresh_scales = await kv_scales(fresh)
-    fresh.shutdown()
-    if floor and recomputed:  # the FP8 cache's own effect: the same tokens on B with a BF16 KV cache
-        from flashrl_tools.runtime import apply
 
-        os.environ.pop("FLASHRL_KV_CACHE_DTYPE", None)
-        apply()  # this process serves the config without the FP8 KV cache (its engine processes read the env)
-        plain = start(b, {**engine_args, "kv_cache_dtype": "auto"})
-        bf16 = await teacher_forced(plain, finished, at_pause)
-        plain.shutdown()
-        gaps = [abs(lp - bf16[r][j]) for r, lps in recomputed.items() for j, lp in lps.items()]
-        res["fp8_kv_floor_mean"] = sum(gaps) / max(1, len(gaps))
+
+def checked(st: dict, fresh_scales) -> dict:
+    """One mode's result with its checks (each must be true)."""
+    res, scales, mode = st["res"], st["scales"], st["res"]["mode"]
     res["scales_equal_fresh"] = None if scales is None else scales == fresh_scales
     res["checks"] = {
         "resume refused while the sync is incomplete": "incomplete" in res["resume_mid_sync"].lower()
@@ -195,6 +239,8 @@ async def run(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, r
                            res["admitted_equal_fresh"]["during"] and res["admitted_equal_fresh"]["after"]}
     if scales is not None:
         res["checks"]["FP8 KV scales = fresh engine's"] = res["scales_equal_fresh"]
+    if "reference_cache_reset" in res:  # a mode after the first: the reference's prefix cache was emptied
+        res["checks"]["the reference's prefix cache reset before this mode"] = res["reference_cache_reset"]
     return res
 
 
@@ -306,15 +352,16 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("a")
     ap.add_argument("b")
-    ap.add_argument("--mode", default="keep", choices=("keep", "abort", "wait"))
+    ap.add_argument("--mode", default="keep", type=lambda v: v.split(","), help="keep | abort | wait, or several "
+                    "(comma-separated: each updated on an engine of its own, one reference engine for all)")
     ap.add_argument("--clear-cache", action="store_true")
     ap.add_argument("--engine-args", type=json.loads, default={})
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--pause-after", type=int, default=6, help="streamed outputs per request before the pause")
     ap.add_argument("--floor", action="store_true", help="keep mode, FP8 KV: also recompute on a BF16-KV engine")
-    ap.add_argument("--transfer", action="store_true", help="the full push through vLLM's weight-transfer engine "
-                    "(the CPU tests' checkpoint backend, tests/probes/sync_probe.py)")
+    ap.add_argument("--transfer", nargs="?", const="all", default="", help="the full push through vLLM's weight-transfer "
+                    "engine (the CPU tests' checkpoint backend, tests/probes/sync_probe.py); MODES: those modes only")
     ap.add_argument("--ipc", choices=("bf16", "bf16-packed", "wire", "wire-packed"),
                     help="the full push from this process's GPU through vLLM's CUDA-IPC engine (multiprocess engine)")
     ap.add_argument("--nccl", choices=("bf16", "bf16-packed", "wire", "wire-packed"),
@@ -331,8 +378,10 @@ if __name__ == "__main__":
 
         subprocess.run([sys.executable, "-c", "import sys; from flashrl_tools.verify.perturb import perturb; "
                         "perturb(sys.argv[1], sys.argv[2])", x.a, x.b], check=True)
+    transfer = x.mode if x.transfer == "all" else x.transfer.split(",")
+    assert set(x.mode) <= {"keep", "abort", "wait"}, x.mode
     print("RESULT" + json.dumps(asyncio.run(run(x.a, x.b, x.mode, x.clear_cache, x.engine_args, x.requests, x.tokens,
-                                                x.pause_after, x.floor, x.transfer, x.ipc, x.nccl,
+                                                x.pause_after, x.floor, transfer, x.ipc, x.nccl,
                                                 x.reference))),
           flush=True)
     from flashrl_tools.verify.engine_job import exit_engine_process
