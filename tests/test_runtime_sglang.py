@@ -229,6 +229,34 @@ def test_every_tp_rank_reports_its_fp8_kv_scales(monkeypatch):
         sglang_job.kv_scales(Engine(2))
 
 
+def test_the_job_observes_one_sequence_a_request_when_asked():
+    """`observe` with `one_per_call` sends each sequence as a request of its own, one after another (a probe that
+    observes so is compared with engines that batch as it does: Marlin's W4A16 GEMM tiles by the batch's rows);
+    the results are laid out as a batched call's."""
+    from types import SimpleNamespace
+
+    from flashrl_tools.verify import sglang_job
+
+    class Engine:
+        server_args = SimpleNamespace(kv_cache_dtype="auto")
+
+        def __init__(self):
+            self.batches = []
+
+        def generate(self, input_ids, **kw):
+            self.batches.append([list(s) for s in input_ids])
+            return [{"output_ids": [len(s)], "meta_info": {
+                "input_token_logprobs": [(None, s[0], "")] + [(-t / 10, t, "") for t in s[1:]],
+                "output_token_logprobs": [(-0.5, len(s), "")]}} for s in input_ids]
+
+    seqs = [[5, 6, 7], [8, 9]]
+    batched, alone = Engine(), Engine()
+    want = sglang_job.observe(batched, {"sequences": seqs})
+    assert sglang_job.observe(alone, {"sequences": seqs, "one_per_call": True}) == want
+    assert batched.batches == [seqs] and alone.batches == [[s] for s in seqs]
+    assert want == {"tokens": [[3], [2]], "logprobs": [[-0.6, -0.7, -0.5], [-0.9, -0.5]]}
+
+
 def test_the_tp_rank_and_size_are_read_where_each_sglang_release_keeps_them():
     """SGLang 0.5.17's Scheduler and ModelRunner keep the rank in their parallel state (`ps.tp_rank`) and have no
     `tp_rank`: read as `tp_rank` it was 0 on every rank, so at TP = 2 both schedulers wrote their FP8 KV scales

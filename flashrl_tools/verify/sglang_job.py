@@ -15,9 +15,14 @@ import time
 def observe(engine, step: dict) -> dict:
     """Greedy tokens; "logprobs": the teacher-forced logprobs of each sequence, then those of its
     greedy tokens (decode steps: the ones that read the KV cache -- SGLang's prefill attends to the new
-    tokens' own k / v). With an FP8 KV cache, rank 0's scales ("kv_scales")."""
-    outs = engine.generate(input_ids=step["sequences"], return_logprob=True, logprob_start_len=0,
-                           sampling_params={"temperature": 0.0, "max_new_tokens": step.get("max_tokens", 8)})
+    tokens' own k / v). With an FP8 KV cache, rank 0's scales ("kv_scales"). `one_per_call`: each sequence its own
+    request, one after another (a caller that observes so: a GEMM whose result depends on the batch's rows, as
+    Marlin's W4A16 tiles by them, must see the same batches)."""
+    kw = dict(return_logprob=True, logprob_start_len=0,
+              sampling_params={"temperature": 0.0, "max_new_tokens": step.get("max_tokens", 8)})
+    seqs = step["sequences"]
+    outs = ([engine.generate(input_ids=[s], **kw)[0] for s in seqs] if step.get("one_per_call")
+            else engine.generate(input_ids=seqs, **kw))
     result = {"tokens": [list(o["output_ids"]) for o in outs],
               # (logprob, token id, text) per token; the first input token has None
               "logprobs": [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] +

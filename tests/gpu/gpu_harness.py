@@ -287,13 +287,14 @@ def assert_exact(row: dict) -> None:
 
 def fresh_sglang(orig: Path, pert: Path, fmt: str | None, kv: str | None, work: Path,
                  engine_kwargs: dict | None = None, env: dict | None = None, sequences: list = SEQS,
-                 logs: str | None = None) -> dict:
+                 logs: str | None = None, one_per_call: bool = False) -> dict:
     """Fresh SGLang engines on the offline quantization of the original and the perturbed weights, running the
     runtime as the synced engine does (FLASHRL_CONFIG=bf16: the checkpoint served as it is, with the runtime's hooks;
     with an FP8 KV cache it calibrates the scales once at start): {tag: observation} or an error. A plain SGLang
     engine is no reference: 0.5.17's Marlin W4A16 GEMM adds split-K partials atomically, in a run-dependent order
-    (the runtime's `marlin_reduce` hook keeps a fixed order). `logs`: a stem for their outputs (work / f"{logs}-{tag}.log")."""
-    step = {"op": "observe", "sequences": sequences, "max_tokens": 8}
+    (the runtime's `marlin_reduce` hook keeps a fixed order). `logs`: a stem for their outputs (work / f"{logs}-{tag}.log");
+    `one_per_call`: observed one sequence a request, as a probe that does so (Marlin tiles by the batch's rows)."""
+    step = {"op": "observe", "sequences": sequences, "max_tokens": 8, "one_per_call": one_per_call}
     out = {tag: run_sglang(quantized(src, fmt, work), [step], "bf16", f"fresh {tag}", kv,
                            engine_kwargs, env, work / f"{logs}-{tag}.log" if logs else None)
            for tag, src in (("original", orig), ("perturbed", pert))}
@@ -301,7 +302,8 @@ def fresh_sglang(orig: Path, pert: Path, fmt: str | None, kv: str | None, work: 
     return {"error": errors[0]} if errors else {tag: v[0] for tag, v in out.items()}
 
 
-def sglang_probe_case(probe: str, case: str, work: Path, formats: dict) -> tuple[dict, dict]:
+def sglang_probe_case(probe: str, case: str, work: Path, formats: dict,
+                      one_per_call: bool = False) -> tuple[dict, dict]:
     """A probe driving SGLang in a process of its own (FLASHRL_CONFIG = the case, `+kv`: FP8 KV cache; `@tp2`: both
     engines at TP = 2) on the dense model, and the fresh engines to compare with: (the probe's result, fresh
     observations); an error is returned as the first."""
@@ -314,7 +316,7 @@ def sglang_probe_case(probe: str, case: str, work: Path, formats: dict) -> tuple
                     {"original": str(orig), "perturbed": str(pert), "engine_kwargs": {**SGLANG_ENGINE, **extra}})
     if "error" in got:
         return got, {}
-    fresh = fresh_sglang(orig, pert, formats[config], kv, work, extra)
+    fresh = fresh_sglang(orig, pert, formats[config], kv, work, extra, one_per_call=one_per_call)
     return (fresh, {}) if "error" in fresh else (got, fresh)
 
 

@@ -21,7 +21,9 @@ CASES = ["int8", "fp8", "int8+kv", "w4a16"]
 
 
 def run_case(case: str, work) -> dict:
-    got, fresh = h.sglang_probe_case("verl_sglang_probe", case, work, FORMAT)
+    # the probe asks one sequence a request; so do the fresh engines (2026-12-01, batched references: w4a16 0.008 /
+    # 0.015 off, deterministic; Marlin's W4A16 GEMM tiles by the batch's rows -- the likely cause, not yet rerun)
+    got, fresh = h.sglang_probe_case("verl_sglang_probe", case, work, FORMAT, one_per_call=True)
     if "error" in got:
         return got
     return {"original_vs_fresh": h.same(got["original"], fresh["original"]),
