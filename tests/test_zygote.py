@@ -63,6 +63,15 @@ def test_a_job_is_forked_from_the_zygote_with_its_own_argv_environment_and_direc
     assert res.returncode == 0 and res.stdout.startswith("flashrl_tools")
 
 
+def test_a_job_finds_inductor_s_cpu_probes_done():
+    """An engine's first logprobs run a torch.compile'd op; its per-process probes (the CPU's vector ISAs: a Python
+    subprocess each; Triton's source hash) are the zygote's, not each job's."""
+    code = ("from torch._inductor import codecache, cpu_vec_isa\n"
+            "print(cpu_vec_isa.valid_vec_isa_list.cache_info().currsize)\n"
+            "try:\n    codecache.triton_key.set(None)\nexcept RuntimeError as e:\n    print(e)\n")
+    assert zygote.run(["-c", code]).stdout.splitlines() == ["1", "prefetchable_cache value already set"]
+
+
 def test_a_failing_job_reports_as_a_subprocess_does():
     res = zygote.run(["-c", "import sys; print('out'); sys.stderr.write('err\\n'); raise ValueError('boom')"])
     assert res.returncode == 1 and res.stdout == "out\n" and res.stderr.startswith("err\n")
