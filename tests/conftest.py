@@ -100,7 +100,8 @@ def perturbed_default(default_model) -> Path:
     with built_once("perturbed-default"):
         if not (out / "config.json").is_file():
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
+            for stale in (tmp, out):
+                shutil.rmtree(stale, ignore_errors=True)
             perturb.perturb(default_model, tmp).rename(out)
     return out
 
