@@ -84,6 +84,29 @@ def default_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def perturbed_default(default_model) -> Path:
+    """`verify.perturb` of the default model with its defaults (the linears, seed 0), built once under $FLASHRL_HOME
+    (keyed by perturb.py and the model's manifest) for every worker: test_inflight.py, test_kv_cache.py. Its path and
+    mtime stay, so the runtime's online INT8 of it is quantized once too (online_cache). Read-only for tests."""
+    import hashlib
+    import shutil
+
+    from flashrl_tools.config.settings import flashrl_home
+    from flashrl_tools.models.default import MANIFEST
+    from flashrl_tools.verify import perturb
+
+    key = hashlib.sha256(Path(perturb.__file__).read_bytes() + (default_model / MANIFEST).read_bytes()).hexdigest()
+    out = flashrl_home() / "fixtures" / f"smollm2-perturbed-{key[:12]}"
+    with built_once("perturbed-default"):
+        if not (out / "config.json").is_file():
+            tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+            for stale in (tmp, out):
+                shutil.rmtree(stale, ignore_errors=True)
+            perturb.perturb(default_model, tmp).rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """Tiny random checkpoints of each architecture, tied and untied embeddings."""
     from flashrl_tools.models.tiny import make_tiny_model

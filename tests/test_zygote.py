@@ -330,3 +330,25 @@ def test_a_full_pool_makes_room_by_closing_its_least_recently_used_idle_zygote(m
     zygote._track("stub-d", -1)
     assert zygote._socket_for(env["e"], spawns=True) == "stub-e"  # a job with an engine core: at its first job
     assert sorted(z.path for z in zygote._ZYGOTES.values()) == ["stub-b", "stub-e"]
+
+
+ENGINE_CONFIG = """
+import os, sys
+from vllm.engine.arg_utils import EngineArgs
+from flashrl_tools.verify import zygote_spawn as z
+before = dict(os.environ)
+EngineArgs(model=sys.argv[1], enforce_eager=True, max_model_len=512).create_engine_config()
+print(sorted(k for k, v in os.environ.items() if before.get(k) != v), z._same_for_spawn(dict(os.environ), *z._HOST[1:]),
+      sep="|")
+"""
+
+
+def test_what_vllm_cpu_sets_before_it_spawns_an_engine_leaves_the_spawn_forked(default_model):
+    """vLLM-CPU sets variables in its process while it configures an engine (platforms/cpu.py), then spawns the engine
+    core and its workers: each must be one spawn's children may differ in (SPAWN_SETTINGS), else every engine's two
+    processes import vLLM afresh (vLLM 0.32's VLLM_SSM_CONV_STATE_LAYOUT, on AVX-512-BF16 CPUs: 31 s -> 8 s an engine
+    start on a loaded core)."""
+    res = zygote.run(["-c", ENGINE_CONFIG, str(default_model)], env={**os.environ, "FLASHRL_CONFIG": "bf16"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    changed, forked = res.stdout.strip().splitlines()[-1].split("|")
+    assert forked == "True", changed

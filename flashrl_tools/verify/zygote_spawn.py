@@ -26,7 +26,9 @@ SPAWN_SETTINGS = ("VLLM_WORKER_MULTIPROC_METHOD", "NUMEXPR_MAX_THREADS", "TORCHI
                   "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "LOCAL_WORLD_SIZE",
                   "OMP_NUM_THREADS", "VLLM_OMP_NUM_THREADS_SET_BY_VLLM", "VLLM_DIST_IDENT",
                   "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4",
-                  "GOMP_CPU_AFFINITY")  # (vLLM-CPU's worker binding: libgomp reads it at load, `child` applies it)
+                  "GOMP_CPU_AFFINITY",  # (vLLM-CPU's worker binding: libgomp reads it at load, `child` applies it)
+                  "VLLM_SSM_CONV_STATE_LAYOUT")  # vLLM 0.32 on AVX-512-BF16 CPUs (envs, read lazily): unlisted, every
+# engine's core and worker imported vLLM afresh (~13 s each on a loaded core)
 
 
 def _may_differ(key: str) -> bool:

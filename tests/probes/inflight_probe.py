@@ -23,8 +23,11 @@ With --reference sync (a calibrated YAML, which serves its own checkpoint) the r
 and synced to B with nothing in flight.
 Several modes (--mode keep,abort): each updated on an engine of its own, one reference engine answers them all, its
 prefix cache reset between modes; RESULT{mode: result}.
+With --together the abort mode's resubmissions are sent at once (one batch) to the updated engine and to the reference,
+each still compared with the reference's answer to the same request: for kernels whose results do not depend on the
+batch (vLLM-CPU's INT8; a GPU's BF16 GEMM tiles by the batch's rows: one after another there).
 Usage: python inflight_probe.py A B --mode keep|abort|wait[,...] [--transfer [MODES]] [--clear-cache] [--floor]
-       [--ipc HOW | --nccl HOW] [--engine-args JSON] [--reference fresh|sync]
+       [--ipc HOW | --nccl HOW] [--engine-args JSON] [--reference fresh|sync] [--together]
 """
 
 import argparse
@@ -54,7 +57,7 @@ def admitted_prompt(i: int) -> list[int]:
 
 async def run(a: str, b: str, modes: list[str], clear_cache: bool, engine_args: dict, requests: int, tokens: int,
               pause_after: int, floor: bool = False, transfer: list[str] = (), ipc: str | None = None,
-              nccl: str | None = None, reference: str = "fresh") -> dict:
+              nccl: str | None = None, reference: str = "fresh", together: bool = False) -> dict:
     """Each mode's update on an engine of its own (those in `transfer`: through the weight-transfer engine), then
     one reference engine answers every mode's requests, its prefix cache reset between modes (it holds then no
     block of an earlier mode's requests: each mode's requests find what a fresh engine's would). One mode: its
@@ -67,7 +70,7 @@ async def run(a: str, b: str, modes: list[str], clear_cache: bool, engine_args: 
     runs = []
     for mode in modes:
         runs.append(await update(a, b, mode, clear_cache, engine_args, requests, tokens, pause_after,
-                                 mode in transfer, ipc, nccl))
+                                 mode in transfer, ipc, nccl, together))
     engine_args = runs[-1]["engine_args"]  # (one mode: the reference is started as the updated engine was)
 
     phase("fresh engine")
@@ -81,7 +84,7 @@ async def run(a: str, b: str, modes: list[str], clear_cache: bool, engine_args: 
     for i, st in enumerate(runs):
         if i:
             st["res"]["reference_cache_reset"] = await fresh.reset_prefix_cache()
-        await compare(fresh, st, short)
+        await compare(fresh, st, short, together)
     fresh_scales = await kv_scales(fresh)
     fresh.shutdown()
     if floor and any(st["recomputed"] for st in runs):  # the FP8 cache's own effect: the same tokens on B with a
@@ -102,7 +105,7 @@ async def run(a: str, b: str, modes: list[str], clear_cache: bool, engine_args: 
 
 
 async def update(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict, requests: int, tokens: int,
-                 pause_after: int, transfer: bool, ipc: str | None, nccl: str | None) -> dict:
+                 pause_after: int, transfer: bool, ipc: str | None, nccl: str | None, together: bool = False) -> dict:
     """One mode's in-flight update on an engine started on A: what the reference engine then answers too."""
     from vllm import SamplingParams
 
@@ -188,17 +191,25 @@ async def update(a: str, b: str, mode: str, clear_cache: bool, engine_args: dict
     admitted["repeat0"] = await gen("repeat0", prompt(0), short)  # the kept requests' own prompt, after the drain
     resubmit = {}
     if mode == "abort":  # AReaL-style: prompt + the tokens the aborted request had, continued
-        for r, f in finished.items():
+        async def again(r, f):
             ids = prompt(int(r[1:])) + f["tokens"]
-            resubmit[r] = (ids, await gen(f"re-{r}", ids, SamplingParams(
+            return r, (ids, await gen(f"re-{r}", ids, SamplingParams(
                 max_tokens=tokens - len(f["tokens"]), temperature=0.0, logprobs=0, ignore_eos=True)))
+        resubmit = dict(await each(again, finished.items(), together))
     scales = await kv_scales(engine)
     engine.shutdown()
     return {"res": res, "engine_args": engine_args, "finished": finished, "at_pause": at_pause, "admitted": admitted,
             "resubmit": resubmit, "scales": scales, "recomputed": {}}
 
 
-async def compare(fresh, st: dict, short) -> None:
+async def each(fn, items, together: bool) -> list:
+    """`fn(*item)` for each item: one after another, or (`together`) all at once."""
+    if together:
+        return list(await asyncio.gather(*(fn(*item) for item in items)))
+    return [await fn(*item) for item in items]
+
+
+async def compare(fresh, st: dict, short, together: bool = False) -> None:
     """The reference engine's answers to one mode's requests (st: what `update` returned)."""
     from vllm import SamplingParams
 
@@ -209,11 +220,13 @@ async def compare(fresh, st: dict, short) -> None:
     for r, ids in fresh_out.items():
         got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, short, f"f-{r}-{tag}")][-1])
         res["admitted_equal_fresh"][r] = got == admitted[r]
-    res["resubmitted_equal_fresh"] = {}
-    for r, (ids, out) in st["resubmit"].items():
+
+    async def again(r, ids_out):
+        ids, out = ids_out
         p = SamplingParams(max_tokens=len(out["tokens"]), temperature=0.0, logprobs=0, ignore_eos=True)
         got = completion([o async for o in fresh.generate({"prompt_token_ids": ids}, p, f"f-{r}-{tag}")][-1])
-        res["resubmitted_equal_fresh"][r] = got == out
+        return r, got == out
+    res["resubmitted_equal_fresh"] = dict(await each(again, st["resubmit"].items(), together))
     if mode == "keep":  # tokens after the update vs the same tokens recomputed on B
         st["recomputed"] = recomputed = await teacher_forced(fresh, finished, st["at_pause"])
         deltas = [abs(lp - finished[r]["logprobs"][j]) for r, lps in recomputed.items() for j, lp in lps.items()]
@@ -369,6 +382,8 @@ if __name__ == "__main__":
     ap.add_argument("--prefix", type=json.loads, help="the shared prefix's token ids (JSON; default: 72 tokens)")
     ap.add_argument("--reference", choices=("fresh", "sync"), default="fresh", help="what the requests are compared "
                     "with: a fresh engine on B, or (a calibrated YAML) an engine on A synced to B with nothing in flight")
+    ap.add_argument("--together", action="store_true", help="abort: the resubmissions sent at once (one batch) to both "
+                    "engines (kernels that do not depend on the batch: vLLM-CPU's INT8)")
     x = ap.parse_args()
     if x.prefix:
         PREFIX[:] = x.prefix
@@ -382,7 +397,7 @@ if __name__ == "__main__":
     assert set(x.mode) <= {"keep", "abort", "wait"}, x.mode
     print("RESULT" + json.dumps(asyncio.run(run(x.a, x.b, x.mode, x.clear_cache, x.engine_args, x.requests, x.tokens,
                                                 x.pause_after, x.floor, transfer, x.ipc, x.nccl,
-                                                x.reference))),
+                                                x.reference, x.together))),
           flush=True)
     from flashrl_tools.verify.engine_job import exit_engine_process
 
