@@ -86,8 +86,9 @@ def default_model() -> Path:
 @pytest.fixture(scope="session")
 def perturbed_default(default_model) -> Path:
     """`verify.perturb` of the default model with its defaults (the linears, seed 0), built once under $FLASHRL_HOME
-    (keyed by perturb.py and the model's manifest) for every worker: test_inflight.py, test_kv_cache.py. Its path and
-    mtime stay, so the runtime's online INT8 of it is quantized once too (online_cache). Read-only for tests."""
+    (keyed by perturb.py and the model's manifest) for every worker: test_inflight.py, test_kv_cache.py,
+    test_profile_vllm.py. Its path and mtime stay, so the runtime's online INT8 of it is quantized once too
+    (online_cache). Read-only for tests."""
     import hashlib
     import shutil
 

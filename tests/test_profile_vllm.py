@@ -18,7 +18,6 @@ from flashrl_tools.verify.zygote import run as run_python
 from conftest import REPO
 from flashrl_tools.profile.apply import requantize_checkpoint
 from flashrl_tools.profile.format import load_profile
-from flashrl_tools.verify.perturb import perturb
 
 pytestmark = pytest.mark.vllm
 MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 + 7?"]
@@ -38,10 +37,10 @@ def gaps(ref: dict, other: dict) -> list[float]:
     return [abs(a - b) for g, s in zip(ref["greedy"], other["scored"]) for a, b in zip(g["logprobs"], s)]
 
 
-def test_requantized_perturbed_weights_track_the_perturbed_model(default_model, smoothquant_checkpoint,
+def test_requantized_perturbed_weights_track_the_perturbed_model(perturbed_default, smoothquant_checkpoint,
                                                                  sq_profile, tmp_path):
     prof = sq_profile[0]
-    pert = perturb(default_model, tmp_path / "perturbed-bf16")
+    pert = perturbed_default  # verify.perturb's defaults, built once for the session
     requant = requantize_checkpoint(pert, load_profile(prof), tmp_path / "perturbed-int8")
     ref = probe(pert, tmp_path, "bf16")
     tokens = [g["token_ids"] for g in ref["greedy"]]

@@ -272,6 +272,20 @@ def test_a_zygote_stands_for_its_environment_before_or_after_its_vllm_import():
     assert not stands({"A": "2", "PATH": "/bin", "RAY_CLIENT_MODE": "0"})
 
 
+def test_a_spawn_that_starts_a_fresh_interpreter_says_why_once(capsys):
+    """The fallback is correct but slow (an unlisted VLLM_SSM_CONV_STATE_LAYOUT cost every engine ~13 s, unseen):
+    one stderr line names the variables that differ, once per cause."""
+    before = (("A", "1"), ("PATH", "/bin"))
+    after = (*before, ("RAY_CLIENT_MODE", "0"))
+    env = {"A": "1", "PATH": "/bin", "NEW_SWITCH": "x", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "FLASHRL_X": "1"}
+    zygote_spawn._say_fresh(env, before, after)
+    zygote_spawn._say_fresh(env, before, after)
+    zygote_spawn._say_fresh({**env, "A": "2"}, before, after)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].endswith("differs from the zygote's in NEW_SWITCH)"), lines
+    assert lines[1].endswith("in A, NEW_SWITCH)"), lines
+
+
 @pytest.mark.parametrize("value", ["imported", "other"])
 def test_a_job_with_the_environment_the_zygote_s_import_left_is_forked(value, tmp_path):
     """The zygote reports its environment after its vLLM import: a job (and what it spawns) with those values is

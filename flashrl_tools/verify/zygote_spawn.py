@@ -86,6 +86,8 @@ def _zygote_popen(spawn_popen):
     class Popen(spawn_popen, _ZygotePopen):
         def __init__(self, process_obj):
             self._path = _HOST[0] if _HOST and _same_for_spawn(dict(os.environ), *_HOST[1:]) else None
+            if _HOST and self._path is None:
+                _say_fresh(dict(os.environ), *_HOST[1:])
             if self._path is not None:
                 self.DupFd = _InheritedFd
             super().__init__(process_obj)
@@ -158,6 +160,21 @@ def _same_for_spawn(env: dict, before: tuple, after: tuple) -> bool:
     except OSError:
         return False
     return all(os.path.realpath(lib) in loaded for lib in preload)
+
+
+_SAID: set[tuple] = set()
+
+
+def _say_fresh(env: dict, before: tuple, after: tuple) -> None:
+    """One stderr line (once per cause) when a spawn starts a fresh interpreter: vLLM 0.32 setting an unlisted
+    variable before it spawns (VLLM_SSM_CONV_STATE_LAYOUT) once cost every engine ~13 s of imports, unseen."""
+    mine, first, then = dict(signature(env, True)), dict(before), dict(after)
+    keys = tuple(sorted(k for k in mine.keys() | first.keys() | then.keys() if k not in SPAWN_SETTINGS
+                        and mine.get(k) not in (first.get(k), then.get(k)))) or ("PYTHONPATH / LD_PRELOAD",)
+    if keys not in _SAID:
+        _SAID.add(keys)
+        print(f"flashrl zygote: a spawned process starts a fresh interpreter (its environment differs from the "
+              f"zygote's in {', '.join(keys)})", file=sys.stderr)
 
 
 def _added(env: dict, before: tuple, var: str) -> set[str]:
