@@ -1,0 +1,154 @@
+"""Decode-shaped W4A16 GEMM: vLLM's Machete vs flashrl's few-rows Triton kernel vs BF16 and INT8 (issue 75's tail).
+
+For each model shape (benchmarks/shapes.py) and linear layer (qkv, o, gate_up, down) and each row count, times under
+a CUDA graph: the BF16 GEMM (`F.linear`), vLLM's W4A16 GEMM on Hopper (`machete_mm` on `machete_prepack_B`'s layout,
+what `FLASHRL_CONFIG=w4a16` runs today), `flashrl_tools.quant.kernels.w4a16_gemm` on the checkpoint's own layout, and
+flashrl's INT8 path (vLLM's per-token quantization + `w8a8_gemm`, the 8-bit tail's kernel). The weights are
+quantized by the package's quantizer (`flashrl_tools.quant.quantizer`, W4A16 / INT8). Checks each 4-bit kernel
+against the float32 product of the same dequantized weights (max |error| / max |reference|). Prints a table per
+shape (sums over one layer, the weight bytes each path reads per us) and writes JSON. `--sweep 4,16` times every
+tile configuration of the Triton kernel at those row counts and reports the best.
+
+    python benchmarks/small_m_w4a16.py --shapes 7b,14b --rows 1,4,8,16,32 --sweep 4,16 --json small_m_w4a16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from small_m_gemm import bench, layers  # noqa: E402
+
+from flashrl_tools.quant import quantizer  # noqa: E402
+from flashrl_tools.quant.formats import QuantFn  # noqa: E402
+from flashrl_tools.quant.kernels import w4a16_gemm, w8a8_gemm  # noqa: E402
+from flashrl_tools.quant.packing import pack_int4  # noqa: E402
+
+SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [256, 512], "num_warps": [4, 8], "num_stages": [2, 3]}
+
+
+def machete(ops, packed: torch.Tensor, scale: torch.Tensor):
+    """vLLM's Machete operands as its MacheteLinearKernel makes them: [K / 8, N] packed codes, column-major, then
+    prepacked; [K / 128, N] scales. Returns the GEMM as a function of the activations."""
+    from vllm.scalar_type import scalar_types
+
+    b_q = ops.machete_prepack_B(packed.t().contiguous().t(), a_type=torch.bfloat16, b_type=scalar_types.uint4b8,
+                                group_scales_type=torch.bfloat16)
+    s = scale.t().contiguous()
+    return lambda x: ops.machete_mm(a=x, b_q=b_q, b_type=scalar_types.uint4b8, b_group_scales=s,
+                                    b_group_size=w4a16_gemm.GROUP)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def measure(ops, w, bias, m: int, sweep: bool) -> dict:
+    """One linear at m rows: the timings, the Triton tiles used, each 4-bit kernel's error."""
+    q4 = quantizer.quantize_weight(QuantFn.w4a16, w)
+    packed, scale = pack_int4(q4.weight), q4.weight_scale.contiguous()
+    q8 = quantizer.quantize_weight(QuantFn.int8, w)
+    b8, s8 = q8.weight.t(), q8.weight_scale.float().reshape(-1, 1)  # vLLM's [K, N] view, per-channel scales
+    x = torch.randn(m, w.shape[1], device="cuda").to(torch.bfloat16)
+    ref = w4a16_gemm.reference(x, packed, scale)
+    mach = machete(ops, packed, scale)
+
+    def triton_mm(cfg):
+        return w4a16_gemm.w4a16_mm(x, packed, scale, None, cfg)
+
+    def int8_path():
+        x_q, x_s, _ = ops.scaled_int8_quant(x)
+        return w8a8_gemm.w8a8_mm(x_q, b8, x_s, s8, torch.bfloat16, None)
+
+    default = w4a16_gemm.default_config(m, *w.shape)
+    best, t_best = default, bench(lambda: triton_mm(default))
+    t_default = t_best
+    for vals in itertools.product(*SWEEP.values()) if sweep else ():
+        cfg = {**default, **dict(zip(SWEEP, vals))}
+        try:
+            t = bench(lambda c=cfg: triton_mm(c))
+        except Exception:  # a tile the shared memory cannot hold
+            continue
+        if t < t_best:
+            best, t_best = cfg, t
+    out_m, out_t = mach(x), triton_mm(best)
+    return {"bf16_us": bench(lambda: F.linear(x, w, bias)), "machete_us": bench(lambda: mach(x)),
+            "triton_us": t_best, "triton_default_us": t_default, "int8_us": bench(int8_path),
+            "machete_err": rel_err(out_m, ref), "triton_err": rel_err(out_t, ref), "triton_vs_machete":
+            rel_err(out_t, out_m.float()), "triton_deterministic": torch.equal(out_t, triton_mm(best)), "config": best}
+
+
+def summarize(rows: list[dict], shape: str, m: int) -> dict:
+    sel = [r for r in rows if r["shape"] == shape and r["rows"] == m]
+    tot = {key: sum(r[key] for r in sel) for key in ("bf16_us", "machete_us", "triton_us", "int8_us")}
+    params = sum(r["n"] * r["k"] for r in sel)
+    return {"shape": shape, "rows": m, **{k: round(v, 2) for k, v in tot.items()},
+            "machete_vs_bf16": round(tot["machete_us"] / tot["bf16_us"], 3),
+            "triton_vs_bf16": round(tot["triton_us"] / tot["bf16_us"], 3),
+            "int8_vs_bf16": round(tot["int8_us"] / tot["bf16_us"], 3),
+            "bf16_tb_s": round(2 * params / tot["bf16_us"] / 1e6, 2),
+            "machete_tb_s": round(params / 2 / tot["machete_us"] / 1e6, 2),
+            "triton_tb_s": round(params / 2 / tot["triton_us"] / 1e6, 2),
+            "int8_tb_s": round(params / tot["int8_us"] / 1e6, 2),
+            "max_err": {k: max(r[k] for r in sel) for k in ("machete_err", "triton_err", "triton_vs_machete")},
+            "deterministic": all(r["triton_deterministic"] for r in sel)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="7b,14b")
+    ap.add_argument("--rows", default="1,4,8,16,32")
+    ap.add_argument("--sweep", default="", help="row counts (e.g. 4,16) at which every tile configuration is timed")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        sys.exit("error: small_m_w4a16.py needs a Hopper GPU (it times vLLM's Machete kernel, sm_90 only)")
+    from vllm import _custom_ops as ops
+
+    rows_list = [int(r) for r in args.rows.split(",")]
+    bad = [r for r in rows_list if not 0 < r <= w4a16_gemm.MAX_ROWS]
+    if bad:
+        sys.exit(f"error: --rows {bad}: the Triton kernel takes 1..{w4a16_gemm.MAX_ROWS} rows")
+    torch.manual_seed(0)
+    rows = []
+    for shape in args.shapes.split(","):
+        for name, n, k, has_bias in layers(shape):
+            w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+            bias = (torch.randn(n, device="cuda") * 0.1).to(torch.bfloat16) if has_bias else None
+            for m in rows_list:
+                row = measure(ops, w, bias, m, str(m) in args.sweep.split(","))
+                rows.append({"shape": shape, "layer": name, "n": n, "k": k, "rows": m, **row})
+                print(f"{shape} {name} M={m}: bf16 {row['bf16_us']:.1f} us, machete {row['machete_us']:.1f}, triton "
+                      f"{row['triton_us']:.1f} (default {row['triton_default_us']:.1f}), int8 {row['int8_us']:.1f}; "
+                      f"err machete {row['machete_err']:.2e} triton {row['triton_err']:.2e}", flush=True)
+            del w, bias
+            torch.cuda.empty_cache()
+    dev = torch.cuda.get_device_name()
+    print(f"\nOne decoder layer's linears, us per decode step, CUDA graphs ({dev}); TB/s = weight bytes read / time")
+    print("| shape | rows | BF16 | Machete W4A16 | Triton W4A16 | INT8 (quant + Triton) | Machete / BF16 | Triton / BF16 |"
+          " INT8 / BF16 | max error: Machete / Triton |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    summary = [summarize(rows, shape, m) for shape in args.shapes.split(",") for m in rows_list]
+    for s in summary:
+        e = s["max_err"]
+        print(f"| {s['shape']} | {s['rows']} | {s['bf16_us']:.1f} ({s['bf16_tb_s']}) | {s['machete_us']:.1f} "
+              f"({s['machete_tb_s']}) | {s['triton_us']:.1f} ({s['triton_tb_s']}) | {s['int8_us']:.1f} ({s['int8_tb_s']}) | "
+              f"{s['machete_vs_bf16']:.2f}x | {s['triton_vs_bf16']:.2f}x | {s['int8_vs_bf16']:.2f}x | "
+              f"{e['machete_err']:.1e} / {e['triton_err']:.1e} |")
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"command": "python benchmarks/small_m_w4a16.py " + " ".join(sys.argv[1:]), "device": dev,
+                       "torch": torch.__version__, "sweep_rows": args.sweep, "summary": summary, "rows": rows}, f, indent=1)
+        os.replace(tmp, args.json)
+
+
+if __name__ == "__main__":
+    main()

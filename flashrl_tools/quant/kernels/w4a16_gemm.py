@@ -1,0 +1,128 @@
+"""A decode-shaped W4A16 GEMM (few rows) in Triton over the checkpoint's own 4-bit layout (issue 75's tail).
+
+Issue 75's 14B rows: at 5-16 running sequences vLLM's W4A16 GEMM (Machete on Hopper; Marlin no faster) reads the
+4-bit weights no faster than flashrl's INT8 GEMM reads twice the bytes (a tail step 9.92 ms vs INT8's 9.67): the
+weights, a quarter of BF16's bytes, take the time of half. This kernel is shaped for that regime as `w8a8_gemm`
+is: one program per BLOCK_N output channels holding every row (M <= 64, padded to the tensor-core tile), the K
+loop pipelined over the packed weight rows, no split-K (a fixed summation order: a sequence's values do not depend
+on which other rows share its batch beyond the tile it lands in).
+
+Operands as compressed-tensors' `pack-quantized` W4A16 checkpoint stores them -- no repacking, so a sync writes
+the re-quantized codes where they are: `w` [N, K / 8] int32 (eight codes a word, the first in the lowest bits,
+each code + 8: `quant/packing.py`), `scale` [N, K / GROUP] in the activations' 16-bit dtype (symmetric: no zero
+points), `x` [M, K] BF16 / FP16. Each weight tile is dequantized in registers, `(code - 8) * scale` rounded once
+to the 16-bit dtype (as Marlin and Machete do), then multiplied on the tensor cores with float32 accumulation.
+`benchmarks/small_m_gemm.py --w4a16` times it against BF16 and Machete on the GPU; the CPU test runs it through
+Triton's interpreter against a float32 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flashrl_tools.quant.packing import CODES_PER_WORD
+
+MAX_ROWS = 64
+GROUP = 128  # compressed-tensors' W4A16 group (quantizer.INT4_GROUP)
+SHARED_BYTES = 200 * 1024  # the pipelined tiles' budget (H100 / H200: 227 KiB a block)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M"])  # one compiled variant per tile shape, whatever the row count
+    def w4a16_rows(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+                   HAS_BIAS: tl.constexpr, GROUP_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        WORDS: tl.constexpr = BLOCK_K // 8
+        GROUPS: tl.constexpr = BLOCK_K // GROUP_K  # scale groups in one K tile (BLOCK_K a multiple of GROUP_K)
+        rm = tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, WORDS)
+        rg = tl.arange(0, GROUPS)
+        mask_m, mask_n = rm < M, rn < N
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :]  # [BLOCK_N, WORDS]: K contiguous
+        s_ptrs = s_ptr + rn[:, None].to(tl.int64) * stride_sn + rg[None, :]  # [BLOCK_N, GROUPS]
+        shifts = tl.arange(0, 8) * 4
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            left = K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & (rk[None, :] < left), other=0.0)
+            # masked words: code -8 times a 0 scale and 0 activations
+            words = tl.load(w_ptrs, mask=mask_n[:, None] & (rw[None, :] < left // 8), other=0)
+            s = tl.load(s_ptrs, mask=mask_n[:, None] & (rg[None, :] < left // GROUP_K), other=0.0)
+            codes = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
+            q = tl.reshape(codes.to(x.dtype), (BLOCK_N, GROUPS, GROUP_K))
+            w = tl.reshape(q * s[:, :, None], (BLOCK_N, BLOCK_K))  # one 16-bit rounding, as the engines' kernels
+            acc = tl.dot(x, tl.trans(w), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += WORDS
+            s_ptrs += GROUPS
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+    return w4a16_rows
+
+
+def default_config(m: int, n: int, k: int) -> dict:
+    """Tile sizes for a (rows, out, in) shape: a first guess by the INT8 kernel's sweep (long K tiles, 32-64 output
+    channels a program); `benchmarks/small_m_gemm.py --w4a16 --sweep` measures the rest."""
+    block_m = max(16, 1 << (max(1, m) - 1).bit_length())
+    block_n, block_k = 32 if n <= 4096 else 64, 256 if n >= 32768 else 512
+    tile = block_m * block_k * 2 + block_n * block_k // 2  # activations (16 bits) and packed weights a stage
+    stages = min(4 if k >= 8192 else 3, SHARED_BYTES // tile)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": max(2, stages)}
+
+
+def served(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """Whether this kernel takes the call: CUDA operands, at most `max_rows` (<= MAX_ROWS) rows of 16-bit
+    activations, a row-major [N, K / 8] int32 weight, [N, K / GROUP] scales of the activations' dtype."""
+    return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+            and 0 < x.shape[0] <= min(max_rows, MAX_ROWS) and _layout_ok(x, w, scale))
+
+
+def _layout_ok(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> bool:
+    k = x.shape[1]
+    return (w.dtype == torch.int32 and w.dim() == 2 and w.stride(1) == 1 and w.shape[1] * CODES_PER_WORD == k
+            and k % GROUP == 0 and scale.dtype == x.dtype and scale.dim() == 2 and scale.stride(1) == 1
+            and tuple(scale.shape) == (w.shape[0], k // GROUP))
+
+
+def w4a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+             config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(w, scale).T (+ bias) -> [M, N] in x's dtype. `w` / `scale`: compressed-tensors'
+    `weight_packed` / `weight_scale`; `bias` [N]. Checks the layout (any device: Triton's interpreter on CPU)."""
+    if not _layout_ok(x, w, scale) or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"w4a16_mm: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, scale "
+                         f"{tuple(scale.shape)} {scale.dtype} is not a packed W4A16 layer's layout")
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = dict(config or default_config(m, n, k))
+    if cfg["BLOCK_K"] % GROUP:
+        raise ValueError(f"w4a16_mm: BLOCK_K {cfg['BLOCK_K']} is not a multiple of the {GROUP}-column group")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+    grid = ((n + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"],)
+    _kernel()[grid](x, w, scale, bias if bias is not None else out, out, m, n, k, x.stride(0), w.stride(0),
+                    scale.stride(0), out.stride(0), HAS_BIAS=bias is not None, GROUP_K=GROUP,
+                    num_warps=warps, num_stages=stages, **cfg)
+    return out
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 result the kernel approximates: x @ ((code - 8) * scale, rounded to 16 bits).T (+ bias)."""
+    from flashrl_tools.quant.packing import unpack_int4
+
+    k = x.shape[1]
+    codes = unpack_int4(w, k).to(x.dtype).reshape(w.shape[0], k // GROUP, GROUP)
+    deq = (codes * scale[:, :, None]).reshape(w.shape[0], k)  # 16-bit products, as the kernel's
+    out = x.float() @ deq.float().T
+    return out + bias.float() if bias is not None else out
