@@ -1,6 +1,7 @@
 """Decode-shaped W4A16 GEMM: vLLM's Machete vs flashrl's few-rows Triton kernel vs BF16 and INT8 (issue 75's tail).
 
-For each model shape (benchmarks/shapes.py) and linear layer (qkv, o, gate_up, down) and each row count, times under
+For each model shape (benchmarks/shapes.py) and linear layer (qkv, o, gate_up, down) and each row count (the tail's
+few rows, and the 65+ a kernel that replaces Machete must serve as well), times under
 a CUDA graph: the BF16 GEMM (`F.linear`), vLLM's W4A16 GEMM on Hopper (`machete_mm` on `machete_prepack_B`'s layout,
 what `FLASHRL_CONFIG=w4a16` runs today), `flashrl_tools.quant.kernels.w4a16_gemm` on the checkpoint's own layout, and
 flashrl's INT8 path (vLLM's per-token quantization + `w8a8_gemm`, the 8-bit tail's kernel). The weights are
@@ -9,7 +10,7 @@ against the float32 product of the same dequantized weights (max |error| / max |
 shape (sums over one layer, the weight bytes each path reads per us) and writes JSON. `--sweep 4,16` times every
 tile configuration of the Triton kernel at those row counts and reports the best.
 
-    python benchmarks/small_m_w4a16.py --shapes 7b,14b --rows 1,4,8,16,32 --sweep 4,16 --json small_m_w4a16.json
+    python benchmarks/small_m_w4a16.py --shapes 7b,14b --rows 1,4,8,16,32,64,128,256 --sweep 16,256 --json small_m_w4a16.json
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from flashrl_tools.quant.formats import QuantFn  # noqa: E402
 from flashrl_tools.quant.kernels import w4a16_gemm, w8a8_gemm  # noqa: E402
 from flashrl_tools.quant.packing import pack_int4  # noqa: E402
 
-SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [256, 512], "num_warps": [4, 8], "num_stages": [2, 3]}
+SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [2, 3, 4]}  # <= MAX_ROWS rows
+SWEEP_WIDE = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [3, 4]}
 
 
 def machete(ops, packed: torch.Tensor, scale: torch.Tensor):
@@ -70,8 +72,9 @@ def measure(ops, w, bias, m: int, sweep: bool) -> dict:
     default = w4a16_gemm.default_config(m, *w.shape)
     best, t_best = default, bench(lambda: triton_mm(default))
     t_default = t_best
-    for vals in itertools.product(*SWEEP.values()) if sweep else ():
-        cfg = {**default, **dict(zip(SWEEP, vals))}
+    grid = SWEEP if m <= w4a16_gemm.MAX_ROWS else SWEEP_WIDE
+    for vals in itertools.product(*grid.values()) if sweep else ():
+        cfg = {**default, **dict(zip(grid, vals))}
         try:
             t = bench(lambda c=cfg: triton_mm(c))
         except Exception:  # a tile the shared memory cannot hold
@@ -104,7 +107,7 @@ def summarize(rows: list[dict], shape: str, m: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="7b,14b")
-    ap.add_argument("--rows", default="1,4,8,16,32")
+    ap.add_argument("--rows", default="1,4,8,16,32,64,128,256")
     ap.add_argument("--sweep", default="", help="row counts (e.g. 4,16) at which every tile configuration is timed")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -113,9 +116,8 @@ def main() -> None:
     from vllm import _custom_ops as ops
 
     rows_list = [int(r) for r in args.rows.split(",")]
-    bad = [r for r in rows_list if not 0 < r <= w4a16_gemm.MAX_ROWS]
-    if bad:
-        sys.exit(f"error: --rows {bad}: the Triton kernel takes 1..{w4a16_gemm.MAX_ROWS} rows")
+    if any(r <= 0 for r in rows_list):
+        sys.exit(f"error: --rows {args.rows}: row counts are positive")
     torch.manual_seed(0)
     rows = []
     for shape in args.shapes.split(","):

@@ -24,6 +24,7 @@ CASES = [  # rows, out, in, bias, tiles (None: default_config's)
     (5, 96, 384, True, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}),
     (16, 40, 512, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}),
     (33, 32, 256, True, None),
+    (70, 136, 384, True, None),  # past MAX_ROWS: tiles of rows, the last one partial
 ]
 
 
@@ -76,10 +77,9 @@ def test_w4a16_few_rows_compiled_matches_the_reference():
 
 
 def test_w4a16_few_rows_takes_only_packed_layers():
-    """A layout that is not a packed W4A16 layer's is refused in one line; `served` says no off a GPU."""
+    """A layout that is not a packed W4A16 layer's is refused in one line."""
     _, packed, scale, _ = _layer(32, 256, torch.float16, "cpu", 0)
     x = torch.randn(2, 256).half()
-    assert not w4a16_gemm.served(x, packed, scale)  # CPU operands: the engine's own kernel
     for args in [(torch.randn(2, 384).half(), packed, scale),  # K does not match the codes
                  (x, packed, scale.float()),  # scales of another dtype than the activations
                  (x, packed.to(torch.int64), scale),
@@ -96,3 +96,83 @@ def test_small_m_w4a16_benchmark_refuses_without_a_hopper_gpu():
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "small_m_w4a16.py"), "--shapes", "7b"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "needs a Hopper GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+class _Config:  # what vLLM's MPLinearLayerConfig says of a compressed-tensors W4A16 layer
+    group_size, zero_points, has_g_idx, act_type = w4a16_gemm.GROUP, False, False, torch.float16
+    weight_type = "uint4b8"  # vLLM's scalar_types.uint4b8 prints so
+
+
+class _Machete:
+    config, w_q_name, w_s_name = _Config(), "weight_packed", "weight_scale"
+
+
+def _machete_must_not_run(*args, **kwargs):
+    raise AssertionError("Machete ran")
+
+
+def _hooked_layer_check() -> None:
+    """Run with TRITON_INTERPRET=1 and FLASHRL_W4A16_GEMM=1: a Machete layer under the hooks keeps the checkpoint's
+    packed layout and its forward is flashrl's GEMM (the custom op), at few rows and past MAX_ROWS."""
+    from flashrl_tools.runtime.vllm import w4a16_gemm as hook
+
+    hook.on_gpu = lambda w: True  # the interpreter runs the GPU path on CPU tensors
+    _, packed, scale, _ = _layer(48, 256, torch.float16, "cpu", 3)
+    layer = torch.nn.Module()
+    layer.weight_packed = torch.nn.Parameter(packed.clone(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
+    assert hook.process_weights_after_loading(_machete_must_not_run, _Machete(), layer) is None
+    assert torch.equal(layer.weight_packed, packed) and torch.equal(layer.weight_scale, scale)
+    bias = torch.randn(48).half()
+    for rows in (3, 70):
+        x = torch.randn(2, rows, 256).half()  # vLLM's activations may carry leading dimensions
+        out = hook.apply_weights(_machete_must_not_run, _Machete(), layer, x, bias)
+        ref = w4a16_gemm.reference(x.reshape(-1, 256), packed, scale, bias).reshape(2, rows, 48)
+        assert out.shape == (2, rows, 48)
+        assert float((out.float() - ref).abs().max()) <= 2 ** -10 * float(ref.abs().max())
+
+
+def test_machete_layers_keep_their_layout_and_run_flashrls_gemm_under_the_switch():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU: the engine tests run the switch")
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_w4a16_gemm import "
+            "_hooked_layer_check; _hooked_layer_check()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1", "FLASHRL_W4A16_GEMM": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_machete_keeps_its_own_path_unless_the_switch_takes_the_layer(monkeypatch, switch):
+    """Switch off, or a layer it does not take (a CPU tensor; zero points): Machete's processing and forward run."""
+    from flashrl_tools.runtime.vllm import w4a16_gemm as hook
+
+    monkeypatch.setenv("FLASHRL_W4A16_GEMM", switch)
+    layer = torch.nn.Module()
+    layer.weight_packed = torch.nn.Parameter(torch.zeros(8, 16, dtype=torch.int32), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(torch.ones(8, 1).half(), requires_grad=False)
+    calls = []
+    assert hook.process_weights_after_loading(lambda *a: calls.append("process") or "p", _Machete(), layer) == "p"
+    assert hook.apply_weights(lambda *a: calls.append("apply") or "a", _Machete(), layer, torch.ones(1, 128)) == "a"
+    assert calls == ["process", "apply"]
+    monkeypatch.setattr(hook, "on_gpu", lambda w: True)
+    zero_points = _Machete()
+    zero_points.config = type("C", (_Config,), {"zero_points": True})()
+    assert hook.serves(_Machete(), layer) is (switch == "1") and not hook.serves(zero_points, layer)
+
+
+def test_w4a16_gemm_switch_is_vllms_and_refused_on_sglang():
+    """FLASHRL_W4A16_GEMM=1 is read as a switch; SGLang (its Marlin kernel) refuses it at start in one line."""
+    from flashrl_tools.config.settings import Settings
+    from flashrl_tools.errors import FlashRLError
+    from flashrl_tools.runtime.core.adapter import check_settings
+    from flashrl_tools.runtime.sglang.capabilities import CAPABILITIES as SGLANG
+    from flashrl_tools.runtime.vllm.capabilities import GPU
+
+    on = Settings.read({"FLASHRL_W4A16_GEMM": "1"})
+    assert on.w4a16_gemm and not Settings.read({}).w4a16_gemm
+    check_settings(GPU, on, "test")
+    check_settings(SGLANG, Settings.read({"FLASHRL_W4A16_GEMM": "0"}), "test")
+    with pytest.raises(FlashRLError, match="FLASHRL_W4A16_GEMM=1 is not honoured on SGLang"):
+        check_settings(SGLANG, on, "test")

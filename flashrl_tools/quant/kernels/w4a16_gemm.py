@@ -4,8 +4,8 @@ Issue 75's 14B rows: at 5-16 running sequences vLLM's W4A16 GEMM (Machete on Hop
 4-bit weights no faster than flashrl's INT8 GEMM reads twice the bytes (a tail step 9.92 ms vs INT8's 9.67): the
 weights, a quarter of BF16's bytes, take the time of half. This kernel is shaped for that regime as `w8a8_gemm`
 is: one program per BLOCK_N output channels holding every row (M <= 64, padded to the tensor-core tile), the K
-loop pipelined over the packed weight rows, no split-K (a fixed summation order: a sequence's values do not depend
-on which other rows share its batch beyond the tile it lands in).
+loop pipelined over the packed weight rows, no split-K (a fixed summation order). Larger batches (a prefill, 65+
+running sequences) tile the rows too, so one layout serves every batch size: an engine keeps no second copy.
 
 Operands as compressed-tensors' `pack-quantized` W4A16 checkpoint stores them -- no repacking, so a sync writes
 the re-quantized codes where they are: `w` [N, K / 8] int32 (eight codes a word, the first in the lowest bits,
@@ -24,6 +24,7 @@ import torch
 
 from flashrl_tools.quant.packing import CODES_PER_WORD
 
+LOG_LINE = "W4A16 linears through flashrl's Triton GEMM"  # an engine logs it once per process (the benchmarks read it)
 MAX_ROWS = 64
 GROUP = 128  # compressed-tensors' W4A16 group (quantizer.INT4_GROUP)
 SHARED_BYTES = 200 * 1024  # the pipelined tiles' budget (H100 / H200: 227 KiB a block)
@@ -40,7 +41,7 @@ def _kernel():
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         WORDS: tl.constexpr = BLOCK_K // 8
         GROUPS: tl.constexpr = BLOCK_K // GROUP_K  # scale groups in one K tile (BLOCK_K a multiple of GROUP_K)
-        rm = tl.arange(0, BLOCK_M)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         rw = tl.arange(0, WORDS)
@@ -73,8 +74,11 @@ def _kernel():
 
 
 def default_config(m: int, n: int, k: int) -> dict:
-    """Tile sizes for a (rows, out, in) shape: a first guess by the INT8 kernel's sweep (long K tiles, 32-64 output
-    channels a program); `benchmarks/small_m_gemm.py --w4a16 --sweep` measures the rest."""
+    """Tile sizes for a (rows, out, in) shape: up to MAX_ROWS every row in one tile, long K tiles and 32-64 output
+    channels a program (the INT8 kernel's sweep); above, 64 x 128 tiles of rows x channels. A first guess:
+    `benchmarks/small_m_w4a16.py --sweep` measures the rest."""
+    if m > MAX_ROWS:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
     block_m = max(16, 1 << (max(1, m) - 1).bit_length())
     block_n, block_k = 32 if n <= 4096 else 64, 256 if n >= 32768 else 512
     tile = block_m * block_k * 2 + block_n * block_k // 2  # activations (16 bits) and packed weights a stage
@@ -82,11 +86,11 @@ def default_config(m: int, n: int, k: int) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": max(2, stages)}
 
 
-def served(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
-    """Whether this kernel takes the call: CUDA operands, at most `max_rows` (<= MAX_ROWS) rows of 16-bit
-    activations, a row-major [N, K / 8] int32 weight, [N, K / GROUP] scales of the activations' dtype."""
-    return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
-            and 0 < x.shape[0] <= min(max_rows, MAX_ROWS) and _layout_ok(x, w, scale))
+def warm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Compile (and load) every tile variant `w4a16_mm` picks for this layer's operands before a CUDA graph
+    captures one: vLLM captures each batch size on its first call, with no warm-up run."""
+    for rows in (1, 17, 33, MAX_ROWS + 1):
+        w4a16_mm(x[:1].expand(rows, -1).contiguous(), w, scale, bias)
 
 
 def _layout_ok(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -110,7 +114,7 @@ def w4a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
         raise ValueError(f"w4a16_mm: BLOCK_K {cfg['BLOCK_K']} is not a multiple of the {GROUP}-column group")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
-    grid = ((n + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"],)
+    grid = ((n + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"], (m + cfg["BLOCK_M"] - 1) // cfg["BLOCK_M"])
     _kernel()[grid](x, w, scale, bias if bias is not None else out, out, m, n, k, x.stride(0), w.stride(0),
                     scale.stride(0), out.stride(0), HAS_BIAS=bias is not None, GROUP_K=GROUP,
                     num_warps=warps, num_stages=stages, **cfg)

@@ -137,7 +137,8 @@ def check_settings(caps: Capabilities, s: Settings, source: str) -> None:
                            "longest first), or unset / auto (on Hopper GPUs)")
     for var, (attr, _default) in VARIABLES.items():
         setting = caps.settings.get(var)
-        value = str(getattr(s, attr))
+        raw = getattr(s, attr)
+        value = str(int(raw)) if isinstance(raw, bool) else str(raw)  # a switch reads 1 / 0
         if setting is None:
             raise FlashRLError(f"{caps.engine} adapter declares nothing for {var}", source,
                                "a runtime bug: every FLASHRL_* variable must be declared by every adapter")

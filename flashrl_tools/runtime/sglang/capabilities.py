@@ -17,6 +17,8 @@ _SETTINGS = {
     "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
                                    "(bit-equal to sgl-kernel's int8_scaled_mm; GPU); unset / auto: 16 on Hopper "
                                    "(sm_90), else off; 0: sgl-kernel's for every batch"),
+    "FLASHRL_W4A16_GEMM": Setting("vLLM's only (Machete's linears through flashrl's W4A16 GEMM): SGLang keeps its "
+                                  "Marlin kernel", ("0",)),
     "FLASHRL_FUSED_KV_STORE": Setting("1 (default): with an FP8 KV cache, fa3's decode stores K / V in one kernel "
                                       "(SGLang's fused_fp8_qkv_kv_cache) instead of five; 0: SGLang's store"),
     "FLASHRL_DECODE_ATTN": Setting("unset / auto: on Hopper, with an FP8 KV cache, fa3's decode batches' attention "
@@ -38,7 +40,7 @@ CAPABILITIES = Capabilities(
     # SGLang keeps per-channel layouts in the storage it loaded (weight_sync.py); per-tensor FP8 of fused
     # layers is re-quantized to one scale at load; W4A16 layers are re-laid out (marlin.py)
     formats=frozenset(f for f in QuantFn if f.strategy is Strategy.channel or f.packed),
-    formats_note="fused per-tensor FP8 re-quantized to one scale at load; block FP8 unchecked; w4a16 GPU rerun pending",
+    formats_note="fused per-tensor FP8 re-quantized to one scale at load; block FP8 unchecked",
     moe_formats=frozenset(f for f in QuantFn if f.is_fp8 and f.strategy is Strategy.channel),
     moe_note="SGLang 0.5.17 serves compressed-tensors INT8 MoE experts on NPU only",
     fp8_dense=QuantFn.fp8_channel, fp8_moe=QuantFn.fp8_channel,
