@@ -11,7 +11,8 @@ Operands as compressed-tensors' `pack-quantized` W4A16 checkpoint stores them --
 the re-quantized codes where they are: `w` [N, K / 8] int32 (eight codes a word, the first in the lowest bits,
 each code + 8: `quant/packing.py`), `scale` [N, K / GROUP] in the activations' 16-bit dtype (symmetric: no zero
 points), `x` [M, K] BF16 / FP16. Each weight tile is dequantized in registers, `(code - 8) * scale` rounded once
-to the 16-bit dtype (as Marlin and Machete do), then multiplied on the tensor cores with float32 accumulation.
+to the 16-bit dtype (as Marlin and Machete do), then multiplied on the tensor cores with float32 accumulation;
+`SWAP_AB` computes out^T = W . x^T instead, the weights as the MMA's 64-row operand (Hopper's wgmma at few rows).
 `benchmarks/small_m_gemm.py --w4a16` times it against BF16 and Machete on the GPU; the CPU test runs it through
 Triton's interpreter against a float32 reference.
 """
@@ -37,7 +38,7 @@ def _kernel():
 
     @triton.jit(do_not_specialize=["M"])  # one compiled variant per tile shape, whatever the row count
     def w4a16_rows(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                   HAS_BIAS: tl.constexpr, GROUP_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, GROUP_K: tl.constexpr, SWAP_AB: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         WORDS: tl.constexpr = BLOCK_K // 8
         GROUPS: tl.constexpr = BLOCK_K // GROUP_K  # scale groups in one K tile (BLOCK_K a multiple of GROUP_K)
@@ -51,7 +52,10 @@ def _kernel():
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :]  # [BLOCK_N, WORDS]: K contiguous
         s_ptrs = s_ptr + rn[:, None].to(tl.int64) * stride_sn + rg[None, :]  # [BLOCK_N, GROUPS]
         shifts = tl.arange(0, 8) * 4
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:  # out^T = W . x^T: the weights are the MMA's row operand (64+ channels), the few rows its columns
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             left = K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & (rk[None, :] < left), other=0.0)
@@ -61,14 +65,23 @@ def _kernel():
             codes = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
             q = tl.reshape(codes.to(x.dtype), (BLOCK_N, GROUPS, GROUP_K))
             w = tl.reshape(q * s[:, :, None], (BLOCK_N, BLOCK_K))  # one 16-bit rounding, as the engines' kernels
-            acc = tl.dot(x, tl.trans(w), acc)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
             x_ptrs += BLOCK_K
             w_ptrs += WORDS
             s_ptrs += GROUPS
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        if SWAP_AB:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
     return w4a16_rows
 
@@ -113,10 +126,10 @@ def w4a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
     if cfg["BLOCK_K"] % GROUP:
         raise ValueError(f"w4a16_mm: BLOCK_K {cfg['BLOCK_K']} is not a multiple of the {GROUP}-column group")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+    warps, stages, swap = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3), cfg.pop("SWAP_AB", False)
     grid = ((n + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"], (m + cfg["BLOCK_M"] - 1) // cfg["BLOCK_M"])
     _kernel()[grid](x, w, scale, bias if bias is not None else out, out, m, n, k, x.stride(0), w.stride(0),
-                    scale.stride(0), out.stride(0), HAS_BIAS=bias is not None, GROUP_K=GROUP,
+                    scale.stride(0), out.stride(0), HAS_BIAS=bias is not None, GROUP_K=GROUP, SWAP_AB=swap,
                     num_warps=warps, num_stages=stages, **cfg)
     return out
 
