@@ -147,7 +147,8 @@ def test_machete_layers_keep_their_layout_and_run_flashrls_gemm_under_the_switch
 
 @pytest.mark.parametrize("switch", ["0", "1"])
 def test_machete_keeps_its_own_path_unless_the_switch_takes_the_layer(monkeypatch, switch):
-    """Switch off, or a layer it does not take (a CPU tensor; zero points): Machete's processing and forward run."""
+    """Switch off, or a layer it does not take (a CPU tensor; zero points; scales not of the activations' dtype):
+    Machete's processing and forward run."""
     from flashrl_tools.runtime.vllm import w4a16_gemm as hook
 
     monkeypatch.setenv("FLASHRL_W4A16_GEMM", switch)
@@ -162,6 +163,8 @@ def test_machete_keeps_its_own_path_unless_the_switch_takes_the_layer(monkeypatc
     zero_points = _Machete()
     zero_points.config = type("C", (_Config,), {"zero_points": True})()
     assert hook.serves(_Machete(), layer) is (switch == "1") and not hook.serves(zero_points, layer)
+    layer.weight_scale = torch.nn.Parameter(torch.ones(8, 1), requires_grad=False)  # scales of another dtype
+    assert not hook.serves(_Machete(), layer)
 
 
 def test_w4a16_gemm_switch_is_vllms_and_refused_on_sglang():
