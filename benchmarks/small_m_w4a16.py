@@ -32,9 +32,10 @@ from flashrl_tools.quant.formats import QuantFn  # noqa: E402
 from flashrl_tools.quant.kernels import w4a16_gemm, w8a8_gemm  # noqa: E402
 from flashrl_tools.quant.packing import pack_int4  # noqa: E402
 
-SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [2, 3, 4],  # <= MAX_ROWS rows
-         "SWAP_AB": [False, True]}  # True: the weights as the MMA's 64-row operand (Hopper's wgmma at few rows)
-SWEEP_WIDE = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [3, 4]}
+SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [3],  # <= MAX_ROWS rows
+         "SWAP_AB": [False, True],  # True: the weights as the MMA's 64-row operand (Hopper's wgmma at few rows)
+         "SPLIT_K": [1, 2, 4]}  # K shared among programs: layers with few output channels fill more SMs
+SWEEP_WIDE = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [3]}
 
 
 def machete(ops, packed: torch.Tensor, scale: torch.Tensor):

@@ -27,6 +27,9 @@ CASES = [  # rows, out, in, bias, tiles (None: default_config's)
     (33, 32, 256, True, None),
     (70, 136, 384, True, None),  # past MAX_ROWS: tiles of rows, the last one partial
     (7, 96, 384, True, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SWAP_AB": True}),  # out^T = W . x^T
+    (3, 40, 640, True, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 3}),  # 5 K tiles in 3 splits (2, 2, 1)
+    (9, 64, 512, False, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "SWAP_AB": True}),
+    (70, 40, 384, True, {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8}),  # more splits than tiles: 3
 ]
 
 
@@ -183,17 +186,17 @@ def test_w4a16_gemm_switch_is_vllms_and_refused_on_sglang():
         check_settings(SGLANG, on, "test")
 
 
-def _hopper_ptx(block_m: int, block_n: int, block_k: int, swap: bool, warps: int = 4) -> str:
+def _hopper_ptx(block_m: int, block_n: int, block_k: int, swap: bool, warps: int = 4, split: int = 1) -> str:
     """The kernel compiled for sm_90 on this host (Triton's NVIDIA backend and its bundled ptxas; no GPU), with the
     divisibility the JIT gives a real launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    k = w4a16_gemm._kernel()
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-    const = dict(HAS_BIAS=False, GROUP_K=w4a16_gemm.GROUP, SWAP_AB=swap, BLOCK_M=block_m, BLOCK_N=block_n,
-                 BLOCK_K=block_k)
+    k = w4a16_gemm._kernels()[0]
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32"}
+    const = dict(HAS_BIAS=False, GROUP_K=w4a16_gemm.GROUP, SWAP_AB=swap, SPLIT_K=split, BLOCK_M=block_m,
+                 BLOCK_N=block_n, BLOCK_K=block_k)
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
              if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")}
@@ -202,7 +205,7 @@ def _hopper_ptx(block_m: int, block_n: int, block_k: int, swap: bool, warps: int
 
 
 def test_w4a16_kernel_compiles_for_hopper_and_swapped_tiles_take_the_warpgroup_mma():
-    """The kernel builds for sm_90 with 16-byte asynchronous copies of the codes and activations; at few rows
+    """The kernel builds for sm_90 with 16-byte asynchronous copies of the codes and activations (split-K too); at few rows
     SWAP_AB makes the dequantized weights the 64-row operand of Hopper's warpgroup MMA (m64n16), the plain
     orientation an MMA of 16 rows; past MAX_ROWS the rows' tiles take the warpgroup MMA as they are."""
     pytest.importorskip("triton.backends.nvidia")
@@ -211,5 +214,5 @@ def test_w4a16_kernel_compiles_for_hopper_and_swapped_tiles_take_the_warpgroup_m
     assert "mma.sync.aligned" in plain
     wide = _hopper_ptx(64, 128, 128, False, warps=8)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in wide
-    for ptx in (swapped, plain, wide):
+    for ptx in (swapped, plain, wide, _hopper_ptx(16, 32, 256, False, split=4)):  # a split starts on a whole tile
         assert "0x10" in set(re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]+\], \[[^]]+\], (0x\w+)", ptx))

@@ -4,7 +4,9 @@ Issue 75's 14B rows: at 5-16 running sequences vLLM's W4A16 GEMM (Machete on Hop
 4-bit weights no faster than flashrl's INT8 GEMM reads twice the bytes (a tail step 9.92 ms vs INT8's 9.67): the
 weights, a quarter of BF16's bytes, take the time of half. This kernel is shaped for that regime as `w8a8_gemm`
 is: one program per BLOCK_N output channels holding every row (M <= 64, padded to the tensor-core tile), the K
-loop pipelined over the packed weight rows, no split-K (a fixed summation order). Larger batches (a prefill, 65+
+loop pipelined over the packed weight rows. `SPLIT_K` > 1 shares K among programs (layers with few output channels
+fill more SMs); their float32 partials are summed in split order by a second kernel (no atomics): every split count
+is a fixed summation order. Larger batches (a prefill, 65+
 running sequences) tile the rows too, so one layout serves every batch size: an engine keeps no second copy.
 
 Operands as compressed-tensors' `pack-quantized` W4A16 checkpoint stores them -- no repacking, so a sync writes
@@ -32,14 +34,14 @@ SHARED_BYTES = 200 * 1024  # the pipelined tiles' budget (H100 / H200: 227 KiB a
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel():
+def _kernels():
     import triton
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M"])  # one compiled variant per tile shape, whatever the row count
-    def w4a16_rows(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                   HAS_BIAS: tl.constexpr, GROUP_K: tl.constexpr, SWAP_AB: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def w4a16_rows(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, SPLIT_TILES, stride_xm, stride_wn, stride_sn,
+                   stride_om, HAS_BIAS: tl.constexpr, GROUP_K: tl.constexpr, SWAP_AB: tl.constexpr,
+                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         WORDS: tl.constexpr = BLOCK_K // 8
         GROUPS: tl.constexpr = BLOCK_K // GROUP_K  # scale groups in one K tile (BLOCK_K a multiple of GROUP_K)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -48,16 +50,17 @@ def _kernel():
         rw = tl.arange(0, WORDS)
         rg = tl.arange(0, GROUPS)
         mask_m, mask_n = rm < M, rn < N
-        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :]  # [BLOCK_N, WORDS]: K contiguous
-        s_ptrs = s_ptr + rn[:, None].to(tl.int64) * stride_sn + rg[None, :]  # [BLOCK_N, GROUPS]
+        k0 = tl.program_id(2) * SPLIT_TILES * BLOCK_K  # this program's share of K, whole tiles (keeps 16-byte loads)
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + k0 + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + k0 // 8 + rw[None, :]  # [BLOCK_N, WORDS]: K contiguous
+        s_ptrs = s_ptr + rn[:, None].to(tl.int64) * stride_sn + k0 // GROUP_K + rg[None, :]  # [BLOCK_N, GROUPS]
         shifts = tl.arange(0, 8) * 4
         if SWAP_AB:  # out^T = W . x^T: the weights are the MMA's row operand (64+ channels), the few rows its columns
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            left = K - k * BLOCK_K
+        for k in range(0, tl.minimum(SPLIT_TILES, tl.cdiv(K - k0, BLOCK_K))):
+            left = K - k0 - k * BLOCK_K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & (rk[None, :] < left), other=0.0)
             # masked words: code -8 times a 0 scale and 0 activations
             words = tl.load(w_ptrs, mask=mask_n[:, None] & (rw[None, :] < left // 8), other=0)
@@ -72,7 +75,13 @@ def _kernel():
             x_ptrs += BLOCK_K
             w_ptrs += WORDS
             s_ptrs += GROUPS
-        if SWAP_AB:
+        if SPLIT_K > 1:  # float32 partials [SPLIT_K, M, N], summed in split order by w4a16_reduce (no atomics)
+            base = ws_ptr + tl.program_id(2).to(tl.int64) * M * N
+            if SWAP_AB:
+                tl.store(base + rm[None, :].to(tl.int64) * N + rn[:, None], acc, mask=mask_n[:, None] & mask_m[None, :])
+            else:
+                tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+        elif SWAP_AB:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
             out_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
@@ -83,7 +92,20 @@ def _kernel():
             out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
-    return w4a16_rows
+    @triton.jit(do_not_specialize=["M"])
+    def w4a16_reduce(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M.to(tl.int64) * N
+        acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+        for split in tl.static_range(1, SPLIT_K):
+            acc += tl.load(ws_ptr + split * M.to(tl.int64) * N + offs, mask=mask, other=0.0)
+        col = offs % N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (offs // N) * stride_om + col, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return w4a16_rows, w4a16_reduce
 
 
 def default_config(m: int, n: int, k: int) -> dict:
@@ -127,10 +149,21 @@ def w4a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
         raise ValueError(f"w4a16_mm: BLOCK_K {cfg['BLOCK_K']} is not a multiple of the {GROUP}-column group")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     warps, stages, swap = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3), cfg.pop("SWAP_AB", False)
-    grid = ((n + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"], (m + cfg["BLOCK_M"] - 1) // cfg["BLOCK_M"])
-    _kernel()[grid](x, w, scale, bias if bias is not None else out, out, m, n, k, x.stride(0), w.stride(0),
-                    scale.stride(0), out.stride(0), HAS_BIAS=bias is not None, GROUP_K=GROUP, SWAP_AB=swap,
-                    num_warps=warps, num_stages=stages, **cfg)
+    tiles = -(-k // cfg["BLOCK_K"])
+    split = max(1, min(cfg.pop("SPLIT_K", 1), tiles))
+    per_split = -(-tiles // split)  # whole K tiles a split
+    split = -(-tiles // per_split)  # the splits that have tiles
+    rows, reduce = _kernels()
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = ((n + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"], (m + cfg["BLOCK_M"] - 1) // cfg["BLOCK_M"], split)
+    bias_arg = bias if bias is not None else out
+    rows[grid](x, w, scale, bias_arg, out, ws, m, n, k, per_split, x.stride(0), w.stride(0), scale.stride(0),
+               out.stride(0), HAS_BIAS=bias is not None, GROUP_K=GROUP, SWAP_AB=swap, SPLIT_K=split,
+               num_warps=warps, num_stages=stages, **cfg)
+    if split > 1:
+        block = 1024
+        reduce[(-(-m * n // block),)](ws, bias_arg, out, m, n, out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
+                                      BLOCK=block, num_warps=4)
     return out
 
 
