@@ -34,8 +34,10 @@ from flashrl_tools.quant.packing import pack_int4  # noqa: E402
 
 SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [3],  # <= MAX_ROWS rows
          "SWAP_AB": [False, True],  # True: the weights as the MMA's 64-row operand (Hopper's wgmma at few rows)
-         "SPLIT_K": [1, 2, 4]}  # K shared among programs: layers with few output channels fill more SMs
-SWEEP_WIDE = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [3]}
+         "SPLIT_K": [1, 2, 4],  # K shared among programs: layers with few output channels fill more SMs
+         "MAGIC": [True, False]}  # codes into floats by bit operations (the default) / by int -> float conversion
+SWEEP_WIDE = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [3],
+              "MAGIC": [True, False]}
 
 
 def machete(ops, packed: torch.Tensor, scale: torch.Tensor):

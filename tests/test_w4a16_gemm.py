@@ -56,6 +56,8 @@ def _check(dtype: torch.dtype, device: str) -> None:
         direct = x.float() @ deq.T + (bias.float() if has_bias else 0)
         assert float((direct - ref).abs().max()) <= step * float(ref.abs().max())
         assert torch.equal(out, w4a16_gemm.w4a16_mm(x, packed, scale, bias, cfg))  # one summation order
+        plain = {**(cfg or w4a16_gemm.default_config(m, n, k)), "MAGIC": False}  # int -> float: the same weights
+        assert torch.equal(out, w4a16_gemm.w4a16_mm(x, packed, scale, bias, plain))
 
 
 def _interpreted_check() -> None:
@@ -195,7 +197,7 @@ def _hopper_ptx(block_m: int, block_n: int, block_k: int, swap: bool, warps: int
 
     k = w4a16_gemm._kernels()[0]
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32"}
-    const = dict(HAS_BIAS=False, GROUP_K=w4a16_gemm.GROUP, SWAP_AB=swap, SPLIT_K=split, BLOCK_M=block_m,
+    const = dict(HAS_BIAS=False, GROUP_K=w4a16_gemm.GROUP, SWAP_AB=swap, SPLIT_K=split, MAGIC=True, BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=block_k)
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
@@ -216,3 +218,11 @@ def test_w4a16_kernel_compiles_for_hopper_and_swapped_tiles_take_the_warpgroup_m
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in wide
     for ptx in (swapped, plain, wide, _hopper_ptx(16, 32, 256, False, split=4)):  # a split starts on a whole tile
         assert "0x10" in set(re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]+\], \[[^]]+\], (0x\w+)", ptx))
+
+
+@pytest.mark.parametrize("dtype,base,offset", [(torch.bfloat16, 0x4300, 136.0), (torch.float16, 0x6400, 1032.0)])
+def test_magic_dequantization_gives_the_codes_exactly(dtype, base, offset):
+    """MAGIC's bit trick: `base | n` read as a 16-bit float is 2^7 + n (BF16) / 2^10 + n (FP16), so subtracting
+    `offset` gives the code n - 8 exactly for every nibble (the interpreter test runs FP16; a GPU, BF16 too)."""
+    n = torch.arange(16, dtype=torch.int16)
+    assert torch.equal((n | base).view(dtype) - offset, (n - 8).to(dtype))

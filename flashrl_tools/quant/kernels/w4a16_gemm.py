@@ -15,6 +15,9 @@ each code + 8: `quant/packing.py`), `scale` [N, K / GROUP] in the activations' 1
 points), `x` [M, K] BF16 / FP16. Each weight tile is dequantized in registers, `(code - 8) * scale` rounded once
 to the 16-bit dtype (as Marlin and Machete do), then multiplied on the tensor cores with float32 accumulation;
 `SWAP_AB` computes out^T = W . x^T instead, the weights as the MMA's 64-row operand (Hopper's wgmma at few rows).
+At 4 bits a memory-bound GEMM is close to ALU-bound on the dequantization: `MAGIC` (the default) puts each code in a
+16-bit float's mantissa by bit operations (`0x4300 | n` is BF16 128 + n) and subtracts, instead of an int -> float
+conversion; both give n - 8 exactly, so the same weights and outputs.
 `benchmarks/small_m_gemm.py --w4a16` times it against BF16 and Machete on the GPU; the CPU test runs it through
 Triton's interpreter against a float32 reference.
 """
@@ -41,7 +44,8 @@ def _kernels():
     @triton.jit(do_not_specialize=["M"])  # one compiled variant per tile shape, whatever the row count
     def w4a16_rows(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, SPLIT_TILES, stride_xm, stride_wn, stride_sn,
                    stride_om, HAS_BIAS: tl.constexpr, GROUP_K: tl.constexpr, SWAP_AB: tl.constexpr,
-                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, MAGIC: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         WORDS: tl.constexpr = BLOCK_K // 8
         GROUPS: tl.constexpr = BLOCK_K // GROUP_K  # scale groups in one K tile (BLOCK_K a multiple of GROUP_K)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,8 +69,15 @@ def _kernels():
             # masked words: code -8 times a 0 scale and 0 activations
             words = tl.load(w_ptrs, mask=mask_n[:, None] & (rw[None, :] < left // 8), other=0)
             s = tl.load(s_ptrs, mask=mask_n[:, None] & (rg[None, :] < left // GROUP_K), other=0.0)
-            codes = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
-            q = tl.reshape(codes.to(x.dtype), (BLOCK_N, GROUPS, GROUP_K))
+            nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, WORDS, 8]
+            if MAGIC:  # the nibble in a 16-bit float's mantissa, no int -> float conversion: 2^7 + n (BF16), 2^10 + n
+                if x.dtype == tl.bfloat16:
+                    codes = (nibbles | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0
+                else:
+                    codes = (nibbles | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            else:
+                codes = (nibbles - 8).to(x.dtype)
+            q = tl.reshape(codes.to(x.dtype), (BLOCK_N, GROUPS, GROUP_K))  # n - 8 exactly, either way
             w = tl.reshape(q * s[:, :, None], (BLOCK_N, BLOCK_K))  # one 16-bit rounding, as the engines' kernels
             if SWAP_AB:
                 acc = tl.dot(w, tl.trans(x), acc)
@@ -149,6 +160,7 @@ def w4a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
         raise ValueError(f"w4a16_mm: BLOCK_K {cfg['BLOCK_K']} is not a multiple of the {GROUP}-column group")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     warps, stages, swap = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3), cfg.pop("SWAP_AB", False)
+    magic = cfg.pop("MAGIC", True)
     tiles = -(-k // cfg["BLOCK_K"])
     split = max(1, min(cfg.pop("SPLIT_K", 1), tiles))
     per_split = -(-tiles // split)  # whole K tiles a split
@@ -158,7 +170,7 @@ def w4a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
     grid = ((n + cfg["BLOCK_N"] - 1) // cfg["BLOCK_N"], (m + cfg["BLOCK_M"] - 1) // cfg["BLOCK_M"], split)
     bias_arg = bias if bias is not None else out
     rows[grid](x, w, scale, bias_arg, out, ws, m, n, k, per_split, x.stride(0), w.stride(0), scale.stride(0),
-               out.stride(0), HAS_BIAS=bias is not None, GROUP_K=GROUP, SWAP_AB=swap, SPLIT_K=split,
+               out.stride(0), HAS_BIAS=bias is not None, GROUP_K=GROUP, SWAP_AB=swap, SPLIT_K=split, MAGIC=magic,
                num_warps=warps, num_stages=stages, **cfg)
     if split > 1:
         block = 1024
