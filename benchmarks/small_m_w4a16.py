@@ -34,10 +34,9 @@ from flashrl_tools.quant.packing import pack_int4  # noqa: E402
 
 SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [3],  # <= MAX_ROWS rows
          "SWAP_AB": [False, True],  # True: the weights as the MMA's 64-row operand (Hopper's wgmma at few rows)
-         "SPLIT_K": [1, 2, 4],  # K shared among programs: layers with few output channels fill more SMs
-         "MAGIC": [True, False]}  # codes into floats by bit operations (the default) / by int -> float conversion
-SWEEP_WIDE = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [3],
-              "MAGIC": [True, False]}
+         "SPLIT_K": [1, 2, 4]}  # K shared among programs: layers with few output channels fill more SMs
+INT8_TRITON_ROWS = 16  # FLASHRL_DECODE_GEMM's default on Hopper
+SWEEP_WIDE = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128, 256], "BLOCK_K": [128], "num_warps": [4, 8], "num_stages": [3]}
 
 
 def machete(ops, packed: torch.Tensor, scale: torch.Tensor):
@@ -45,7 +44,7 @@ def machete(ops, packed: torch.Tensor, scale: torch.Tensor):
     prepacked; [K / 128, N] scales. Returns the GEMM as a function of the activations."""
     from vllm.scalar_type import scalar_types
 
-    b_q = ops.machete_prepack_B(packed.t().contiguous().t(), a_type=torch.bfloat16, b_type=scalar_types.uint4b8,
+    b_q = ops.machete_prepack_B(packed.t(), a_type=torch.bfloat16, b_type=scalar_types.uint4b8,  # [K / 8, N], stride (1, K / 8)
                                 group_scales_type=torch.bfloat16)
     s = scale.t().contiguous()
     return lambda x: ops.machete_mm(a=x, b_q=b_q, b_type=scalar_types.uint4b8, b_group_scales=s,
@@ -69,9 +68,11 @@ def measure(ops, w, bias, m: int, sweep: bool) -> dict:
     def triton_mm(cfg):
         return w4a16_gemm.w4a16_mm(x, packed, scale, None, cfg)
 
-    def int8_path():
+    def int8_path():  # what the INT8 engine runs: flashrl's GEMM up to FLASHRL_DECODE_GEMM's 16 rows, then CUTLASS
         x_q, x_s, _ = ops.scaled_int8_quant(x)
-        return w8a8_gemm.w8a8_mm(x_q, b8, x_s, s8, torch.bfloat16, None)
+        if m <= INT8_TRITON_ROWS:
+            return w8a8_gemm.w8a8_mm(x_q, b8, x_s, s8, torch.bfloat16, None)
+        return ops.cutlass_scaled_mm(x_q, b8, scale_a=x_s, scale_b=s8, out_dtype=torch.bfloat16)
 
     default = w4a16_gemm.default_config(m, *w.shape)
     best, t_best = default, bench(lambda: triton_mm(default))
@@ -88,6 +89,7 @@ def measure(ops, w, bias, m: int, sweep: bool) -> dict:
     out_m, out_t = mach(x), triton_mm(best)
     return {"bf16_us": bench(lambda: F.linear(x, w, bias)), "machete_us": bench(lambda: mach(x)),
             "triton_us": t_best, "triton_default_us": t_default, "int8_us": bench(int8_path),
+            "triton_int_to_float_us": bench(lambda: triton_mm({**default, "MAGIC": False})),  # MAGIC's effect
             "machete_err": rel_err(out_m, ref), "triton_err": rel_err(out_t, ref), "triton_vs_machete":
             rel_err(out_t, out_m.float()), "triton_deterministic": torch.equal(out_t, triton_mm(best)), "config": best}
 
@@ -132,13 +134,15 @@ def main() -> None:
                 row = measure(ops, w, bias, m, str(m) in args.sweep.split(","))
                 rows.append({"shape": shape, "layer": name, "n": n, "k": k, "rows": m, **row})
                 print(f"{shape} {name} M={m}: bf16 {row['bf16_us']:.1f} us, machete {row['machete_us']:.1f}, triton "
-                      f"{row['triton_us']:.1f} (default {row['triton_default_us']:.1f}), int8 {row['int8_us']:.1f}; "
+                      f"{row['triton_us']:.1f} (default {row['triton_default_us']:.1f}, int -> float "
+                      f"{row['triton_int_to_float_us']:.1f}), int8 {row['int8_us']:.1f}; "
                       f"err machete {row['machete_err']:.2e} triton {row['triton_err']:.2e}", flush=True)
             del w, bias
             torch.cuda.empty_cache()
+            save(args, torch.cuda.get_device_name(), rows, None)
     dev = torch.cuda.get_device_name()
     print(f"\nOne decoder layer's linears, us per decode step, CUDA graphs ({dev}); TB/s = weight bytes read / time")
-    print("| shape | rows | BF16 | Machete W4A16 | Triton W4A16 | INT8 (quant + Triton) | Machete / BF16 | Triton / BF16 |"
+    print("| shape | rows | BF16 | Machete W4A16 | Triton W4A16 | INT8 (quant + GEMM) | Machete / BF16 | Triton / BF16 |"
           " INT8 / BF16 | max error: Machete / Triton |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     summary = [summarize(rows, shape, m) for shape in args.shapes.split(",") for m in rows_list]
@@ -148,13 +152,18 @@ def main() -> None:
               f"({s['machete_tb_s']}) | {s['triton_us']:.1f} ({s['triton_tb_s']}) | {s['int8_us']:.1f} ({s['int8_tb_s']}) | "
               f"{s['machete_vs_bf16']:.2f}x | {s['triton_vs_bf16']:.2f}x | {s['int8_vs_bf16']:.2f}x | "
               f"{e['machete_err']:.1e} / {e['triton_err']:.1e} |")
-    if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"command": "python benchmarks/small_m_w4a16.py " + " ".join(sys.argv[1:]), "device": dev,
-                       "torch": torch.__version__, "sweep_rows": args.sweep, "summary": summary, "rows": rows}, f, indent=1)
-        os.replace(tmp, args.json)
+    save(args, dev, rows, summary)
 
+
+def save(args, dev: str, rows: list[dict], summary: list[dict] | None) -> None:
+    """The JSON (written after every layer too: a run cut short keeps what it measured)."""
+    if not args.json:
+        return
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"command": "python benchmarks/small_m_w4a16.py " + " ".join(sys.argv[1:]), "device": dev,
+                   "torch": torch.__version__, "sweep_rows": args.sweep, "summary": summary, "rows": rows}, f, indent=1)
+    os.replace(tmp, args.json)
 
 if __name__ == "__main__":
     main()

@@ -109,9 +109,15 @@ class _Config:  # what vLLM's MPLinearLayerConfig says of a compressed-tensors W
     group_size, zero_points, has_g_idx, act_type = w4a16_gemm.GROUP, False, False, torch.float16
     weight_type = "uint4b8"  # vLLM's scalar_types.uint4b8 prints so
 
+    def __init__(self, k: int = 256, n: int = 48):
+        self.partition_weight_shape = (k, n)  # [in, out]
+
 
 class _Machete:
-    config, w_q_name, w_s_name = _Config(), "weight_packed", "weight_scale"
+    w_q_name, w_s_name = "weight_packed", "weight_scale"
+
+    def __init__(self, k: int = 256, n: int = 48):
+        self.config = _Config(k, n)
 
 
 def _machete_must_not_run(*args, **kwargs):
@@ -130,6 +136,7 @@ def _hooked_layer_check() -> None:
     layer.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
     assert hook.process_weights_after_loading(_machete_must_not_run, _Machete(), layer) is None
     assert torch.equal(layer.weight_packed, packed) and torch.equal(layer.weight_scale, scale)
+    assert hook.apply_weights(_machete_must_not_run, _Machete(), layer, torch.randn(0, 256).half()).shape == (0, 48)
     bias = torch.randn(48).half()
     for rows in (3, 70):
         x = torch.randn(2, rows, 256).half()  # vLLM's activations may carry leading dimensions
@@ -152,8 +159,8 @@ def test_machete_layers_keep_their_layout_and_run_flashrls_gemm_under_the_switch
 
 @pytest.mark.parametrize("switch", ["0", "1"])
 def test_machete_keeps_its_own_path_unless_the_switch_takes_the_layer(monkeypatch, switch):
-    """Switch off, or a layer it does not take (a CPU tensor; zero points; scales not of the activations' dtype):
-    Machete's processing and forward run."""
+    """Switch off, or a layer it does not take (a CPU tensor; zero points; GPTQ's transposed layout; scales not of
+    the activations' dtype): Machete's processing and forward run."""
     from flashrl_tools.runtime.vllm import w4a16_gemm as hook
 
     monkeypatch.setenv("FLASHRL_W4A16_GEMM", switch)
@@ -161,15 +168,17 @@ def test_machete_keeps_its_own_path_unless_the_switch_takes_the_layer(monkeypatc
     layer.weight_packed = torch.nn.Parameter(torch.zeros(8, 16, dtype=torch.int32), requires_grad=False)
     layer.weight_scale = torch.nn.Parameter(torch.ones(8, 1).half(), requires_grad=False)
     calls = []
-    assert hook.process_weights_after_loading(lambda *a: calls.append("process") or "p", _Machete(), layer) == "p"
-    assert hook.apply_weights(lambda *a: calls.append("apply") or "a", _Machete(), layer, torch.ones(1, 128)) == "a"
+    machete = _Machete(128, 8)
+    assert hook.process_weights_after_loading(lambda *a: calls.append("process") or "p", machete, layer) == "p"
+    assert hook.apply_weights(lambda *a: calls.append("apply") or "a", machete, layer, torch.ones(1, 128)) == "a"
     assert calls == ["process", "apply"]
     monkeypatch.setattr(hook, "on_gpu", lambda w: True)
-    zero_points = _Machete()
-    zero_points.config = type("C", (_Config,), {"zero_points": True})()
-    assert hook.serves(_Machete(), layer) is (switch == "1") and not hook.serves(zero_points, layer)
+    zero_points = _Machete(128, 8)
+    zero_points.config.zero_points = True
+    assert hook.serves(machete, layer) is (switch == "1") and not hook.serves(zero_points, layer)
+    assert not hook.serves(_Machete(128 * 8, 16), layer)  # GPTQ's [K / 8, N] codes: not the layout the kernel reads
     layer.weight_scale = torch.nn.Parameter(torch.ones(8, 1), requires_grad=False)  # scales of another dtype
-    assert not hook.serves(_Machete(), layer)
+    assert not hook.serves(machete, layer)
 
 
 def test_w4a16_gemm_switch_is_vllms_and_refused_on_sglang():

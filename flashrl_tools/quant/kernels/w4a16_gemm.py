@@ -128,7 +128,8 @@ def default_config(m: int, n: int, k: int) -> dict:
     block_m = max(16, 1 << (max(1, m) - 1).bit_length())
     block_n, block_k = 32 if n <= 4096 else 64, 256 if n >= 32768 else 512
     tile = block_m * block_k * 2 + block_n * block_k // 2  # activations (16 bits) and packed weights a stage
-    stages = min(4 if k >= 8192 else 3, SHARED_BYTES // tile)
+    dequantized = block_n * block_k * 2  # the 16-bit weight tile the MMA reads back (once, not a stage)
+    stages = min(4 if k >= 8192 else 3, (SHARED_BYTES - dequantized) // tile)
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": max(2, stages)}
 
 
@@ -136,7 +137,7 @@ def warm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     """Compile (and load) every tile variant `w4a16_mm` picks for this layer's operands before a CUDA graph
     captures one: vLLM captures each batch size on its first call, with no warm-up run."""
     for rows in (1, 17, 33, MAX_ROWS + 1):
-        w4a16_mm(x[:1].expand(rows, -1).contiguous(), w, scale, bias)
+        w4a16_mm(x.new_zeros(rows, x.shape[1]), w, scale, bias)
 
 
 def _layout_ok(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -156,6 +157,8 @@ def w4a16_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
     m, k = x.shape
     n = w.shape[0]
     cfg = dict(config or default_config(m, n, k))
+    if m == 0:
+        return x.new_empty((0, n))
     if cfg["BLOCK_K"] % GROUP:
         raise ValueError(f"w4a16_mm: BLOCK_K {cfg['BLOCK_K']} is not a multiple of the {GROUP}-column group")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

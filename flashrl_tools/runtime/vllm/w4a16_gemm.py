@@ -53,9 +53,13 @@ def serves(kernel_obj, layer) -> bool:
     groups of 128 (compressed-tensors' `uint4b8`), no zero points, no activation order."""
     c = kernel_obj.config
     w, s = getattr(layer, kernel_obj.w_q_name, None), getattr(layer, kernel_obj.w_s_name, None)
-    return (settings().w4a16_gemm and w is not None and s is not None and on_gpu(w) and c.group_size == kernel.GROUP
-            and not c.zero_points and not getattr(c, "has_g_idx", False) and str(c.weight_type) == "uint4b8"
-            and c.act_type in (torch.bfloat16, torch.float16) and s.dtype == c.act_type and w.dtype == torch.int32)
+    if not (settings().w4a16_gemm and w is not None and s is not None and on_gpu(w)):
+        return False
+    k, n = c.partition_weight_shape  # [in, out]: compressed-tensors' [N, K / 8] codes, [N, K / 128] scales (not GPTQ's)
+    return (c.group_size == kernel.GROUP and not c.zero_points and not getattr(c, "has_g_idx", False)
+            and str(c.weight_type) == "uint4b8" and c.act_type in (torch.bfloat16, torch.float16)
+            and s.dtype == c.act_type and w.dtype == torch.int32 and kernel_obj.w_q_name == "weight_packed"
+            and tuple(w.shape) == (n, k // 8) and tuple(s.shape) == (n, k // kernel.GROUP))
 
 
 def process_weights_after_loading(original, kernel_obj, layer, *args, **kwargs):
