@@ -57,9 +57,7 @@ def runtime_log(output: str) -> dict:
     (FLASHRL_DECODE_ATTN=xqa), "fp8qk_decode_attn_ran", one through its FP8 score MMA (=fp8qk), "lpt_decode_attn_ran"
     one with the sequences longest first (=lpt),
     "flashrl_decode_gemm_ran", whether an INT8 linear went through flashrl's few-rows GEMM
-    (FLASHRL_DECODE_GEMM), "flashrl_w4a16_gemm_ran", a W4A16 linear through flashrl's GEMM (FLASHRL_W4A16_GEMM;
-    each: its once-per-process line)."""
-    from flashrl_tools.quant.kernels import w4a16_gemm
+    (FLASHRL_DECODE_GEMM; each: its once-per-process line)."""
     from flashrl_tools.runtime.core import decode_attn, decode_gemm
 
     kernels = decode_attn.kernels_in(output)
@@ -67,7 +65,7 @@ def runtime_log(output: str) -> dict:
                          for pid, n, t, c, w in _SYNC_LINE.findall(output)],
             "flashrl_decode_attn_ran": "flashrl" in kernels, "xqa_decode_attn_ran": "xqa" in kernels,
             "fp8qk_decode_attn_ran": "fp8qk" in kernels, "lpt_decode_attn_ran": "lpt" in kernels,
-            "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output, "flashrl_w4a16_gemm_ran": w4a16_gemm.LOG_LINE in output}
+            "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output}
 
 
 def serve_worker(worker) -> bool:

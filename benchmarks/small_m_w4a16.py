@@ -1,22 +1,19 @@
-"""Decode-shaped W4A16 GEMM: vLLM's Machete vs flashrl's few-rows Triton kernel vs BF16 and INT8 (issue 75's tail).
+"""Decode-shaped W4A16 GEMM: vLLM's Machete against BF16 and INT8 by row count (issue 75's tail).
 
 For each model shape (benchmarks/shapes.py) and linear layer (qkv, o, gate_up, down) and each row count (the tail's
-few rows, and the 65+ a kernel that replaces Machete must serve as well), times under
-a CUDA graph: the BF16 GEMM (`F.linear`), vLLM's W4A16 GEMM on Hopper (`machete_mm` on `machete_prepack_B`'s layout,
-what `FLASHRL_CONFIG=w4a16` runs today), `flashrl_tools.quant.kernels.w4a16_gemm` on the checkpoint's own layout, and
-flashrl's INT8 path (vLLM's per-token quantization + `w8a8_gemm`, the 8-bit tail's kernel). The weights are
-quantized by the package's quantizer (`flashrl_tools.quant.quantizer`, W4A16 / INT8). Checks each 4-bit kernel
-against the float32 product of the same dequantized weights (max |error| / max |reference|). Prints a table per
-shape (sums over one layer, the weight bytes each path reads per us) and writes JSON. `--sweep 4,16` times every
-tile configuration of the Triton kernel at those row counts and reports the best.
+few rows up to 65+), times under a CUDA graph: the BF16 GEMM (`F.linear`), vLLM's W4A16 GEMM on Hopper (`machete_mm`
+on `machete_prepack_B`'s layout, what `FLASHRL_CONFIG=w4a16` runs) and flashrl's INT8 path (vLLM's per-token
+quantization + `w8a8_gemm` up to FLASHRL_DECODE_GEMM's 16 rows, CUTLASS above: the 8-bit tail's kernels). The weights
+are quantized by the package's quantizer (`flashrl_tools.quant.quantizer`, W4A16 / INT8); Machete is checked against
+the float32 product of the same dequantized weights (max |error| / max |reference|). Prints a table per shape (sums
+over one layer, the weight bytes each path reads per us) and writes JSON (after every layer: a run cut short keeps it).
 
-    python benchmarks/small_m_w4a16.py --shapes 7b,14b --rows 1,4,8,16,32,64,128,256 --sweep 16,256 --json small_m_w4a16.json
+    python benchmarks/small_m_w4a16.py --shapes 7b,14b --rows 1,4,8,16,32,64,128,256 --json small_m_w4a16.json
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -29,14 +26,11 @@ from small_m_gemm import bench, layers  # noqa: E402
 
 from flashrl_tools.quant import quantizer  # noqa: E402
 from flashrl_tools.quant.formats import QuantFn  # noqa: E402
-from flashrl_tools.quant.kernels import w4a16_gemm, w8a8_gemm  # noqa: E402
-from flashrl_tools.quant.packing import pack_int4  # noqa: E402
+from flashrl_tools.quant.kernels import w8a8_gemm  # noqa: E402
+from flashrl_tools.quant.packing import pack_int4, unpack_int4  # noqa: E402
 
-SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [3],  # <= MAX_ROWS rows
-         "SWAP_AB": [False, True],  # True: the weights as the MMA's 64-row operand (Hopper's wgmma at few rows)
-         "SPLIT_K": [1, 2, 4]}  # K shared among programs: layers with few output channels fill more SMs
+GROUP = 128  # compressed-tensors' W4A16 group (quantizer.INT4_GROUP)
 INT8_TRITON_ROWS = 16  # FLASHRL_DECODE_GEMM's default on Hopper
-SWEEP_WIDE = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128, 256], "BLOCK_K": [128], "num_warps": [4, 8], "num_stages": [3]}
 
 
 def machete(ops, packed: torch.Tensor, scale: torch.Tensor):
@@ -48,25 +42,28 @@ def machete(ops, packed: torch.Tensor, scale: torch.Tensor):
                                 group_scales_type=torch.bfloat16)
     s = scale.t().contiguous()
     return lambda x: ops.machete_mm(a=x, b_q=b_q, b_type=scalar_types.uint4b8, b_group_scales=s,
-                                    b_group_size=w4a16_gemm.GROUP)
+                                    b_group_size=GROUP)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def measure(ops, w, bias, m: int, sweep: bool) -> dict:
-    """One linear at m rows: the timings, the Triton tiles used, each 4-bit kernel's error."""
+def reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 product Machete approximates: x @ ((code - 8) * scale, rounded to 16 bits).T."""
+    k = x.shape[1]
+    codes = unpack_int4(packed, k).to(x.dtype).reshape(packed.shape[0], k // GROUP, GROUP)
+    return x.float() @ (codes * scale[:, :, None]).reshape(packed.shape[0], k).float().T
+
+
+def measure(ops, w, bias, m: int) -> dict:
+    """One linear at m rows: the timings and Machete's error."""
     q4 = quantizer.quantize_weight(QuantFn.w4a16, w)
     packed, scale = pack_int4(q4.weight), q4.weight_scale.contiguous()
     q8 = quantizer.quantize_weight(QuantFn.int8, w)
     b8, s8 = q8.weight.t(), q8.weight_scale.float().reshape(-1, 1)  # vLLM's [K, N] view, per-channel scales
     x = torch.randn(m, w.shape[1], device="cuda").to(torch.bfloat16)
-    ref = w4a16_gemm.reference(x, packed, scale)
     mach = machete(ops, packed, scale)
-
-    def triton_mm(cfg):
-        return w4a16_gemm.w4a16_mm(x, packed, scale, None, cfg)
 
     def int8_path():  # what the INT8 engine runs: flashrl's GEMM up to FLASHRL_DECODE_GEMM's 16 rows, then CUTLASS
         x_q, x_s, _ = ops.scaled_int8_quant(x)
@@ -74,47 +71,27 @@ def measure(ops, w, bias, m: int, sweep: bool) -> dict:
             return w8a8_gemm.w8a8_mm(x_q, b8, x_s, s8, torch.bfloat16, None)
         return ops.cutlass_scaled_mm(x_q, b8, scale_a=x_s, scale_b=s8, out_dtype=torch.bfloat16)
 
-    default = w4a16_gemm.default_config(m, *w.shape)
-    best, t_best = default, bench(lambda: triton_mm(default))
-    t_default = t_best
-    grid = SWEEP if m <= w4a16_gemm.MAX_ROWS else SWEEP_WIDE
-    for vals in itertools.product(*grid.values()) if sweep else ():
-        cfg = {**default, **dict(zip(grid, vals))}
-        try:
-            t = bench(lambda c=cfg: triton_mm(c))
-        except Exception:  # a tile the shared memory cannot hold
-            continue
-        if t < t_best:
-            best, t_best = cfg, t
-    out_m, out_t = mach(x), triton_mm(best)
     return {"bf16_us": bench(lambda: F.linear(x, w, bias)), "machete_us": bench(lambda: mach(x)),
-            "triton_us": t_best, "triton_default_us": t_default, "int8_us": bench(int8_path),
-            "triton_int_to_float_us": bench(lambda: triton_mm({**default, "MAGIC": False})),  # MAGIC's effect
-            "machete_err": rel_err(out_m, ref), "triton_err": rel_err(out_t, ref), "triton_vs_machete":
-            rel_err(out_t, out_m.float()), "triton_deterministic": torch.equal(out_t, triton_mm(best)), "config": best}
+            "int8_us": bench(int8_path), "machete_err": rel_err(mach(x), reference(x, packed, scale))}
 
 
 def summarize(rows: list[dict], shape: str, m: int) -> dict:
     sel = [r for r in rows if r["shape"] == shape and r["rows"] == m]
-    tot = {key: sum(r[key] for r in sel) for key in ("bf16_us", "machete_us", "triton_us", "int8_us")}
+    tot = {key: sum(r[key] for r in sel) for key in ("bf16_us", "machete_us", "int8_us")}
     params = sum(r["n"] * r["k"] for r in sel)
     return {"shape": shape, "rows": m, **{k: round(v, 2) for k, v in tot.items()},
             "machete_vs_bf16": round(tot["machete_us"] / tot["bf16_us"], 3),
-            "triton_vs_bf16": round(tot["triton_us"] / tot["bf16_us"], 3),
             "int8_vs_bf16": round(tot["int8_us"] / tot["bf16_us"], 3),
             "bf16_tb_s": round(2 * params / tot["bf16_us"] / 1e6, 2),
             "machete_tb_s": round(params / 2 / tot["machete_us"] / 1e6, 2),
-            "triton_tb_s": round(params / 2 / tot["triton_us"] / 1e6, 2),
             "int8_tb_s": round(params / tot["int8_us"] / 1e6, 2),
-            "max_err": {k: max(r[k] for r in sel) for k in ("machete_err", "triton_err", "triton_vs_machete")},
-            "deterministic": all(r["triton_deterministic"] for r in sel)}
+            "machete_err": max(r["machete_err"] for r in sel)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="7b,14b")
     ap.add_argument("--rows", default="1,4,8,16,32,64,128,256")
-    ap.add_argument("--sweep", default="", help="row counts (e.g. 4,16) at which every tile configuration is timed")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -131,27 +108,22 @@ def main() -> None:
             w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
             bias = (torch.randn(n, device="cuda") * 0.1).to(torch.bfloat16) if has_bias else None
             for m in rows_list:
-                row = measure(ops, w, bias, m, str(m) in args.sweep.split(","))
+                row = measure(ops, w, bias, m)
                 rows.append({"shape": shape, "layer": name, "n": n, "k": k, "rows": m, **row})
-                print(f"{shape} {name} M={m}: bf16 {row['bf16_us']:.1f} us, machete {row['machete_us']:.1f}, triton "
-                      f"{row['triton_us']:.1f} (default {row['triton_default_us']:.1f}, int -> float "
-                      f"{row['triton_int_to_float_us']:.1f}), int8 {row['int8_us']:.1f}; "
-                      f"err machete {row['machete_err']:.2e} triton {row['triton_err']:.2e}", flush=True)
+                print(f"{shape} {name} M={m}: bf16 {row['bf16_us']:.1f} us, machete {row['machete_us']:.1f}, "
+                      f"int8 {row['int8_us']:.1f}; err machete {row['machete_err']:.2e}", flush=True)
             del w, bias
             torch.cuda.empty_cache()
             save(args, torch.cuda.get_device_name(), rows, None)
     dev = torch.cuda.get_device_name()
     print(f"\nOne decoder layer's linears, us per decode step, CUDA graphs ({dev}); TB/s = weight bytes read / time")
-    print("| shape | rows | BF16 | Machete W4A16 | Triton W4A16 | INT8 (quant + GEMM) | Machete / BF16 | Triton / BF16 |"
-          " INT8 / BF16 | max error: Machete / Triton |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape | rows | BF16 | Machete W4A16 | INT8 (quant + GEMM) | Machete / BF16 | INT8 / BF16 | Machete max error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     summary = [summarize(rows, shape, m) for shape in args.shapes.split(",") for m in rows_list]
     for s in summary:
-        e = s["max_err"]
         print(f"| {s['shape']} | {s['rows']} | {s['bf16_us']:.1f} ({s['bf16_tb_s']}) | {s['machete_us']:.1f} "
-              f"({s['machete_tb_s']}) | {s['triton_us']:.1f} ({s['triton_tb_s']}) | {s['int8_us']:.1f} ({s['int8_tb_s']}) | "
-              f"{s['machete_vs_bf16']:.2f}x | {s['triton_vs_bf16']:.2f}x | {s['int8_vs_bf16']:.2f}x | "
-              f"{e['machete_err']:.1e} / {e['triton_err']:.1e} |")
+              f"({s['machete_tb_s']}) | {s['int8_us']:.1f} ({s['int8_tb_s']}) | {s['machete_vs_bf16']:.2f}x | "
+              f"{s['int8_vs_bf16']:.2f}x | {s['machete_err']:.1e} |")
     save(args, dev, rows, summary)
 
 
@@ -162,8 +134,9 @@ def save(args, dev: str, rows: list[dict], summary: list[dict] | None) -> None:
     tmp = args.json + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"command": "python benchmarks/small_m_w4a16.py " + " ".join(sys.argv[1:]), "device": dev,
-                   "torch": torch.__version__, "sweep_rows": args.sweep, "summary": summary, "rows": rows}, f, indent=1)
+                   "torch": torch.__version__, "summary": summary, "rows": rows}, f, indent=1)
     os.replace(tmp, args.json)
+
 
 if __name__ == "__main__":
     main()

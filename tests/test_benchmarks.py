@@ -654,7 +654,7 @@ def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path
     assert abs(sum(b["share"] for b in bands.values()) - 1) < 1e-9
     assert runtime_log(f"[flashrl pid=7] INFO {LOG_LINE} (FLASHRL_DECODE_ATTN; SGLang's fa3 backend)\n") == {
         "sync_log": [], "flashrl_decode_attn_ran": True, "xqa_decode_attn_ran": False, "fp8qk_decode_attn_ran": False,
-        "lpt_decode_attn_ran": False, "flashrl_decode_gemm_ran": False, "flashrl_w4a16_gemm_ran": False}
+        "lpt_decode_attn_ran": False, "flashrl_decode_gemm_ran": False}
     assert runtime_log(f"[flashrl pid=7] INFO {XQA_LINE} (FLASHRL_DECODE_ATTN; SGLang's fa3 backend)\n")[
         "xqa_decode_attn_ran"]
     qk = runtime_log(f"[flashrl pid=7] INFO {QK_LINE} (FLASHRL_DECODE_ATTN; vLLM's FA3 backend)\n")
@@ -662,9 +662,6 @@ def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path
     lpt = runtime_log(f"[flashrl pid=7] INFO {LPT_LINE} (FLASHRL_DECODE_ATTN; vLLM's FA3 backend)\n")
     assert lpt["lpt_decode_attn_ran"] and lpt["flashrl_decode_attn_ran"] and not lpt["fp8qk_decode_attn_ran"]
     assert runtime_log(f"[flashrl pid=7] INFO {GEMM_LINE} (<= 16 rows; FLASHRL_DECODE_GEMM)\n")["flashrl_decode_gemm_ran"]
-    from flashrl_tools.quant.kernels.w4a16_gemm import LOG_LINE as W4_LINE
-    w4 = runtime_log(f"[flashrl pid=7] INFO {W4_LINE} (FLASHRL_W4A16_GEMM; every batch size, the checkpoint's layout)\n")
-    assert w4["flashrl_w4a16_gemm_ran"] and not w4["flashrl_decode_gemm_ran"]
     assert runtime_log("")["flashrl_decode_attn_ran"] is False
 
 

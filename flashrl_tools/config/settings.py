@@ -27,7 +27,6 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "FLASHRL_STEP_LOG": ("step_log", ""),
     "FLASHRL_TRITON": ("triton", "1"),
     "FLASHRL_DECODE_GEMM": ("decode_gemm", "auto"),
-    "FLASHRL_W4A16_GEMM": ("w4a16_gemm", "0"),
     "FLASHRL_FUSED_KV_STORE": ("fused_kv_store", "1"),
     "FLASHRL_DECODE_ATTN": ("decode_attn", "auto"),
     "FLASHRL_ALLOW_LEGACY_PICKLE": ("allow_legacy_pickle", "0"),
@@ -68,7 +67,6 @@ class Settings:
     triton: bool  # the fused Triton INT8 quantizer on CUDA
     decode_gemm: str  # "N": vLLM's INT8 linears at <= N rows (1..64) through flashrl's Triton GEMM; "0" off;
     # "auto" (unset): 16 rows on Hopper (sm_90), off elsewhere (issue 45)
-    w4a16_gemm: bool  # vLLM on Hopper: W4A16 linears through flashrl's Triton GEMM on the checkpoint layout (issue 75)
     fused_kv_store: bool  # SGLang, FP8 KV cache: fa3's decode stores K / V in one kernel (runtime/sglang/kv_store.py)
     decode_attn: str  # FP8 KV cache: decode batches' attention through flashrl's Triton kernel
     # (runtime/core/decode_attn.py): "1" on, "0" off, "auto" (unset): on Hopper (sm_90); "xqa": XQA's FP8 kernel
@@ -85,7 +83,7 @@ class Settings:
         environ = os.environ if environ is None else environ
         raw = {field: environ.get(name, default).strip() for name, (field, default) in VARIABLES.items()}
         flags = {"lmhead_fp32", "test_reload", "sync_timing", "code_changes", "triton", "allow_legacy_pickle", "fused_kv_store",
-                 "version_check", "zygote", "w4a16_gemm"}
+                 "version_check", "zygote"}
         values: dict = {k: _flag(v) if k in flags else v for k, v in raw.items()}
         values["inplace_sync"] = _switch(raw["inplace_sync"], on="1", unset="1")
         values["decode_gemm"] = _switch(raw["decode_gemm"], on="64", unset="auto")  # on: w8a8_gemm.MAX_ROWS rows

@@ -17,8 +17,6 @@ _SETTINGS = {
     "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
                                    "(bit-equal to sgl-kernel's int8_scaled_mm; GPU); unset / auto: 16 on Hopper "
                                    "(sm_90), else off; 0: sgl-kernel's for every batch"),
-    "FLASHRL_W4A16_GEMM": Setting("vLLM's only (Machete's linears through flashrl's W4A16 GEMM): SGLang keeps its "
-                                  "Marlin kernel", ("0",)),
     "FLASHRL_FUSED_KV_STORE": Setting("1 (default): with an FP8 KV cache, fa3's decode stores K / V in one kernel "
                                       "(SGLang's fused_fp8_qkv_kv_cache) instead of five; 0: SGLang's store"),
     "FLASHRL_DECODE_ATTN": Setting("unset / auto: on Hopper, with an FP8 KV cache, fa3's decode batches' attention "

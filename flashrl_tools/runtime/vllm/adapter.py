@@ -9,13 +9,12 @@ from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
 from flashrl_tools.runtime.core.hooks import declare
 from flashrl_tools.runtime.vllm import (async_front, cpu_int8, decode_attn, decode_gemm, engine_args, fixes, pause,
-                                        requests, sleep, w4a16_gemm, weight_sync)
+                                        requests, sleep, weight_sync)
 
 _V1 = "vllm.v1.worker.worker_base.WorkerBase"
 _ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
 _CORE = "vllm.v1.engine.core.EngineCore"
 _CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe"
-_MACHETE = "vllm.model_executor.kernels.linear.mixed_precision.machete.MacheteLinearKernel"
 HOOKS: tuple[Hook, ...] = declare("vllm", (
     Hook("engine_args", "vllm.engine.arg_utils.EngineArgs.create_engine_config", engine_args.create_engine_config,
          HookKind.BEFORE, "front end", "the serving plan: checkpoint, tokenizer, quantization, logprobs mode, "
@@ -55,11 +54,6 @@ HOOKS: tuple[Hook, ...] = declare("vllm", (
     Hook("decode_gemm", "vllm.model_executor.kernels.linear.scaled_mm.cutlass.CutlassInt8ScaledMMLinearKernel."
          "apply_weights", decode_gemm.apply_weights, HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_GEMM=N (unset: "
          "16 on Hopper): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM (bit-equal to CUTLASS)", optional=True),
-    Hook("w4a16_layout", f"{_MACHETE}.process_weights_after_loading", w4a16_gemm.process_weights_after_loading,
-         HookKind.AROUND, "worker (GPU)", "FLASHRL_W4A16_GEMM=1: W4A16 linears keep the checkpoint's packed layout "
-         "(no Machete repacking)", optional=True),
-    Hook("w4a16_gemm", f"{_MACHETE}.apply_weights", w4a16_gemm.apply_weights, HookKind.AROUND, "worker (GPU)",
-         "FLASHRL_W4A16_GEMM=1: those linears through flashrl's Triton W4A16 GEMM at every batch size", optional=True),
     Hook("decode_attn", "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward", decode_attn.forward,
          HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_ATTN (unset: on Hopper): with an FP8 KV cache, decode "
          "batches' attention through flashrl's Triton kernel", optional=True),

@@ -28,9 +28,6 @@ _SETTINGS = {
     "FLASHRL_DECODE_GEMM": Setting("N (1..64): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM "
                                    "(bit-equal to vLLM's CUTLASS kernel; GPU); unset / auto: 16 on Hopper (sm_90), "
                                    "else off; 0: CUTLASS for every batch"),
-    "FLASHRL_W4A16_GEMM": Setting("1: W4A16 linears that vLLM gives Machete (Hopper) run flashrl's Triton GEMM on the "
-                                  "checkpoint's packed layout at every batch size (no repacking; opt-in until "
-                                  "measured); unset / 0: Machete"),
     "FLASHRL_ENGINE_ARGS": Setting("extra vllm.LLM arguments for the engines `flashrl verify` / `tune` start"),
     "FLASHRL_ZYGOTE": Setting("0: `verify` / `tune` spawn each engine job (default on CPU hosts: forked from a process "
                               "that imported vLLM once); not read by the engine"),

@@ -104,11 +104,11 @@ def configure_engine(rc: RuntimeConfig, args, caps=None) -> dict:
 
 
 def compiled_switches() -> dict:
-    """The FLASHRL_* values torch.compile bakes into vLLM's graph (decode_gemm's / w4a16_gemm's apply_weights are traced): vLLM's
+    """The FLASHRL_* values torch.compile bakes into vLLM's graph (decode_gemm.apply_weights is traced): vLLM's
     compile cache (the AOT one included, which skips tracing) keys on them through `additional_config`."""
     from flashrl_tools.config.settings import settings
 
-    return {"decode_gemm": settings().decode_gemm, "w4a16_gemm": settings().w4a16_gemm}
+    return {"decode_gemm": settings().decode_gemm}
 
 
 def _resolve_online_quantization(args) -> None:
