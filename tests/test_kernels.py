@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,7 +212,6 @@ def test_decode_gemm_sglang_hook_routes_dynamic_int8_and_keeps_sglangs_path_othe
     """SGLang's compressed-tensors INT8 linears: off, CPU activations, static or asymmetric activation scales keep
     SGLang's `apply_weights`; on, SGLang's activation quantization feeds `core.linear`, whose fallback is
     sgl-kernel's `int8_scaled_mm` on the same operands (the Triton path only for rows it serves)."""
-    import sys
     import types
 
     from flashrl_tools.runtime.core import decode_gemm as core
@@ -412,8 +413,6 @@ def test_fp8_decode_attention_matches_the_float32_reference(q_heads, kv_heads, f
     TRITON_INTERPRET at import); the GPU test and benchmarks/decode_attention.py run the compiled kernel."""
     import os
     import subprocess
-    import sys
-    from pathlib import Path
 
     pytest.importorskip("triton")
     if torch.cuda.is_available():  # the GPU host's Triton interprets less; the compiled test below covers the kernel
@@ -542,26 +541,31 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
 
 def _hopper_ptx(v_asm: bool, heads: int, qk: bool = False, warps: int | None = None) -> str:
     """flashrl's FP8 decode split kernel (`qk`: the FP8-score one) compiled for sm_90 on this host (Triton's NVIDIA
-    backend and its bundled ptxas; no GPU), with the divisibility the JIT gives a real launch; `warps` unset: the
-    wrapper's default."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    backend and its bundled ptxas; no GPU: benchmarks/kernel_resources.py); `warps` unset: the wrapper's default."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from kernel_resources import compile_split
 
-    from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_qk
-
-    split = fp8_decode_attn_qk.kernel(fp8_decode_attn) if qk else fp8_decode_attn._kernels()[0]
-    ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32", "lens_ptr": "*i32",
-            "qsl_ptr": "*i32", "out_ptr": "*bf16", "order_ptr": "*i32"}
     const = dict(GROUP=8 // heads, GROUP_PAD=16, D=128, PAGE=16, BLOCK_N=64 if heads > 1 or qk else 128, SPLITS=2,
-                 Q_SCALED=True, HPP=heads, V_ASM=v_asm, ORDERED=False, **({"WIDEN": False} if qk else {"Q_FP8": True}))
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32" if n.endswith("_ptr") else
-                                                      "fp32" if n == "sm_scale" else "i32") for n in split.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(split.arg_names)
-             if n.endswith("_ptr") or n.startswith("stride")}
+                 Q_SCALED=True, HPP=heads, V_ASM=v_asm, ORDERED=False, MIN_SPLIT=0,
+                 **({"WIDEN": False} if qk else {"Q_FP8": True}))
     warps = warps or (4 if qk or heads == 1 else 2)  # the defaults
-    return triton.compile(ASTSource(split, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=2)).asm["ptx"]
+    return compile_split(const, warps, 2, qk=qk).asm["ptx"]
+
+
+def test_decode_kernel_default_tile_fits_four_programs_an_sm_without_spills():
+    """Issue 74: the default tile (two KV heads, 64 keys, 2 warps, 2 stages) compiled for sm_90 spills no register
+    and leaves room for 4 programs an SM (192 registers a thread, 54 KB of shared memory with Triton 3.7: shared
+    memory is the limit, 4 x 2 warps an SM; `splits_for` aims at ~16 programs an SM, so a grid takes ~4 waves).
+    A change that spills or costs a program an SM fails here before any GPU run."""
+    pytest.importorskip("triton.backends.nvidia")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from kernel_resources import compile_split, constexprs, resources
+
+    for q_heads, kv_heads in ((32, 8), (40, 8), (28, 4)):  # Qwen3-8B, Qwen2.5-14B, Qwen2.5-7B
+        consts = constexprs(q_heads, kv_heads, 64)
+        assert consts["HPP"] == 2
+        got = resources(compile_split(consts, 2, 2), 2)
+        assert got["stack_bytes"] == 0 and got["programs_per_sm"] >= 4, (q_heads, kv_heads, got)
 
 
 @pytest.mark.parametrize("heads", [2, 1])
@@ -693,7 +697,6 @@ def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):
     v_scale`, tensors: read on the device); fewer sequences, 1-token pages, a fixed split count, a strided output,
     fewer query rows than sequences or an FP16 model take flashrl's kernel; each path logs its line once. Without
     FlashInfer the mode says what it needs."""
-    import sys
     import types
 
     from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
