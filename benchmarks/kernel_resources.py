@@ -8,8 +8,8 @@ Hopper SM's 64 K registers, 228 KB shared memory, 64 warps and 32 blocks allow (
 1 KB of shared memory reserved a block). The decode kernel's split count (`fp8_decode_attn.splits_for`) aims at ~16
 programs an SM; how many fit says how many waves a grid takes. Prints a table, writes JSON.
 
-The numbers are those of the Triton installed here: the GPU host's (3.7 with torch 2.11) can differ -- run it there,
-or point PYTHONPATH at an unpacked `triton==3.7.0` wheel here.
+The numbers are those of the Triton installed here: the GPU host's (3.6 with torch 2.11; there this compile equals the
+JIT of a real launch) can differ -- run it there, or point PYTHONPATH at an unpacked `triton==3.6.0` wheel here.
 
     python benchmarks/kernel_resources.py --shapes qwen3-8b,14b,7b --tiles 64:2:2,32:2:2,32:2:3,32:1:2 --json res.json
 """
