@@ -94,16 +94,28 @@ def main() -> None:
                     help="BLOCK_N:warps:stages, comma-separated (the default: 64:2:2)")
     ap.add_argument("--json")
     a = ap.parse_args()
-    import triton
-
+    try:
+        import triton
+        import triton.backends.nvidia  # noqa: F401  (the sm_90 compiler and its ptxas / cuobjdump)
+    except ImportError as e:
+        sys.exit(f"kernel_resources: Triton with its NVIDIA backend is needed ({e}); install the project "
+                 "(scripts/install.sh) or run it on the GPU host")
     shapes = {**QWEN3, **QWEN25}
+    tiles = []
+    for tile in a.tiles.split(","):
+        parts = tile.split(":")
+        pow2 = len(parts) == 3 and all(p.isdigit() and int(p) > 0 for p in parts) and all(
+            int(p) & (int(p) - 1) == 0 for p in parts[:2])
+        if not pow2 or int(parts[0]) < 16:
+            sys.exit(f"kernel_resources: --tiles entry {tile!r} is not KEYS:WARPS:STAGES (positive integers; KEYS a "
+                     "power of 2 from 16, WARPS a power of 2), e.g. 64:2:2")
+        tiles.append(tuple(int(p) for p in parts))
     rows = []
     for name in a.shapes.split(","):
         if name not in shapes:
             sys.exit(f"kernel_resources: unknown shape {name!r} (one of {', '.join(shapes)})")
         cfg = shapes[name]
-        for tile in a.tiles.split(","):
-            block_n, warps, stages = (int(x) for x in tile.split(":"))
+        for block_n, warps, stages in tiles:
             consts = constexprs(cfg["num_attention_heads"], cfg["num_key_value_heads"], block_n)
             rows.append({"shape": name, "block_n": block_n, "num_warps": warps, "num_stages": stages,
                          "heads_per_program": consts["HPP"],

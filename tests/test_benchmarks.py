@@ -729,3 +729,21 @@ def test_roofline_counts_each_steps_weights_and_each_sequences_context():
     assert bands["2-4"]["model_steps"] == 1 and bands["2-4"]["bytes"] == weights(2) + kv_token(2) * (3 + 5)
     assert bands["1"]["model_steps"] == 1 and bands["1"]["bytes"] == weights(2) + kv_token(2) * 4
     assert bands["1"]["fraction"] == bands["1"]["bytes"] / 4.8e12 and bands["5-16"]["fraction"] is None
+
+
+def test_kernel_resources_smoke_and_its_bad_tiles(tmp_path):
+    """benchmarks/kernel_resources.py compiles the FP8 decode kernel for sm_90 here (no GPU) and writes its table's
+    rows; a malformed --tiles entry is one line and a non-zero exit, with no JSON written."""
+    pytest.importorskip("triton.backends.nvidia")
+    script, out = str(REPO / "benchmarks" / "kernel_resources.py"), tmp_path / "res.json"
+    res = subprocess.run([sys.executable, script, "--shapes", "qwen3-8b", "--tiles", "64:2:2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["heads_per_program"] == 2 and row["regs"] > 0 and row["smem_bytes"] > 0 and row["programs_per_sm"] >= 1
+    assert "programs/SM" in res.stdout
+    bad = subprocess.run([sys.executable, script, "--tiles", "64:2", "--json", str(tmp_path / "bad.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and not (tmp_path / "bad.json").exists()
+    assert bad.stderr.strip().splitlines() == ["kernel_resources: --tiles entry '64:2' is not KEYS:WARPS:STAGES (positive "
+                                               "integers; KEYS a power of 2 from 16, WARPS a power of 2), e.g. 64:2:2"]
