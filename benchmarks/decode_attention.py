@@ -11,7 +11,8 @@ uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV bytes the step must read / its t
 checked against a float32 reference on the same FP8 values (`fp8_decode_attn_ref.reference`, the first 16
 sequences). Prints a table and writes JSON; `--sweep B,..` also times flashrl's kernel at every split count and
 tile at those batch sizes and the first `--ctx` (`--sweep-grid`: the default kernel's, the FP8-score kernel's, or both;
-`tail`: up to 64 splits of at least `min_split` keys each, every cell kept in the JSON).
+`tail`: up to 64 splits of at least `min_split` keys each; `merge`: 1-8 query heads a merge program; every cell of
+both kept in the JSON).
 `--shared-prompt P`: each group of `--group` sequences (a GRPO group) reads the same
 physical pages for its first P tokens' full pages, as a prefix cache gives them (the bandwidth column still counts
 every sequence's reads): whether a group's prompt is read from DRAM once per sequence or hits L2.
@@ -40,6 +41,8 @@ SWEEP = {"splits": [1, 2, 4, 8, 16], "block_n": [32, 64, 128], "num_warps": [2, 
 SWEEP_QK = {"splits": [1, 2, 4, 8, 16], "block_n": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}  # warpgroups
 # the default tile, many splits, each of at least `min_split` keys (issue 74's tail: <= 16 running, long contexts)
 SWEEP_TAIL = {"splits": [8, 16, 32, 64], "min_split": [0, 256, 512, 1024]}
+# the default kernel with several query heads a merge program (the same bits: the merge's launch and loads)
+SWEEP_MERGE = {"merge_heads": [1, 2, 4, 8]}
 
 
 def bench(fn) -> float:
@@ -152,9 +155,10 @@ def main() -> None:
                     "e.g. 2000,4000,8000: the goal table's)")
     ap.add_argument("--sweep", default="", help="batch sizes (e.g. 128,16) at which flashrl's kernel is timed at every "
                     "split count and tile")
-    ap.add_argument("--sweep-grid", default="both", choices=("default", "fp8qk", "both", "tail"),
+    ap.add_argument("--sweep-grid", default="both", choices=("default", "fp8qk", "both", "tail", "merge"),
                     help="which kernel's tiles --sweep times: the default kernel's, the FP8-score kernel's, or both; "
-                    "tail: the default kernel's splits up to 64 with a least split (`min_split`), every time recorded")
+                    "tail: the default kernel's splits up to 64 with a least split (`min_split`); merge: its query "
+                    "heads a merge program (`merge_heads`); tail and merge record every time")
     ap.add_argument("--layout", default="nhd", choices=("nhd", "hnd"), help="vLLM's KV cache layout (default NHD)")
     ap.add_argument("--shared-prompt", type=int, default=0,
                     help="tokens of prompt each group of --group sequences reads from the same pages (prefix cache)")
@@ -202,9 +206,9 @@ def main() -> None:
                 # the default kernel's tiles, then the FP8-score kernel's
                 fn, fn_out = cands["flashrl_fp8"][0], cands["flashrl_fp8"][1]
                 grids = {"default": ("flashrl_best", SWEEP, {}), "fp8qk": ("flashrl_fp8qk_best", SWEEP_QK, {"qk_fp8": True}),
-                         "tail": ("flashrl_tail_best", SWEEP_TAIL, {})}
+                         "tail": ("flashrl_tail_best", SWEEP_TAIL, {}), "merge": ("flashrl_merge_best", SWEEP_MERGE, {})}
                 for key, grid, extra in (g for name, g in grids.items() if args.sweep_grid in (name, "both")
-                                         and not (name == "tail" and args.sweep_grid == "both")):
+                                         and not (name in ("tail", "merge") and args.sweep_grid == "both")):
                     best, timed = None, []
                     for vals in itertools.product(*grid.values()):
                         c = dict(zip(grid, vals))
@@ -217,8 +221,8 @@ def main() -> None:
                         timed.append({**c, "us": round(us, 2), "max_abs_err": err})
                         if best is None or us < best[1]:
                             best = (c, us)
-                    if key == "flashrl_tail_best":  # every cell: a rule by length needs the whole table
-                        row["flashrl_tail"] = timed
+                    if key in ("flashrl_tail_best", "flashrl_merge_best"):  # every cell: a rule needs the whole table
+                        row[key.removesuffix("_best")] = timed
                     if best:
                         row[key] = {**best[0], "us": round(best[1], 2), "tb_s": round(b["kv_bytes"] / best[1] / 1e6, 2)}
             rows.append(row)
@@ -231,7 +235,7 @@ def main() -> None:
           f"{args.layout.upper()} layout" + (f"; groups of {args.group} share a {args.shared_prompt}-token prompt's pages"
                                              if args.shared_prompt else ""))
     print("| shape | context | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) | "
-          "fp8qk best (cfg) | tail best (splits/min_split) |")
+          "fp8qk best (cfg) | tail best (splits/min_split) or merge best (heads) |")
     print("| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- | --- |")
     for r in rows:
         cells = [f"{r[n]['us']:.1f} ({r[n]['tb_s']})" if "us" in r.get(n, {}) else "error" for n in names]
@@ -239,7 +243,7 @@ def main() -> None:
                  if "us" in r.get("flashrl_fp8", {}) and "us" in r.get("fa3_fp8", {}) else "-")
         bcells = [f"{best['us']:.1f} ({best['tb_s']}; " + "/".join(str(v) for k, v in best.items() if k not in ("us", "tb_s"))
                   + ")" if best else "-" for best in (r.get("flashrl_best"), r.get("flashrl_fp8qk_best"),
-                                                      r.get("flashrl_tail_best"))]
+                                                      r.get("flashrl_tail_best") or r.get("flashrl_merge_best"))]
         print(f"| {r['shape']} | {r['ctx']} | {r['batch']} | {r['kv_tokens']} | " + " | ".join(cells) + f" | {ratio} | "
               + " | ".join(bcells) + " |")
     if args.json:

@@ -384,6 +384,13 @@ def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
             fp8_decode_attn.fp8_decode_attention(q, k, v, tile, bt, lens, qsl, 128 ** -0.5, splits=splits, block_n=32,
                                                  heads=heads, qk_fp8=qk, min_split=32, **sc)
             assert torch.equal(tile, out), (splits, heads, qk)
+        if splits > 1:  # the merge taking every query head of a sequence, or two, in one program: the same bits
+            for merge_heads in (q.shape[1], 2) if q.shape[1] % 2 == 0 else (q.shape[1],):
+                many = torch.full_like(out, 7.0)
+                fp8_decode_attn.fp8_decode_attention(q, k, v, many, bt, lens, qsl, 128 ** -0.5, splits=splits,
+                                                     block_n=32, heads=heads, qk_fp8=qk, min_split=least,
+                                                     merge_heads=merge_heads, **sc)
+                assert torch.equal(many, out), (splits, heads, qk, merge_heads)
 
 
 @contextlib.contextmanager
@@ -443,6 +450,9 @@ def test_fp8_decode_attention_splits_and_refusals():
     with pytest.raises(ValueError, match="min_split=48, a multiple of the tile"):
         fp8_decode_attn.fp8_decode_attention(q, k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, splits=4, block_n=32,
                                              min_split=48, **sc)
+    with pytest.raises(ValueError, match="merge_heads=3 does not divide the 4 query heads"):
+        fp8_decode_attn.fp8_decode_attention(q, k, v, torch.empty(q.shape), bt, lens, qsl, 0.1, splits=4,
+                                             merge_heads=3, **sc)
     with pytest.raises(ValueError, match="2 KV heads a program: 2 KV heads of 16 query heads"):
         wide = torch.zeros(q.shape[0], 32, q.shape[2], dtype=q.dtype)
         fp8_decode_attn.fp8_decode_attention(wide, k, v, torch.empty(wide.shape), bt, lens, qsl, 0.1, splits=1,
@@ -497,7 +507,8 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
 @pytest.mark.parametrize("q_heads,kv_heads,query", [(32, 8, "fp8"), (28, 4, "fp8"), (40, 8, "bf16")])
 def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, query):
     """The compiled kernel at decode shapes (issue 45): within the output's BF16 rounding of float32 attention over
-    the same FP8 values, at the split count the engine picks and at one split, and the same bits when run again."""
+    the same FP8 values, at the split count the engine picks and at one split, and the same bits when run again, with
+    the sequences longest first, and with several query heads a merge program."""
     from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_ref
 
     g = torch.Generator().manual_seed(q_heads)
@@ -522,6 +533,12 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
         fp8_decode_attn.fp8_decode_attention(q, k, v, lpt, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, longest_first=True, min_split=least, **sc)
         assert torch.equal(out, lpt)
+        for merge_heads in (h for h in (2, 4, 8) if q_heads % h == 0):  # several heads a merge program: the same bits
+            many = torch.zeros_like(out)
+            fp8_decode_attn.fp8_decode_attention(q, k, v, many, bt, lens_t, qsl, 128 ** -0.5, splits=splits,
+                                                 heads=heads, sm_count=sms, min_split=least, merge_heads=merge_heads,
+                                                 **sc)
+            assert torch.equal(out, many), (splits, heads, merge_heads)
         plain = torch.zeros_like(out)  # V cast inside the dot's operand read: within the same bound
         fp8_decode_attn.fp8_decode_attention(q, k, v, plain, bt, lens_t, qsl, 128 ** -0.5, splits=splits, heads=heads,
                                              sm_count=sms, v_f16_first=False, min_split=least, **sc)

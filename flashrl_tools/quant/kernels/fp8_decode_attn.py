@@ -47,6 +47,11 @@ def splits_for(num_seqs: int, kv_heads: int, sm_count: int, max_splits: int = MA
     return max(1, min(max_splits, 1 << max(0, want.bit_length() - 1)))
 
 
+def merge_heads_for(q_heads: int) -> int:
+    """Query heads a merge program takes: 1 (one head a program, as before; the default until measured)."""
+    return 1
+
+
 def heads_per_program(q_heads: int, kv_heads: int) -> int:
     """2 where a pair of KV heads' query groups fits the 16-row tile and the heads pair up, else 1."""
     return 2 if kv_heads % 2 == 0 and 2 * (q_heads // kv_heads) <= 16 else 1
@@ -187,22 +192,27 @@ def _kernels():
 
     @triton.jit
     def fp8_decode_attn_merge(part_ptr, lse_ptr, lens_ptr, qsl_ptr, vs_ptr, out_ptr, stride_ot, stride_oh, q_heads,
-                              D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+                              D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                              HEADS: tl.constexpr):
+        """HEADS query heads of one sequence a program, one after the other, each with the same operations on the
+        same layout as one head a program (so the same bits): fewer, fuller programs, the sequence's loads once."""
         seq = tl.program_id(0)
-        head = tl.program_id(1)
         tok = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - tok
         seq_len = tl.load(lens_ptr + seq)
         if (q_len > 0) & (seq_len > 0):
             rs = tl.arange(0, SPLITS)
             rd = tl.arange(0, D)
-            row = (seq.to(tl.int64) * q_heads + head) * SPLITS
             live = rs < tl.cdiv(seq_len, _per_split(seq_len, SPLITS, BLOCK_N, MIN_SPLIT))  # the splits with keys
-            lse = tl.load(lse_ptr + row + rs, mask=live, other=float("-inf"))
-            w = tl.exp2(lse - tl.max(lse, axis=0))
-            part = tl.load(part_ptr + (row + rs)[:, None] * D + rd[None, :], mask=live[:, None], other=0.0)
-            o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0) * tl.load(vs_ptr)
-            tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
+            v_scale = tl.load(vs_ptr)
+            for i in tl.static_range(HEADS):
+                head = tl.program_id(1) * HEADS + i
+                row = (seq.to(tl.int64) * q_heads + head) * SPLITS
+                lse = tl.load(lse_ptr + row + rs, mask=live, other=float("-inf"))
+                w = tl.exp2(lse - tl.max(lse, axis=0))
+                part = tl.load(part_ptr + (row + rs)[:, None] * D + rd[None, :], mask=live[:, None], other=0.0)
+                o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0) * v_scale
+                tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
 
     return fp8_decode_attn_split, fp8_decode_attn_merge  # the names a profiler shows
 
@@ -214,7 +224,7 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                          heads: int | None = None, sm_count: int | None = None,
                          v_f16_first: bool = True, qk_fp8: bool = False, longest_first: bool = False,
-                         min_split: int = 0) -> torch.Tensor:
+                         min_split: int = 0, merge_heads: int | None = None) -> torch.Tensor:
     """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
     heads a program holds, the keys it reads per iteration and its warps (64 and 2 for two heads, 128 and 4 for one:
     the sweeps' best, RESULTS "Where the FP8 decode kernel's time goes") and
@@ -229,7 +239,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     `min_split`: each split reads at least this many keys (a multiple of the tile; 0: the length over `splits`), so
     with many splits a long sequence takes them all and a short one few, each program a similar share of work under
     one launch grid (CUDA graphs); the splits a sequence leaves empty write nothing and the merge skips them. Not a
-    default until measured (benchmarks/decode_attention.py `--sweep-grid tail`)."""
+    default until measured (benchmarks/decode_attention.py `--sweep-grid tail`). `merge_heads`: the query heads of a
+    sequence one merge program takes (unset: `merge_heads_for`), each with one head's operations: the same bits."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -252,6 +263,9 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         splits = splits_for(num_seqs, kv_heads // hpp, sm_count)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"fp8_decode_attention: splits={splits}, a power of 2 is needed")
+    merge_heads = merge_heads or merge_heads_for(q_heads)
+    if merge_heads < 1 or q_heads % merge_heads:
+        raise ValueError(f"fp8_decode_attention: merge_heads={merge_heads} does not divide the {q_heads} query heads")
     if min_split < 0 or min_split % block_n:
         raise ValueError(f"fp8_decode_attention: min_split={min_split}, a multiple of the tile ({block_n} keys) is needed")
     q_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -283,9 +297,10 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                            Q_FP8=q_fp8, Q_SCALED=q_scaled, HPP=hpp, V_ASM=v_asm, ORDERED=longest_first,
                            MIN_SPLIT=min_split, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        merge_kernel[(num_seqs, q_heads)](part, lse, seq_lens, query_start_loc, v_scale, out, out.stride(0),
-                                          out.stride(1), q_heads, D=d, SPLITS=splits, BLOCK_N=block_n,
-                                          MIN_SPLIT=min_split, num_warps=4)
+        merge_kernel[(num_seqs, q_heads // merge_heads)](part, lse, seq_lens, query_start_loc, v_scale, out,
+                                                         out.stride(0), out.stride(1), q_heads, D=d, SPLITS=splits,
+                                                         BLOCK_N=block_n, MIN_SPLIT=min_split, HEADS=merge_heads,
+                                                         num_warps=4)
     return out
 
 
