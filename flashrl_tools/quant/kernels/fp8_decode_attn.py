@@ -6,11 +6,9 @@ shaped for decode only (one query token per sequence): one program per (KV head 
 pair's query groups packed in one 16-row tile (one tensor-core dot per head, each row keeping its own head's
 scores), streams the split's pages, and keeps the online softmax in float32 (split-KV "flash decoding"; the splits
 are merged by a second kernel when there is more than one). A group too wide to pair (> 8 query heads) or an odd
-KV head count keeps one head a program. Measured (RESULTS "flashrl's FP8 decode attention", "Two KV heads a
-program", "Where the FP8 decode kernel's time goes"): one head a program read the cache at ~2.4 TB/s (FA3's FP8 speed
-from 64 sequences up); two heads a program, the KV heads the grid's fastest axis, at 2.8-2.9 TB/s on an H200 at
-128-256 sequences, 3.2 with V cast to FP16 before the P.V dot (`to_f16`) and 2 warps, where the loads alone read
-4.3. The error against float32 attention is ~13x smaller than FA3's.
+KV head count keeps one head a program. Measured on an H200 (RESULTS "Two KV heads a program", "Where the FP8 decode
+kernel's time goes"): one head a program ~2.4 TB/s (FA3's FP8 speed); two, V cast to FP16 first (`to_f16`), 2 warps:
+3.2 at 128-256 sequences, where the loads alone read 4.3. The error against float32 is ~13x smaller than FA3's.
 
 The math, per sequence and query head: `o = sum_j softmax_j(s) * v_scale * V_j` with
 `s_j = sm_scale * q_scale * k_scale * (q . K_j)`. FP8 operands are widened to FP16 (exact for E4M3), so
@@ -45,11 +43,6 @@ def splits_for(num_seqs: int, kv_heads: int, sm_count: int, max_splits: int = MA
     CUDA graph holds one launch grid."""
     want = 16 * sm_count // max(1, num_seqs * kv_heads)
     return max(1, min(max_splits, 1 << max(0, want.bit_length() - 1)))
-
-
-def merge_heads_for(q_heads: int) -> int:
-    """Query heads a merge program takes: 1 (one head a program, as before; the default until measured)."""
-    return 1
 
 
 def heads_per_program(q_heads: int, kv_heads: int) -> int:
@@ -194,8 +187,7 @@ def _kernels():
     def fp8_decode_attn_merge(part_ptr, lse_ptr, lens_ptr, qsl_ptr, vs_ptr, out_ptr, stride_ot, stride_oh, q_heads,
                               D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
                               HEADS: tl.constexpr):
-        """HEADS query heads of one sequence a program, one after the other, each with the same operations on the
-        same layout as one head a program (so the same bits): fewer, fuller programs, the sequence's loads once."""
+        """HEADS query heads of a sequence, one after another, each as one head a program computes it (same bits)."""
         seq = tl.program_id(0)
         tok = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - tok
@@ -224,7 +216,7 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                          heads: int | None = None, sm_count: int | None = None,
                          v_f16_first: bool = True, qk_fp8: bool = False, longest_first: bool = False,
-                         min_split: int = 0, merge_heads: int | None = None) -> torch.Tensor:
+                         min_split: int = 0, merge_heads: int = 1) -> torch.Tensor:
     """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
     heads a program holds, the keys it reads per iteration and its warps (64 and 2 for two heads, 128 and 4 for one:
     the sweeps' best, RESULTS "Where the FP8 decode kernel's time goes") and
@@ -240,7 +232,7 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     with many splits a long sequence takes them all and a short one few, each program a similar share of work under
     one launch grid (CUDA graphs); the splits a sequence leaves empty write nothing and the merge skips them. Not a
     default until measured (benchmarks/decode_attention.py `--sweep-grid tail`). `merge_heads`: the query heads of a
-    sequence one merge program takes (unset: `merge_heads_for`), each with one head's operations: the same bits."""
+    sequence one merge program takes, each with one head's operations (the same bits); 1 until measured (job merge74)."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -263,7 +255,6 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         splits = splits_for(num_seqs, kv_heads // hpp, sm_count)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"fp8_decode_attention: splits={splits}, a power of 2 is needed")
-    merge_heads = merge_heads or merge_heads_for(q_heads)
     if merge_heads < 1 or q_heads % merge_heads:
         raise ValueError(f"fp8_decode_attention: merge_heads={merge_heads} does not divide the {q_heads} query heads")
     if min_split < 0 or min_split % block_n:
