@@ -57,15 +57,17 @@ def runtime_log(output: str) -> dict:
     (FLASHRL_DECODE_ATTN=xqa), "fp8qk_decode_attn_ran", one through its FP8 score MMA (=fp8qk), "lpt_decode_attn_ran"
     one with the sequences longest first (=lpt),
     "flashrl_decode_gemm_ran", whether an INT8 linear went through flashrl's few-rows GEMM
-    (FLASHRL_DECODE_GEMM; each: its once-per-process line)."""
+    (FLASHRL_DECODE_GEMM), "flashrl_moe_table_ran", whether MoE experts took flashrl's tuned tile table
+    (runtime/vllm/moe_tables.py; each: its once-per-process line)."""
     from flashrl_tools.runtime.core import decode_attn, decode_gemm
+    from flashrl_tools.runtime.vllm import moe_tables
 
     kernels = decode_attn.kernels_in(output)
     return {"sync_log": [{"pid": int(pid), "sync": int(n), "tensors": int(t), "convert_s": float(c), "write_s": float(w)}
                          for pid, n, t, c, w in _SYNC_LINE.findall(output)],
             "flashrl_decode_attn_ran": "flashrl" in kernels, "xqa_decode_attn_ran": "xqa" in kernels,
             "fp8qk_decode_attn_ran": "fp8qk" in kernels, "lpt_decode_attn_ran": "lpt" in kernels,
-            "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output}
+            "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output, "flashrl_moe_table_ran": moe_tables.LOG_LINE in output}
 
 
 def serve_worker(worker) -> bool:

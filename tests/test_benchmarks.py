@@ -623,6 +623,7 @@ def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path
     from flashrl_tools.runtime.core import logs
     from flashrl_tools.runtime.core.decode_attn import LOG_LINE, LPT_LINE, QK_LINE, XQA_LINE
     from flashrl_tools.runtime.core.decode_gemm import LOG_LINE as GEMM_LINE
+    from flashrl_tools.runtime.vllm.moe_tables import LOG_LINE as MOE_LINE
     from flashrl_tools.runtime.sglang import scheduler
 
     path = tmp_path / "steps"
@@ -654,7 +655,7 @@ def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path
     assert abs(sum(b["share"] for b in bands.values()) - 1) < 1e-9
     assert runtime_log(f"[flashrl pid=7] INFO {LOG_LINE} (FLASHRL_DECODE_ATTN; SGLang's fa3 backend)\n") == {
         "sync_log": [], "flashrl_decode_attn_ran": True, "xqa_decode_attn_ran": False, "fp8qk_decode_attn_ran": False,
-        "lpt_decode_attn_ran": False, "flashrl_decode_gemm_ran": False}
+        "lpt_decode_attn_ran": False, "flashrl_decode_gemm_ran": False, "flashrl_moe_table_ran": False}
     assert runtime_log(f"[flashrl pid=7] INFO {XQA_LINE} (FLASHRL_DECODE_ATTN; SGLang's fa3 backend)\n")[
         "xqa_decode_attn_ran"]
     qk = runtime_log(f"[flashrl pid=7] INFO {QK_LINE} (FLASHRL_DECODE_ATTN; vLLM's FA3 backend)\n")
@@ -663,6 +664,8 @@ def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path
     assert lpt["lpt_decode_attn_ran"] and lpt["flashrl_decode_attn_ran"] and not lpt["fp8qk_decode_attn_ran"]
     assert runtime_log(f"[flashrl pid=7] INFO {GEMM_LINE} (<= 16 rows; FLASHRL_DECODE_GEMM)\n")["flashrl_decode_gemm_ran"]
     assert runtime_log("")["flashrl_decode_attn_ran"] is False
+    assert runtime_log(f"[flashrl pid=7] INFO {MOE_LINE} E=128,N=768,device_name=NVIDIA_H200,dtype=int8_w8a16.json\n")[
+        "flashrl_moe_table_ran"]
 
 
 def test_decode_attn_xqa_refuses_cleanly_without_its_tools():

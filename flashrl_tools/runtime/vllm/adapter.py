@@ -8,8 +8,8 @@ from __future__ import annotations
 from flashrl_tools.config.resolve import RuntimeConfig
 from flashrl_tools.runtime.core.adapter import Hook, HookKind
 from flashrl_tools.runtime.core.hooks import declare
-from flashrl_tools.runtime.vllm import (async_front, cpu_int8, decode_attn, decode_gemm, engine_args, fixes, pause,
-                                        requests, sleep, weight_sync)
+from flashrl_tools.runtime.vllm import (async_front, cpu_int8, decode_attn, decode_gemm, engine_args, fixes,
+                                        moe_tables, pause, requests, sleep, weight_sync)
 
 _V1 = "vllm.v1.worker.worker_base.WorkerBase"
 _ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
@@ -51,6 +51,9 @@ HOOKS: tuple[Hook, ...] = declare("vllm", (
            f"{kind.capitalize()}MoEMethod.process_weights_after_loading", fixes.keep_captured_moe_kernel,
            HookKind.BEFORE, "worker", "quantized MoE layers keep their start-up kernel (CUDA graphs read its "
            "buffers)", optional=True) for kind in ("fp8", "int8")),
+    Hook("moe_tables", "vllm.model_executor.layers.fused_moe.fused_moe.get_moe_configs", moe_tables.get_moe_configs,
+         HookKind.AROUND, "worker", "Triton fused-MoE tile tables tuned by `benchmarks/moe_tune.py` where vLLM has "
+         "none (its INT8 experts: `int8_w8a16`)", optional=True),
     Hook("decode_gemm", "vllm.model_executor.kernels.linear.scaled_mm.cutlass.CutlassInt8ScaledMMLinearKernel."
          "apply_weights", decode_gemm.apply_weights, HookKind.AROUND, "worker (GPU)", "FLASHRL_DECODE_GEMM=N (unset: "
          "16 on Hopper): INT8 W8A8 linears at <= N rows through flashrl's Triton GEMM (bit-equal to CUTLASS)", optional=True),
