@@ -7,8 +7,9 @@ builds (vLLM's own function: a version that serves W8A8 tunes W8A8), times vLLM'
 graphs at each batch size (tokens of a step) for vLLM's own choice and for each tile configuration of a search
 space (the M tile bounded by the tokens an expert gets), checks each output against vLLM's choice's, and writes
 vLLM's table format under vLLM's file name into --out (default: the tables the runtime reads,
-flashrl_tools/runtime/vllm/moe_configs/). BF16 experts (vLLM's tuned table) are timed beside. Prints a table,
-writes JSON. --budget-s stops the search (the best so far is kept; every batch size gets at least vLLM's choice).
+flashrl_tools/runtime/vllm/moe_configs/). BF16 experts (vLLM's tuned table) and the same INT8 experts as W8A8 are
+timed beside. Prints a table, writes JSON. --budget-s stops the search (the best so far is kept; every batch size
+gets at least vLLM's choice).
 
     python benchmarks/moe_tune.py --shapes 30b-a3b --json moe_tune.json
 """
@@ -94,6 +95,7 @@ class Problem:
         self.quant = make_int8_moe_quant_config(int8_backend=Int8MoeBackend.TRITON, w1_scale=s1, w2_scale=s2,
                                                 a1_scale=None, a2_scale=None, per_act_token_quant=True)
         self.dtype = self.quant.config_name(torch.bfloat16)
+        self.s1, self.s2 = s1, s2
         self.b1 = (self.w1.float() * s1).to(torch.bfloat16)
         self.b2 = (self.w2.float() * s2).to(torch.bfloat16)
 
@@ -150,7 +152,32 @@ def tune_tokens(p: Problem, tokens: int, deadline: float) -> dict:
     table_cfg = best or {**{"GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3}, **vllm_cfg}
     return {"tokens": tokens, "vllm_config": vllm_cfg, "vllm_us": round(t_vllm, 2), "tuned_config": table_cfg,
             "tuned_us": round(t_best, 2), "speedup": round(t_vllm / t_best, 3), "tried": tried,
-            "rejected": rejected, "bf16_us": round(bench(lambda: run(bf16=True)), 2)}
+            "rejected": rejected, "bf16_us": round(bench(lambda: run(bf16=True)), 2),
+            **w8a8_arm(p, x, w, ids, table_cfg, ref, scale)}
+
+
+def w8a8_arm(p: Problem, x, w, ids, tile: dict, ref, scale: float) -> dict:
+    """The same experts as W8A8 (activations quantized per token, INT8 products: what vLLM would serve with our
+    dynamic scales were they passed as such): its time at vLLM's choice for it (BF16's table: `int8_w8a8` has no
+    name of its own) and at the tuned W8A16 tile, its error against the W8A16 output (relative to its largest)."""
+    from vllm.model_executor.layers.fused_moe import fused_experts, override_config
+    from vllm.model_executor.layers.fused_moe.config import int8_w8a8_moe_quant_config
+
+    q = int8_w8a8_moe_quant_config(w1_scale=p.s1, w2_scale=p.s2, a1_scale=None, a2_scale=None,
+                                   per_act_token_quant=True)
+
+    def run(config=None):
+        if config is None:
+            return fused_experts(x, p.w1, p.w2, w, ids, quant_config=q)
+        with override_config(dict(config)):
+            return fused_experts(x, p.w1, p.w2, w, ids, quant_config=q)
+
+    try:
+        err = (run().float() - ref).abs().max().item() / scale
+        return {"w8a8_vllm_us": round(bench(lambda: run()), 2), "w8a8_tuned_tile_us": round(bench(lambda: run(tile)), 2),
+                "w8a8_rel_err": round(err, 5)}
+    except Exception as e:  # noqa: BLE001 -- a version without this path: reported, not fatal
+        return {"w8a8_error": f"{type(e).__name__}: {e}"[:200]}
 
 
 def main() -> None:
@@ -185,7 +212,8 @@ def main() -> None:
             rows.append(tune_tokens(p, m, time.monotonic() + (deadline - time.monotonic()) / (len(tokens) - i)))
             r = rows[-1]
             print(f"{shape} {p.dtype} M={m}: vLLM {r['vllm_us']} us, tuned {r['tuned_us']} us ({r['speedup']}x, "
-                  f"{r['tried']} tried), bf16 {r['bf16_us']} us", flush=True)
+                  f"{r['tried']} tried), bf16 {r['bf16_us']} us, w8a8 {r.get('w8a8_vllm_us')} / "
+                  f"{r.get('w8a8_tuned_tile_us')} us", flush=True)
         name = get_config_file_name(p.E, p.N, p.dtype)
         write_table({r["tokens"]: r["tuned_config"] for r in rows}, Path(args.out) / name)
         shapes.append({"shape": shape, "experts": p.E, "n": p.N, "k": p.K, "topk": p.topk, "dtype": p.dtype,
@@ -193,15 +221,16 @@ def main() -> None:
         del p
         torch.cuda.empty_cache()
     print(f"\nvLLM's Triton fused-MoE experts, us per call (one layer), CUDA graphs ({dev}); table -> {args.out}")
-    print("| shape | experts dtype | tokens | vLLM's config | tuned | tuned / vLLM's | INT8 tuned / BF16 | tuned tile "
-          "(M, N, K, group, warps, stages) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape | experts dtype | tokens | vLLM's config | tuned | tuned / vLLM's | INT8 tuned / BF16 | W8A8 (vLLM's / "
+          "tuned tile) | tuned tile (M, N, K, group, warps, stages) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in shapes:
         for r in s["rows"]:
             c = r["tuned_config"]
             tile = ", ".join(str(c[k]) for k in moe_tables.CONFIG_KEYS)
             print(f"| {s['shape']} | {s['dtype']} | {r['tokens']} | {r['vllm_us']:.1f} | {r['tuned_us']:.1f} | "
-                  f"{r['tuned_us'] / r['vllm_us']:.2f}x | {r['tuned_us'] / r['bf16_us']:.2f}x | {tile} |")
+                  f"{r['tuned_us'] / r['vllm_us']:.2f}x | {r['tuned_us'] / r['bf16_us']:.2f}x | "
+                  f"{r.get('w8a8_vllm_us', '-')} / {r.get('w8a8_tuned_tile_us', '-')} | {tile} |")
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
