@@ -12,6 +12,7 @@ timed beside. Prints a table, writes JSON. --budget-s stops the search (the best
 gets at least vLLM's choice).
 
     python benchmarks/moe_tune.py --shapes 30b-a3b --json moe_tune.json
+    python benchmarks/moe_tune.py --shapes /models/Qwen3-30B-A3B --tp 2     # a model's own experts, per rank
 """
 
 from __future__ import annotations
@@ -61,10 +62,31 @@ def distance(config: dict[str, int], near: dict[str, int]) -> float:
     return sum(abs(math.log2(config[k]) - math.log2(near.get(k, config[k]))) for k in moe_tables.CONFIG_KEYS)
 
 
-def shape_dims(shape: str) -> tuple[int, int, int, int]:
-    """(experts, moe intermediate N, hidden K, top-k) of a Qwen3-MoE shape."""
-    cfg = QWEN3_MOE[shape]
-    return cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"], cfg["num_experts_per_tok"]
+def shape_dims(shape: str, tp: int = 1) -> tuple[int, int, int, int]:
+    """(experts, one rank's intermediate N, hidden K, top-k) of a benchmarks/shapes.py MoE shape, or of a model's
+    config.json (a path to it or to its directory: Qwen-MoE's `num_experts` / `moe_intermediate_size`, Mixtral's
+    `num_local_experts` / `intermediate_size`, DeepSeek's `n_routed_experts`); raises ValueError naming what is
+    missing."""
+    if shape in QWEN3_MOE:
+        cfg = QWEN3_MOE[shape]
+    else:
+        path = Path(shape) / "config.json" if Path(shape).is_dir() else Path(shape)
+        if not path.is_file():
+            raise ValueError(f"{shape}: neither a MoE shape of benchmarks/shapes.py ({', '.join(QWEN3_MOE)}) nor a "
+                             "model's config.json")
+        cfg = json.loads(path.read_text())
+        cfg = cfg.get("text_config", cfg)
+    pick = {"experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+            "n": ("moe_intermediate_size", "intermediate_size"), "k": ("hidden_size",), "topk": ("num_experts_per_tok",)}
+    dims = {}
+    for dim, keys in pick.items():
+        found = [cfg[key] for key in keys if isinstance(cfg.get(key), int)]
+        if not found:
+            raise ValueError(f"{shape}: no {' / '.join(keys)} (not a MoE model?)")
+        dims[dim] = found[0]
+    if tp < 1 or dims["n"] % tp:
+        raise ValueError(f"--tp {tp}: the experts' intermediate size {dims['n']} does not split into {tp} ranks")
+    return dims["experts"], dims["n"] // tp, dims["k"], dims["topk"]
 
 
 def write_table(table: dict[int, dict], path: Path) -> None:
@@ -82,10 +104,10 @@ def write_table(table: dict[int, dict], path: Path) -> None:
 class Problem:
     """One shape's experts (random INT8 weights, per-channel scales as vLLM's layer holds them) and BF16 twins."""
 
-    def __init__(self, shape: str):
+    def __init__(self, shape: str, tp: int = 1):
         from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend, make_int8_moe_quant_config
 
-        self.E, self.N, self.K, self.topk = shape_dims(shape)
+        self.E, self.N, self.K, self.topk = shape_dims(shape, tp)
         E, N, K = self.E, self.N, self.K
         g = torch.Generator(device="cuda").manual_seed(0)
         self.w1 = torch.randint(-127, 128, (E, 2 * N, K), device="cuda", dtype=torch.int8, generator=g)
@@ -182,15 +204,19 @@ def w8a8_arm(p: Problem, x, w, ids, tile: dict, ref, scale: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="30b-a3b")
+    ap.add_argument("--shapes", default="30b-a3b", help="benchmarks/shapes.py MoE shapes, or paths to models' "
+                    "config.json (or their directories)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (each rank's experts are tuned)")
     ap.add_argument("--tokens", default=TOKENS, help="batch sizes (tokens of a step) to tune")
     ap.add_argument("--out", default=str(moe_tables.TABLES), help="the folder the tables are written to")
     ap.add_argument("--budget-s", type=float, default=900.0, help="seconds for the whole search")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    bad = [s for s in args.shapes.split(",") if s not in QWEN3_MOE]
-    if bad:
-        sys.exit(f"error: --shapes {','.join(bad)}: not a MoE shape of benchmarks/shapes.py ({', '.join(QWEN3_MOE)})")
+    for shape in args.shapes.split(","):
+        try:
+            shape_dims(shape, args.tp)
+        except (ValueError, json.JSONDecodeError) as e:
+            sys.exit(f"error: --shapes: {e}")
     try:
         tokens = [int(t) for t in args.tokens.split(",")]
     except ValueError:
@@ -206,7 +232,7 @@ def main() -> None:
     dev = torch.cuda.get_device_name()
     shapes = []
     for shape in args.shapes.split(","):
-        p = Problem(shape)
+        p = Problem(shape, args.tp)
         rows = []
         for i, m in enumerate(tokens):  # each batch size gets an equal share of what is left
             rows.append(tune_tokens(p, m, time.monotonic() + (deadline - time.monotonic()) / (len(tokens) - i)))
@@ -216,7 +242,7 @@ def main() -> None:
                   f"{r.get('w8a8_tuned_tile_us')} us", flush=True)
         name = get_config_file_name(p.E, p.N, p.dtype)
         write_table({r["tokens"]: r["tuned_config"] for r in rows}, Path(args.out) / name)
-        shapes.append({"shape": shape, "experts": p.E, "n": p.N, "k": p.K, "topk": p.topk, "dtype": p.dtype,
+        shapes.append({"shape": shape, "tp": args.tp, "experts": p.E, "n": p.N, "k": p.K, "topk": p.topk, "dtype": p.dtype,
                        "table": name, "rows": rows})
         del p
         torch.cuda.empty_cache()

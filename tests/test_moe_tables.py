@@ -70,6 +70,16 @@ def test_tables_are_checked():
 
 def test_moe_tune_search_space_and_its_refusals(tmp_path):
     assert moe_tune.shape_dims("30b-a3b") == (128, 768, 2048, 8)
+    mixtral = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "intermediate_size": 14336,
+               "hidden_size": 4096, "num_experts_per_tok": 2}
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps(mixtral))
+    assert moe_tune.shape_dims(str(tmp_path / "mixtral"), tp=2) == (8, 7168, 4096, 2)
+    (tmp_path / "dense.json").write_text(json.dumps({"hidden_size": 4096, "intermediate_size": 12288}))
+    for shape, tp, why in (("mixtral", 3, "does not split into 3"), ("dense.json", 1, "not a MoE model"),
+                           ("nowhere", 1, "nor a model's config.json")):
+        with pytest.raises(ValueError, match=why):
+            moe_tune.shape_dims(str(tmp_path / shape), tp)
     assert moe_tune.block_ms(64, 8, 128) == [16] and moe_tune.block_ms(256, 8, 128) == [16, 32]
     assert moe_tune.block_ms(4096, 8, 128) == [16, 32, 64, 128]
     small, big = moe_tune.candidates(64, 8, 128), moe_tune.candidates(4096, 8, 128)
@@ -78,11 +88,12 @@ def test_moe_tune_search_space_and_its_refusals(tmp_path):
     near = sorted(small, key=lambda c: moe_tune.distance(c, TABLE[16]))
     assert near[0] == TABLE[16] and moe_tune.distance(near[-1], TABLE[16]) > 0
     with pytest.raises(ValueError, match="power of two"):
-        moe_tune.write_table({16: dict(TABLE[16], BLOCK_SIZE_K=96)}, tmp_path / "t.json")
-    assert not list(tmp_path.iterdir())  # checked before anything is written
+        moe_tune.write_table({16: dict(TABLE[16], BLOCK_SIZE_K=96)}, tmp_path / "out" / "t.json")
+    assert not (tmp_path / "out").exists()  # checked before anything is written
     script = str(REPO / "benchmarks" / "moe_tune.py")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    for args, why in ((["--shapes", "14b"], "not a MoE shape"), (["--tokens", "4,x"], "positive integers"),
+    for args, why in ((["--shapes", "14b"], "nor a model's config.json"), (["--tokens", "4,x"], "positive integers"),
+                      (["--shapes", str(tmp_path / "mixtral"), "--tp", "3"], "does not split"),
                       (["--tokens", "0"], "positive integers"), ([], "needs a CUDA GPU")):
         res = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=120)
         assert res.returncode != 0 and why in res.stderr and "Traceback" not in res.stderr, res.stderr
