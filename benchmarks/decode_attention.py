@@ -1,7 +1,8 @@
 """Decode attention over a paged KV cache: FA3 BF16, FA3 FP8 (what vLLM runs), vLLM's Triton kernel on FP8,
 and flashrl's FP8 decode kernel (issue 45; `_cast`: its V tile cast inside the dot's operand read, as before issue 74;
 `_fp8qk`: its opt-in transposed scores, FP8 keys straight into Hopper's warpgroup MMA with the FP8 query; `_lpt`: the
-default kernel taking the sequences longest first, the argsort timed with it).
+default kernel taking the sequences longest first, the argsort timed with it; `_bal`: `balanced=True`, equal runs of
+the batch's key tiles over a fixed grid, `fp8_decode_attn_bal`, up to 32 sequences -- above it the default kernel).
 
 RESULTS "The FP8 KV cache and the attention backend": FA3's FP8 decode reads the cache at about half the bandwidth
 of its BF16 decode. This script times one decode step's attention for one layer at RL-step batch shapes, each
@@ -11,8 +12,8 @@ uniform in [ctx/2, 3 ctx/2]. Bandwidth = the KV bytes the step must read / its t
 checked against a float32 reference on the same FP8 values (`fp8_decode_attn_ref.reference`, the first 16
 sequences). Prints a table and writes JSON; `--sweep B,..` also times flashrl's kernel at every split count and
 tile at those batch sizes and the first `--ctx` (`--sweep-grid`: the default kernel's, the FP8-score kernel's, or both;
-`tail`: up to 64 splits of at least `min_split` keys each; `merge`: 1-8 query heads a merge program; every cell of
-both kept in the JSON).
+`tail`: up to 64 splits of at least `min_split` keys each; `merge`: 1-8 query heads a merge program; `balanced`:
+the balanced kernel's grid, 1-8 programs an SM; every cell of those kept in the JSON).
 `--shared-prompt P`: each group of `--group` sequences (a GRPO group) reads the same
 physical pages for its first P tokens' full pages, as a prefix cache gives them (the bandwidth column still counts
 every sequence's reads): whether a group's prompt is read from DRAM once per sequence or hits L2.
@@ -43,6 +44,12 @@ SWEEP_QK = {"splits": [1, 2, 4, 8, 16], "block_n": [64, 128], "num_warps": [4, 8
 SWEEP_TAIL = {"splits": [8, 16, 32, 64], "min_split": [0, 256, 512, 1024]}
 # the default kernel with several query heads a merge program (the same bits: the merge's launch and loads)
 SWEEP_MERGE = {"merge_heads": [1, 2, 4, 8]}
+
+
+def balanced_grid() -> dict:
+    """The balanced kernel's grid, 1-8 programs an SM of this GPU (the default: `fp8_decode_attn_bal.PROGRAMS_PER_SM`)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return {"programs": [k * sms for k in (1, 2, 3, 4, 6, 8)]}
 
 
 def bench(fn) -> float:
@@ -96,7 +103,7 @@ def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
     qs, ks, vs = (b[n].expand(shape) for n in ("q_scale", "k_scale", "v_scale"))
     outs = {n: torch.empty(batch, q_heads, D, dtype=torch.bfloat16, device="cuda") for n in
             ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk",
-             "flashrl_fp8_lpt")}
+             "flashrl_fp8_lpt", "flashrl_fp8_bal")}
 
     def meta(dtype):
         return get_scheduler_metadata(batch, 1, max_len, q_heads, kv_heads, D, b["lens"], qkv_dtype=dtype,
@@ -140,11 +147,16 @@ def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
         fp8_decode_attn.fp8_decode_attention(b["q8"], k8, v8, outs["flashrl_fp8_lpt"], b["bt"], b["lens"], b["qsl"],
                                              scale, b["k_scale"], b["v_scale"], q_scale=b["q_scale"], longest_first=True)
 
+    def flashrl_bal():  # balanced runs of key tiles (the default grid: SMs x 4 programs)
+        fp8_decode_attn.fp8_decode_attention(b["q8"], k8, v8, outs["flashrl_fp8_bal"], b["bt"], b["lens"], b["qsl"],
+                                             scale, b["k_scale"], b["v_scale"], q_scale=b["q_scale"], balanced=True)
+
     return {"fa3_bf16": (fa3_bf16, outs["fa3_bf16"], 2), "fa3_fp8": (fa3_fp8, outs["fa3_fp8"], 1),
             "triton_vllm_fp8": (triton_vllm, outs["triton_vllm_fp8"], 1), "flashrl_fp8": (flashrl, outs["flashrl_fp8"], 1),
             "flashrl_fp8_cast": (flashrl_cast, outs["flashrl_fp8_cast"], 1),
             "flashrl_fp8qk": (flashrl_fp8qk, outs["flashrl_fp8qk"], 1),
-            "flashrl_fp8_lpt": (flashrl_lpt, outs["flashrl_fp8_lpt"], 1)}
+            "flashrl_fp8_lpt": (flashrl_lpt, outs["flashrl_fp8_lpt"], 1),
+            "flashrl_fp8_bal": (flashrl_bal, outs["flashrl_fp8_bal"], 1)}
 
 
 def main() -> None:
@@ -155,10 +167,11 @@ def main() -> None:
                     "e.g. 2000,4000,8000: the goal table's)")
     ap.add_argument("--sweep", default="", help="batch sizes (e.g. 128,16) at which flashrl's kernel is timed at every "
                     "split count and tile")
-    ap.add_argument("--sweep-grid", default="both", choices=("default", "fp8qk", "both", "tail", "merge"),
+    ap.add_argument("--sweep-grid", default="both", choices=("default", "fp8qk", "both", "tail", "merge", "balanced"),
                     help="which kernel's tiles --sweep times: the default kernel's, the FP8-score kernel's, or both; "
                     "tail: the default kernel's splits up to 64 with a least split (`min_split`); merge: its query "
-                    "heads a merge program (`merge_heads`); tail and merge record every time")
+                    "heads a merge program (`merge_heads`); balanced: the balanced kernel's programs (1-8 an SM); "
+                    "tail, merge and balanced record every time")
     ap.add_argument("--layout", default="nhd", choices=("nhd", "hnd"), help="vLLM's KV cache layout (default NHD)")
     ap.add_argument("--shared-prompt", type=int, default=0,
                     help="tokens of prompt each group of --group sequences reads from the same pages (prefix cache)")
@@ -206,9 +219,10 @@ def main() -> None:
                 # the default kernel's tiles, then the FP8-score kernel's
                 fn, fn_out = cands["flashrl_fp8"][0], cands["flashrl_fp8"][1]
                 grids = {"default": ("flashrl_best", SWEEP, {}), "fp8qk": ("flashrl_fp8qk_best", SWEEP_QK, {"qk_fp8": True}),
-                         "tail": ("flashrl_tail_best", SWEEP_TAIL, {}), "merge": ("flashrl_merge_best", SWEEP_MERGE, {})}
+                         "tail": ("flashrl_tail_best", SWEEP_TAIL, {}), "merge": ("flashrl_merge_best", SWEEP_MERGE, {}),
+                         "balanced": ("flashrl_balanced_best", balanced_grid(), {"balanced": True})}
                 for key, grid, extra in (g for name, g in grids.items() if args.sweep_grid in (name, "both")
-                                         and not (name in ("tail", "merge") and args.sweep_grid == "both")):
+                                         and not (name in ("tail", "merge", "balanced") and args.sweep_grid == "both")):
                     best, timed = None, []
                     for vals in itertools.product(*grid.values()):
                         c = dict(zip(grid, vals))
@@ -221,7 +235,7 @@ def main() -> None:
                         timed.append({**c, "us": round(us, 2), "max_abs_err": err})
                         if best is None or us < best[1]:
                             best = (c, us)
-                    if key in ("flashrl_tail_best", "flashrl_merge_best"):  # every cell: a rule needs the whole table
+                    if key in ("flashrl_tail_best", "flashrl_merge_best", "flashrl_balanced_best"):  # every cell
                         row[key.removesuffix("_best")] = timed
                     if best:
                         row[key] = {**best[0], "us": round(best[1], 2), "tb_s": round(b["kv_bytes"] / best[1] / 1e6, 2)}
@@ -230,12 +244,13 @@ def main() -> None:
             del b, cands
             torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name()
-    names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk", "flashrl_fp8_lpt")
+    names = ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk", "flashrl_fp8_lpt",
+             "flashrl_fp8_bal")
     print(f"\nOne layer's decode attention, us per step (KV read TB/s), CUDA graphs ({dev}); mean contexts {args.ctx}, "
           f"{args.layout.upper()} layout" + (f"; groups of {args.group} share a {args.shared_prompt}-token prompt's pages"
                                              if args.shared_prompt else ""))
     print("| shape | context | batch | KV tokens | " + " | ".join(names) + " | flashrl / FA3 FP8 | flashrl best (cfg) | "
-          "fp8qk best (cfg) | tail best (splits/min_split) or merge best (heads) |")
+          "fp8qk best (cfg) | tail (splits/min_split), merge (heads) or balanced (programs) best |")
     print("| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- | --- |")
     for r in rows:
         cells = [f"{r[n]['us']:.1f} ({r[n]['tb_s']})" if "us" in r.get(n, {}) else "error" for n in names]
@@ -243,7 +258,8 @@ def main() -> None:
                  if "us" in r.get("flashrl_fp8", {}) and "us" in r.get("fa3_fp8", {}) else "-")
         bcells = [f"{best['us']:.1f} ({best['tb_s']}; " + "/".join(str(v) for k, v in best.items() if k not in ("us", "tb_s"))
                   + ")" if best else "-" for best in (r.get("flashrl_best"), r.get("flashrl_fp8qk_best"),
-                                                      r.get("flashrl_tail_best") or r.get("flashrl_merge_best"))]
+                                                      r.get("flashrl_tail_best") or r.get("flashrl_merge_best")
+                                                      or r.get("flashrl_balanced_best"))]
         print(f"| {r['shape']} | {r['ctx']} | {r['batch']} | {r['kv_tokens']} | " + " | ".join(cells) + f" | {ratio} | "
               + " | ".join(bcells) + " |")
     if args.json:

@@ -55,7 +55,7 @@ def runtime_log(output: str) -> dict:
     time went: our conversion, then the engine's loading ("write") --; "flashrl_decode_attn_ran", whether a decode
     batch went through flashrl's FP8 attention kernel (FLASHRL_DECODE_ATTN), "xqa_decode_attn_ran", one through XQA's
     (FLASHRL_DECODE_ATTN=xqa), "fp8qk_decode_attn_ran", one through its FP8 score MMA (=fp8qk), "lpt_decode_attn_ran"
-    one with the sequences longest first (=lpt),
+    one with the sequences longest first (=lpt), "balanced_decode_attn_ran" one on the balanced grid (=balanced),
     "flashrl_decode_gemm_ran", whether an INT8 linear went through flashrl's few-rows GEMM
     (FLASHRL_DECODE_GEMM), "flashrl_moe_table_ran", whether MoE experts took flashrl's tuned tile table
     (runtime/vllm/moe_tables.py; each: its once-per-process line)."""
@@ -67,6 +67,7 @@ def runtime_log(output: str) -> dict:
                          for pid, n, t, c, w in _SYNC_LINE.findall(output)],
             "flashrl_decode_attn_ran": "flashrl" in kernels, "xqa_decode_attn_ran": "xqa" in kernels,
             "fp8qk_decode_attn_ran": "fp8qk" in kernels, "lpt_decode_attn_ran": "lpt" in kernels,
+            "balanced_decode_attn_ran": "balanced" in kernels,
             "flashrl_decode_gemm_ran": decode_gemm.LOG_LINE in output, "flashrl_moe_table_ran": moe_tables.LOG_LINE in output}
 
 

@@ -47,16 +47,25 @@ def constexprs(q_heads: int, kv_heads: int, block_n: int, splits: int = 16) -> d
                 SPLITS=splits, Q_FP8=True, Q_SCALED=True, HPP=hpp, V_ASM=True, ORDERED=False, MIN_SPLIT=0)
 
 
+def balanced_constexprs(q_heads: int, kv_heads: int, block_n: int, seqs: int) -> dict:
+    """The balanced kernel's (`fp8_decode_attn_bal`) compile-time arguments for a batch of `seqs` sequences."""
+    consts = {k: v for k, v in constexprs(q_heads, kv_heads, block_n).items()
+              if k not in ("SPLITS", "ORDERED", "MIN_SPLIT")}
+    return {**consts, "PAIRS": kv_heads // consts["HPP"], "SEQS_PAD": max(16, 1 << (seqs - 1).bit_length())}
+
+
 def compile_split(consts: dict, num_warps: int, num_stages: int, qk: bool = False):
-    """The split kernel (`qk`: the FP8-score one, `fp8_decode_attn_qk`) compiled for sm_90 (no device needed), with
-    the divisibility Triton's launcher gives a real launch; arguments not in `consts` are runtime ones."""
+    """The split kernel (`qk`: the FP8-score one, `fp8_decode_attn_qk`; consts with PAIRS: the balanced one,
+    `fp8_decode_attn_bal`) compiled for sm_90 (no device needed), with the divisibility Triton's launcher gives a real
+    launch; arguments not in `consts` are runtime ones."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flashrl_tools.quant.kernels import fp8_decode_attn_qk
+    from flashrl_tools.quant.kernels import fp8_decode_attn_bal, fp8_decode_attn_qk
 
-    split = fp8_decode_attn_qk.kernel(fp8_decode_attn) if qk else fp8_decode_attn._kernels()[0]
+    split = (fp8_decode_attn_qk.kernel(fp8_decode_attn) if qk else fp8_decode_attn_bal.kernels(fp8_decode_attn)[0]
+             if "PAIRS" in consts else fp8_decode_attn._kernels()[0])
     names = split.arg_names
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n == "sm_scale" else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

@@ -592,7 +592,7 @@ def test_decode_attention_tail_sweep_keeps_every_cell(tmp_path, monkeypatch, cap
     assert all(c["max_abs_err"] == 1.0 for c in row["flashrl_tail"] if "us" in c)  # zeros against the stand-in's ones
     assert row["flashrl_tail_best"]["splits"] == 64 and row["flashrl_tail_best"]["min_split"] == 0
     assert "flashrl_best" not in row and "flashrl_fp8qk_best" not in row
-    assert "| 36.0 (" in capsys.readouterr().out.split("tail best")[1]  # 100 - 64: the table's tail column
+    assert "| 36.0 (" in capsys.readouterr().out.split("(programs) best")[1]  # 100 - 64: the table's tail column
     # --sweep-grid default: the tile grid's best in its column (splits/block_n/num_warps/num_stages), no tail cells
     calls.clear()
     monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--shapes", "qwen3-8b", "--batches", "8", "--ctx", "300",
@@ -604,6 +604,15 @@ def test_decode_attention_tail_sweep_keeps_every_cell(tmp_path, monkeypatch, cap
     assert best["splits"] == 16 and best["us"] == 84.0  # the grid's most splits
     printed = capsys.readouterr().out
     assert f"84.0 ({best['tb_s']}; 16/{best['block_n']}/{best['num_warps']}/{best['num_stages']}) | - | - |" in printed
+    # --sweep-grid balanced: the balanced kernel at 1-8 programs an SM (of the stand-in's 132), every cell kept
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--shapes", "qwen3-8b", "--batches", "8", "--ctx", "300",
+                                      "--sweep", "8", "--sweep-grid", "balanced", "--json", str(out)])
+    da.main()
+    row = json.loads(out.read_text())["rows"][0]
+    assert [c["programs"] for c in row["flashrl_balanced"]] == [132 * k for k in (1, 2, 3, 4, 6, 8)]
+    assert all(c == {"programs": c["programs"], "balanced": True} for c in calls if c)
+    assert row["flashrl_balanced_best"]["programs"] == 132 and "flashrl_tail" not in row
 
 
 def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path, monkeypatch):
@@ -655,7 +664,8 @@ def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path
     assert abs(sum(b["share"] for b in bands.values()) - 1) < 1e-9
     assert runtime_log(f"[flashrl pid=7] INFO {LOG_LINE} (FLASHRL_DECODE_ATTN; SGLang's fa3 backend)\n") == {
         "sync_log": [], "flashrl_decode_attn_ran": True, "xqa_decode_attn_ran": False, "fp8qk_decode_attn_ran": False,
-        "lpt_decode_attn_ran": False, "flashrl_decode_gemm_ran": False, "flashrl_moe_table_ran": False}
+        "lpt_decode_attn_ran": False, "balanced_decode_attn_ran": False, "flashrl_decode_gemm_ran": False,
+        "flashrl_moe_table_ran": False}
     assert runtime_log(f"[flashrl pid=7] INFO {XQA_LINE} (FLASHRL_DECODE_ATTN; SGLang's fa3 backend)\n")[
         "xqa_decode_attn_ran"]
     qk = runtime_log(f"[flashrl pid=7] INFO {QK_LINE} (FLASHRL_DECODE_ATTN; vLLM's FA3 backend)\n")

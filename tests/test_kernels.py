@@ -391,6 +391,30 @@ def _interpreted_check(q_heads: int, kv_heads: int, fp8_query: bool) -> None:
                                                      block_n=32, heads=heads, qk_fp8=qk, min_split=least,
                                                      merge_heads=merge_heads, **sc)
                 assert torch.equal(many, out), (splits, heads, qk, merge_heads)
+    _balanced_check(q, k, v, bt, lens, qsl, sc, ref)
+
+
+def _balanced_check(q, k, v, bt, lens, qsl, sc, ref) -> None:
+    """`balanced=True` (fp8_decode_attn_bal): equal runs of the batch's 16 key tiles a KV head pair over `programs`
+    programs -- one (a run over every segment), 3 and 7 (runs crossing segments, segments split over programs), 40
+    (more programs than tiles: empty runs) -- each within the output's BF16 step of float32; no partial is read
+    unwritten (NaN-filled buffers); the padded request's token untouched."""
+    from flashrl_tools.quant.kernels import fp8_decode_attn
+
+    pairs = k.shape[2] // fp8_decode_attn.heads_per_program(q.shape[1], k.shape[2])
+    for programs, heads in ((1, None), (3, None), (7, 1), (40, None)):
+        hpp = heads or fp8_decode_attn.heads_per_program(q.shape[1], k.shape[2])
+        group_pad = max(16, 1 << (hpp * (q.shape[1] // k.shape[2]) - 1).bit_length())
+        out = torch.full((q.shape[0] + 1, *q.shape[1:]), 7.0, dtype=torch.bfloat16)
+        rows = (programs + lens.shape[0] * (k.shape[2] // hpp if heads else pairs)) * group_pad
+        with _nan_partials(rows) as made:
+            fp8_decode_attn.fp8_decode_attention(q, k, v, out, bt, lens, qsl, 128 ** -0.5, splits=1, block_n=32,
+                                                 heads=heads, balanced=True, programs=programs, **sc)
+        assert len(made) == 2, (programs, heads)  # the partials and their log-sum-exps
+        real = [0, 1, 2, 3]
+        err = (out[real].float() - ref[real]).abs().max()
+        assert err <= 2 ** -7 * ref[real].abs().max(), (programs, heads, float(err))
+        assert torch.all(out[4] == 7.0)
 
 
 @contextlib.contextmanager
@@ -508,7 +532,8 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
 def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, query):
     """The compiled kernel at decode shapes (issue 45): within the output's BF16 rounding of float32 attention over
     the same FP8 values, at the split count the engine picks and at one split, and the same bits when run again, with
-    the sequences longest first, and with several query heads a merge program."""
+    the sequences longest first, and with several query heads a merge program; the balanced kernel within the same
+    bound, the same bits run again."""
     from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_ref
 
     g = torch.Generator().manual_seed(q_heads)
@@ -554,6 +579,15 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
             fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits,
                                                  heads=heads, sm_count=sms, qk_fp8=True, min_split=least, **sc)
             assert torch.equal(qk, again)
+    for programs, heads in ((None, None), (None, 1), (97, None)):  # balanced runs of key tiles (fp8_decode_attn_bal)
+        bal = torch.zeros(q.shape, dtype=torch.bfloat16, device="cuda")
+        for _ in range(2):  # run again: the same bits
+            again, bal = bal, torch.zeros_like(bal)
+            fp8_decode_attn.fp8_decode_attention(q, k, v, bal, bt, lens_t, qsl, 128 ** -0.5, heads=heads, sm_count=sms,
+                                                 balanced=True, programs=programs, **sc)
+        err = (bal.float() - ref).abs().amax(dim=(1, 2))
+        assert torch.all(err <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (programs, heads, err.max().item())
+        assert torch.equal(bal, again), (programs, heads)
 
 
 def _hopper_ptx(v_asm: bool, heads: int, qk: bool = False, warps: int | None = None) -> str:
@@ -578,11 +612,18 @@ def test_decode_kernel_default_tile_fits_four_programs_an_sm_without_spills():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from kernel_resources import compile_split, constexprs, resources
 
+    from flashrl_tools.quant.kernels import fp8_decode_attn_bal
+    from kernel_resources import balanced_constexprs
+
     for q_heads, kv_heads in ((32, 8), (40, 8), (28, 4)):  # Qwen3-8B, Qwen2.5-14B, Qwen2.5-7B
         consts = constexprs(q_heads, kv_heads, 64)
         assert consts["HPP"] == 2
         got = resources(compile_split(consts, 2, 2), 2)
         assert got["stack_bytes"] == 0 and got["programs_per_sm"] >= 4, (q_heads, kv_heads, got)
+    # the balanced kernel (fp8_decode_attn_bal) up to its 32 sequences: the same room, the grid it assumes
+    for seqs in (16, fp8_decode_attn_bal.MAX_SEQS):
+        got = resources(compile_split(balanced_constexprs(32, 8, 64, seqs), 2, 2), 2)
+        assert got["stack_bytes"] == 0 and got["programs_per_sm"] >= fp8_decode_attn_bal.PROGRAMS_PER_SM, (seqs, got)
 
 
 @pytest.mark.parametrize("heads", [2, 1])
@@ -705,6 +746,42 @@ def test_lpt_mode_takes_the_sequences_longest_first(monkeypatch, caplog):
             assert calls[-1] is want, (mode, want)
     lines = [r.getMessage() for r in caplog.records]
     assert sum(core.LPT_LINE in line for line in lines) == 1 and core.kernels_in(lines[0]) == ["flashrl", "lpt"]
+
+
+def test_balanced_mode_takes_the_balanced_grid_up_to_its_sequences(monkeypatch, caplog):
+    """FLASHRL_DECODE_ATTN=balanced (runtime/core/decode_attn.py): a batch of up to `fp8_decode_attn_bal.MAX_SEQS`
+    sequences asks flashrl's kernel for `balanced` (logged once with its own line, which also names flashrl's
+    kernel); a bigger batch, a split count the engine fixed (SGLang's deterministic one) and the default mode do not.
+    The switch is accepted at start and resolves on any device."""
+    from flashrl_tools.config.settings import Settings
+    from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_bal
+    from flashrl_tools.runtime.core import adapter
+    from flashrl_tools.runtime.core import decode_attn as core
+    from flashrl_tools.runtime.vllm.capabilities import GPU
+
+    assert core.resolve("balanced", (9, 0)) == core.resolve("balanced", (8, 0)) == "balanced"
+    adapter.check_settings(GPU, Settings.read({"FLASHRL_DECODE_ATTN": "balanced"}), "test")
+    calls = []
+    monkeypatch.setattr(fp8_decode_attn, "fp8_decode_attention", lambda *a, **k: calls.append(k["balanced"]))
+    monkeypatch.setattr(core, "_sm_count", lambda index: 132)
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.float8_e4m3fn)
+
+    def batch(seqs):
+        return dict(q=torch.zeros(seqs, 8, 128, dtype=torch.bfloat16), k_cache=cache, v_cache=cache,
+                    out=torch.zeros(seqs, 8, 128, dtype=torch.bfloat16), block_table=torch.zeros(seqs, 4, dtype=torch.int32),
+                    seq_lens=torch.full((seqs,), 40, dtype=torch.int32),
+                    query_start_loc=torch.arange(seqs + 1, dtype=torch.int32), scale=0.1, k_scale=torch.tensor([0.03]),
+                    v_scale=torch.tensor([0.02]))
+    top = fp8_decode_attn_bal.MAX_SEQS
+    with caplog.at_level(logging.INFO, logger="flashrl_tools.runtime"):
+        for mode, seqs, splits, want in (("balanced", 2, None, True), ("balanced", top, None, True),
+                                         ("balanced", top + 1, None, False), ("balanced", 2, 1, False),
+                                         ("flashrl", 2, None, False)):
+            monkeypatch.setattr(core, "_state", {"mode": mode, **({"bal_logged": True} if calls and calls[0] else {})})
+            core.attend(**batch(seqs), splits=splits, via="test")
+            assert calls[-1] is want, (mode, seqs, splits)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(core.BAL_LINE in line for line in lines) == 1 and core.kernels_in(lines[0]) == ["flashrl", "balanced"]
 
 
 def test_xqa_mode_routes_big_decode_batches_and_folds_the_scales(monkeypatch):

@@ -71,7 +71,7 @@ class Settings:
     decode_attn: str  # FP8 KV cache: decode batches' attention through flashrl's Triton kernel
     # (runtime/core/decode_attn.py): "1" on, "0" off, "auto" (unset): on Hopper (sm_90); "xqa": XQA's FP8 kernel
     # from 32 sequences up on Hopper (quant/kernels/xqa_decode.py), flashrl's below; "fp8qk": its FP8-score variant;
-    # "lpt": a batch's sequences longest first
+    # "lpt": a batch's sequences longest first; "balanced": its key tiles balanced over a fixed grid (<= 32 sequences)
     allow_legacy_pickle: bool
     engine_args: str  # JSON: extra engine arguments (vllm.LLM / sglang.Engine) for the engines `verify` starts
     version_check: bool  # an engine version not declared tested runs the start-up self-check (runtime/core/versions.py)

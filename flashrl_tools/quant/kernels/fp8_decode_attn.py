@@ -70,7 +70,7 @@ def _kernels():
         else:
             return x.to(tl.float16)
 
-    global _bounds, _per_split, _score_scale, _page_rows, _program_seq  # the split kernels' shared parts (as to_f16)
+    global _bounds, _per_split, _score_scale, _page_rows, _program_seq, _query, _attend  # shared parts (as to_f16)
 
     @triton.jit
     def _program_seq(order_ptr, ORDERED: tl.constexpr):
@@ -118,6 +118,53 @@ def _kernels():
                 blk[:, None] * stride_vb + slot[:, None] * stride_vs + rd[None, :])
 
     @triton.jit
+    def _query(q_ptr, tok, heads, gmask, rd, stride_qt, stride_qh, Q_FP8: tl.constexpr):
+        """A program's query rows (its KV heads' query heads), FP8 widened to FP16 (exact)."""
+        q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + rd[None, :], mask=gmask[:, None],
+                    other=0.0)
+        if Q_FP8:
+            q = q.to(tl.float16)
+        return q
+
+    @triton.jit
+    def _attend(q, k_ptr, v_ptr, bt_ptr, kvh, seq, start, end, scale, hid, rd, rn, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_bt, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                BLOCK_N: tl.constexpr, HPP: tl.constexpr, V_ASM: tl.constexpr):
+        """Keys [start, end) of sequence `seq` against the query rows of KV heads kvh.. (`hid`: each row's of the
+        HPP): the online softmax's running max, sum and unnormalised output, float32 in base 2."""
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        k_head = k_ptr + kvh * stride_kh
+        v_head = v_ptr + kvh * stride_vh
+        for n in range(start, end, BLOCK_N):
+            valid, rows_k, rows_v = _page_rows(bt_row, n + rn, end, rd, stride_kb, stride_ks, stride_vb, stride_vs, PAGE)
+            if HPP == 1:
+                k = tl.load(k_head + rows_k, mask=valid[:, None], other=0.0)
+                v = tl.load(v_head + rows_v, mask=valid[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            else:  # each row keeps the scores against its own KV head
+                s = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+                for h in tl.static_range(HPP):
+                    k = tl.load(k_head + h * stride_kh + rows_k, mask=valid[:, None], other=0.0)
+                    s = tl.where(hid[:, None] == h, tl.dot(q, tl.trans(k.to(q.dtype))), s)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None]
+            if HPP == 1:
+                acc += tl.dot(p.to(tl.float16), to_f16(v, V_ASM))
+            else:  # each row's probabilities against its own KV head's values
+                for h in tl.static_range(HPP):
+                    v = tl.load(v_head + h * stride_vh + rows_v, mask=valid[:, None], other=0.0)
+                    acc += tl.dot(tl.where(hid[:, None] == h, p, 0.0).to(tl.float16), to_f16(v, V_ASM))
+            m = m_new
+        return m, l_sum, acc
+
+    @triton.jit
     def fp8_decode_attn_split(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr,
                               part_ptr, lse_ptr, order_ptr, sm_scale, stride_qt, stride_qh, stride_kb, stride_ks,
                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh, q_heads,
@@ -136,42 +183,11 @@ def _kernels():
             heads = kvh * GROUP + rg
             gmask = rg < GROUP * HPP
             hid = rg // GROUP  # which of the program's KV heads a query row belongs to
-            q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + rd[None, :],
-                        mask=gmask[:, None], other=0.0)
-            if Q_FP8:
-                q = q.to(tl.float16)
+            q = _query(q_ptr, tok, heads, gmask, rd, stride_qt, stride_qh, Q_FP8)
             scale = _score_scale(sm_scale, qs_ptr, ks_ptr, Q_SCALED)
-            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            l_sum = tl.zeros([GROUP_PAD], tl.float32)
-            acc = tl.zeros([GROUP_PAD, D], tl.float32)
-            bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-            k_head = k_ptr + kvh * stride_kh
-            v_head = v_ptr + kvh * stride_vh
-            for n in range(start, end, BLOCK_N):
-                valid, rows_k, rows_v = _page_rows(bt_row, n + rn, end, rd, stride_kb, stride_ks, stride_vb, stride_vs,
-                                                   PAGE)
-                if HPP == 1:
-                    k = tl.load(k_head + rows_k, mask=valid[:, None], other=0.0)
-                    v = tl.load(v_head + rows_v, mask=valid[:, None], other=0.0)
-                    s = tl.dot(q, tl.trans(k.to(q.dtype)))
-                else:  # each row keeps the scores against its own KV head
-                    s = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
-                    for h in tl.static_range(HPP):
-                        k = tl.load(k_head + h * stride_kh + rows_k, mask=valid[:, None], other=0.0)
-                        s = tl.where(hid[:, None] == h, tl.dot(q, tl.trans(k.to(q.dtype))), s)
-                s = tl.where(valid[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None]
-                if HPP == 1:
-                    acc += tl.dot(p.to(tl.float16), to_f16(v, V_ASM))
-                else:  # each row's probabilities against its own KV head's values
-                    for h in tl.static_range(HPP):
-                        v = tl.load(v_head + h * stride_vh + rows_v, mask=valid[:, None], other=0.0)
-                        acc += tl.dot(tl.where(hid[:, None] == h, p, 0.0).to(tl.float16), to_f16(v, V_ASM))
-                m = m_new
+            m, l_sum, acc = _attend(q, k_ptr, v_ptr, bt_ptr, kvh, seq, start, end, scale, hid, rd, rn, stride_kb,
+                                    stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, GROUP_PAD, D, PAGE,
+                                    BLOCK_N, HPP, V_ASM)
             if SPLITS == 1:
                 o = acc / l_sum[:, None] * tl.load(vs_ptr)
                 tl.store(out_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + rd[None, :],
@@ -216,23 +232,20 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                          heads: int | None = None, sm_count: int | None = None,
                          v_f16_first: bool = True, qk_fp8: bool = False, longest_first: bool = False,
-                         min_split: int = 0, merge_heads: int = 1) -> torch.Tensor:
-    """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the
-    heads a program holds, the keys it reads per iteration and its warps (64 and 2 for two heads, 128 and 4 for one:
-    the sweeps' best, RESULTS "Where the FP8 decode kernel's time goes") and
-    the splits (`splits_for`, from `sm_count` or the device's) are the measured defaults. `v_f16_first`: an E4M3 V
-    tile is converted to FP16 before it becomes the dot's operand (`to_f16`; the same values, 3-7 % faster on an
-    H200: RESULTS "Where the FP8 decode kernel's time goes"); False: the plain cast (Triton's interpreter always).
-    `qk_fp8`: an E4M3 query over E4M3 keys on Hopper takes `fp8_decode_attn_qk.kernel` (FP8 warpgroup MMA for the scores: 4 warps,
-    64 keys an iteration); other operands and devices keep the default kernel. `longest_first`: the programs take
-    the sequences longest first (`torch.argsort` of `seq_lens` on the device, then the same kernel reading its
-    sequence through that order: the same bits), so the last wave of programs holds the short ones; opt-in: its
-    `flashrl_fp8_lpt` column is faster at 128-256 long sequences, slower at 64 (the argsort), and the RL step slower.
-    `min_split`: each split reads at least this many keys (a multiple of the tile; 0: the length over `splits`), so
-    with many splits a long sequence takes them all and a short one few, each program a similar share of work under
-    one launch grid (CUDA graphs); the splits a sequence leaves empty write nothing and the merge skips them. Not a
-    default until measured (benchmarks/decode_attention.py `--sweep-grid tail`). `merge_heads`: the query heads of a
-    sequence one merge program takes, each with one head's operations (the same bits); 1 until measured (job merge74)."""
+                         min_split: int = 0, merge_heads: int = 1, balanced: bool = False,
+                         programs: int | None = None) -> torch.Tensor:
+    """Write each decoding sequence's attention into `out` [tokens, q_heads, D] (module docstring). Unset, the heads
+    a program holds, the keys it reads an iteration and its warps (64 and 2 for two heads, 128 and 4 for one) and the
+    splits (`splits_for`, from `sm_count` or the device's) are the measured defaults (RESULTS "Where the FP8 decode
+    kernel's time goes"). `v_f16_first`: an E4M3 V tile is converted to FP16 before the dot (`to_f16`: the same values,
+    3-7 % faster on an H200); False: the plain cast (Triton's interpreter always). `qk_fp8`: an E4M3 query over E4M3
+    keys on Hopper takes `fp8_decode_attn_qk.kernel` (FP8 warpgroup MMA for the scores); other operands keep the
+    default. `longest_first`: the programs take the sequences longest first (an argsort of `seq_lens` on the device;
+    the same bits), so the last wave holds short ones; opt-in (the RL step was slower). `min_split`: each split
+    reads at least this many keys (a multiple of the tile), so a long sequence takes every split and a short one few
+    under one grid; empty splits write nothing. `merge_heads`: query heads a merge program takes (the same bits; one
+    was as fast, job merge74). `balanced`: up to 32 sequences `fp8_decode_attn_bal` -- `programs` (default: SMs x its
+    programs an SM) take equal runs of the batch's key tiles (`splits`, `min_split`, `merge_heads` unused); opt-in."""
     split_kernel, merge_kernel = _kernels()
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -266,6 +279,17 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if q_fp8 and not q_scaled:  # a number: folded into the softmax scale
         sm_scale, q_scale = sm_scale * float(q_scale), None
     v_asm = v_f16_first and v_cache.dtype == torch.float8_e4m3fn and q.is_cuda and not _interpreted()
+    from flashrl_tools.quant.kernels import fp8_decode_attn_bal as bal
+
+    if balanced and num_seqs <= bal.MAX_SEQS:
+        if qk_fp8 or longest_first or (programs is not None and programs < 1):
+            raise ValueError("fp8_decode_attention: balanced takes neither qk_fp8 nor longest_first, and >= 1 programs")
+        programs = programs or bal.PROGRAMS_PER_SM * (sm_count or torch.cuda.get_device_properties(q.device)
+                                                      .multi_processor_count)
+        return bal.attention(sys.modules[__name__], q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc,
+                             sm_scale, q_scale if q_scaled else k_scale, k_scale, v_scale, group=group,
+                             group_pad=group_pad, hpp=hpp, block_n=block_n, q_fp8=q_fp8, q_scaled=q_scaled, v_asm=v_asm,
+                             programs=programs, num_warps=num_warps, num_stages=num_stages)
     part = lse = out
     if splits > 1:
         part = torch.empty((num_seqs * q_heads * splits, d), dtype=torch.float32, device=q.device)

@@ -130,11 +130,12 @@ def check_settings(caps: Capabilities, s: Settings, source: str) -> None:
     if s.step_log and not Path(s.step_log).expanduser().parent.is_dir():
         raise FlashRLError(f"FLASHRL_STEP_LOG={s.step_log}: its directory does not exist", source,
                            "create the directory, or unset FLASHRL_STEP_LOG")
-    if s.decode_attn not in ("auto", "1", "0", "xqa", "fp8qk", "lpt"):
+    if s.decode_attn not in ("auto", "1", "0", "xqa", "fp8qk", "lpt", "balanced"):
         raise FlashRLError(f"invalid FLASHRL_DECODE_ATTN={s.decode_attn!r}", source,
                            "allowed: 1 / on, 0 / off, xqa (XQA's FP8 kernel from 32 sequences up, Hopper), fp8qk "
                            "(flashrl's kernel with FP8 score products, Hopper), lpt (flashrl's kernel, sequences "
-                           "longest first), or unset / auto (on Hopper GPUs)")
+                           "longest first), balanced (its key tiles balanced over a fixed grid, <= 32 sequences), or "
+                           "unset / auto (on Hopper GPUs)")
     for var, (attr, _default) in VARIABLES.items():
         setting = caps.settings.get(var)
         raw = getattr(s, attr)

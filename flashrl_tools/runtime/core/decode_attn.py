@@ -10,7 +10,9 @@ pages XQA lacks through flashrl's kernel; the choice depends only on the batch's
 of the default's time on an H200): flashrl's kernel with the scores transposed, an FP8 query's products with the FP8
 keys formed by Hopper's FP8 warpgroup MMA (`fp8_decode_attn_qk.py`: no conversion of K). `lpt` (opt-in; 3-12 % faster
 at 128-256 sequences of 4-8k tokens, slower at 64 and in the RL step, RESULTS): flashrl's kernel taking a batch's
-sequences longest first (`longest_first`: the same bits)."""
+sequences longest first (`longest_first`: the same bits). `balanced` (opt-in until measured): up to 32 sequences
+(the tail) flashrl's kernel with equal runs of the batch's key tiles over a fixed grid (`fp8_decode_attn_bal.py`);
+not for a split count the engine fixed (SGLang's deterministic `num_splits=1`)."""
 
 from __future__ import annotations
 
@@ -20,26 +22,27 @@ import logging
 import torch
 
 from flashrl_tools.config.settings import settings
-from flashrl_tools.quant.kernels import fp8_decode_attn, xqa_decode
+from flashrl_tools.quant.kernels import fp8_decode_attn, fp8_decode_attn_bal, xqa_decode
 
 log = logging.getLogger("flashrl_tools.runtime")
 LOG_LINE = "FP8 KV decode attention through flashrl's Triton kernel"  # logged once per process (the GPU tests read it)
 XQA_LINE = "FP8 KV decode attention through XQA's Hopper kernel"  # the same, for a batch XQA computed
 QK_LINE = f"{LOG_LINE}, FP8 keys in the score MMA"  # the same, for fp8qk (its batches count as flashrl's too)
 LPT_LINE = f"{LOG_LINE}, sequences longest first"  # the same, for lpt
+BAL_LINE = f"{LOG_LINE}, key tiles balanced over a fixed grid"  # the same, for balanced
 # "mode": the switch, resolved once per process; "logged" / "xqa_logged" / "qk_logged": a batch went through; "refused": why the
 # model's shape is not the kernels' (`choose`)
 _state: dict = {}
 
 
 def resolve(value: str, capability: tuple[int, int]) -> str:
-    """FLASHRL_DECODE_ATTN on a device of this capability -> "flashrl", "xqa", "fp8qk", "lpt" or "" (the engine's
+    """FLASHRL_DECODE_ATTN on a device of this capability -> "flashrl", "xqa", "fp8qk", "lpt", "balanced" or "" (the engine's
     own attention): 1 flashrl's kernel, 0 off, `auto` (unset) flashrl's kernel on Hopper (sm_90), where its tiles were
     swept and both adapters passed their GPU tests; `xqa` XQA on Hopper (its FP8 kernel is sm_90's), `fp8qk` the FP8
     score MMA on Hopper (Hopper's warpgroup MMA); elsewhere both are flashrl's kernel; `lpt` flashrl's kernel taking
-    the sequences longest first, on any device (as 1)."""
+    the sequences longest first, `balanced` its balanced grid, on any device (as 1)."""
     hopper = tuple(capability) == (9, 0)
-    if value == "lpt":
+    if value in ("lpt", "balanced"):
         return value
     if value in ("xqa", "fp8qk"):
         return value if hopper else "flashrl"
@@ -82,14 +85,14 @@ def enabled(device: torch.device) -> bool:
 
 def ran() -> bool:
     """Whether a decode batch of this process went through flashrl's kernel (the benchmarks record it per row)."""
-    return bool(_state.get("logged") or _state.get("qk_logged"))
+    return bool(_state.get("logged") or _state.get("qk_logged") or _state.get("bal_logged"))
 
 
 def kernels_in(output: str) -> list[str]:
-    """The kernels an engine's output says its FP8 KV decode batches went through: "flashrl", "xqa", "fp8qk" / "lpt"
-    (with "flashrl": the same kernel family; each logs its line once per process); [] for the engine's own attention."""
-    return [name for name, line in (("flashrl", LOG_LINE), ("xqa", XQA_LINE), ("fp8qk", QK_LINE), ("lpt", LPT_LINE))
-            if line in output]
+    """The kernels an engine's output says its FP8 KV decode batches went through: "flashrl", "xqa", "fp8qk" / "lpt" /
+    "balanced" (with "flashrl": one kernel family; each logs its line once per process); [] for the engine's own."""
+    return [name for name, line in (("flashrl", LOG_LINE), ("xqa", XQA_LINE), ("fp8qk", QK_LINE), ("lpt", LPT_LINE),
+                                    ("balanced", BAL_LINE)) if line in output]
 
 
 def ran_xqa() -> bool:
@@ -103,7 +106,7 @@ def _sm_count(index: int) -> int:
 
 
 def mode() -> str:
-    """The resolved switch ("flashrl", "xqa", "fp8qk", "lpt" or ""; "" before the first CUDA batch resolved it)."""
+    """The resolved switch ("flashrl", "xqa", "fp8qk", "lpt", "balanced" or ""; "" before the first CUDA batch)."""
     return _state.get("mode", "")
 
 
@@ -130,10 +133,12 @@ def attend(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, sca
     else:
         qk = mode() == "fp8qk" and q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
         lpt = mode() == "lpt"
+        bal = mode() == "balanced" and splits is None and seq_lens.shape[0] <= fp8_decode_attn_bal.MAX_SEQS
         fp8_decode_attn.fp8_decode_attention(q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale,
                                              k_scale, v_scale, q_scale=q_scale, splits=splits, sm_count=sms, qk_fp8=qk,
-                                             longest_first=lpt)
-        key, line = ("qk_logged", QK_LINE) if qk else ("logged", LPT_LINE if lpt else LOG_LINE)
+                                             longest_first=lpt, balanced=bal)
+        key, line = (("qk_logged", QK_LINE) if qk else ("bal_logged", BAL_LINE) if bal
+                     else ("logged", LPT_LINE if lpt else LOG_LINE))
     if key not in _state:
         _state[key] = True
         log.info("%s (FLASHRL_DECODE_ATTN; %s)", line, via)
