@@ -529,7 +529,7 @@ def test_decode_attn_hook_routes_only_fp8_decode_batches(monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("q_heads,kv_heads,query", [(32, 8, "fp8"), (28, 4, "fp8"), (40, 8, "bf16")])
-def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, query):
+def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, query, monkeypatch):
     """The compiled kernel at decode shapes (issue 45): within the output's BF16 rounding of float32 attention over
     the same FP8 values, at the split count the engine picks and at one split, and the same bits when run again, with
     the sequences longest first, and with several query heads a merge program; the balanced kernel within the same
@@ -579,7 +579,14 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
             fp8_decode_attn.fp8_decode_attention(q, k, v, again, bt, lens_t, qsl, 128 ** -0.5, splits=splits,
                                                  heads=heads, sm_count=sms, qk_fp8=True, min_split=least, **sc)
             assert torch.equal(qk, again)
-    for programs, heads in ((None, None), (None, 1), (97, None)):  # balanced runs of key tiles (fp8_decode_attn_bal)
+    # balanced runs of key tiles (fp8_decode_attn_bal) over the first 24 sequences (it takes up to 32)
+    from flashrl_tools.quant.kernels import fp8_decode_attn_bal
+
+    q, k, v, bt, lens_t, qsl, sc = _paged_batch(lens[:24], q_heads, kv_heads, fp8_query=query == "fp8", device="cuda")
+    ref = fp8_decode_attn_ref.reference(q, k, v, bt, lens_t, qsl, 128 ** -0.5, **sc)
+    ran, launch = [], fp8_decode_attn_bal.attention
+    monkeypatch.setattr(fp8_decode_attn_bal, "attention", lambda *a, **kw: ran.append(1) or launch(*a, **kw))
+    for programs, heads in ((None, None), (None, 1), (97, None)):
         bal = torch.zeros(q.shape, dtype=torch.bfloat16, device="cuda")
         for _ in range(2):  # run again: the same bits
             again, bal = bal, torch.zeros_like(bal)
@@ -588,6 +595,7 @@ def test_fp8_decode_attention_compiled_matches_the_reference(q_heads, kv_heads, 
         err = (bal.float() - ref).abs().amax(dim=(1, 2))
         assert torch.all(err <= 2 ** -8 * ref.abs().amax(dim=(1, 2)) + 1e-6), (programs, heads, err.max().item())
         assert torch.equal(bal, again), (programs, heads)
+    assert len(ran) == 6  # the balanced kernel ran each time (not the split kernel's fallback past 32 sequences)
 
 
 def _hopper_ptx(v_asm: bool, heads: int, qk: bool = False, warps: int | None = None) -> str:
