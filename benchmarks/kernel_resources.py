@@ -47,11 +47,13 @@ def constexprs(q_heads: int, kv_heads: int, block_n: int, splits: int = 16) -> d
                 SPLITS=splits, Q_FP8=True, Q_SCALED=True, HPP=hpp, V_ASM=True, ORDERED=False, MIN_SPLIT=0)
 
 
-def balanced_constexprs(q_heads: int, kv_heads: int, block_n: int, seqs: int) -> dict:
-    """The balanced kernel's (`fp8_decode_attn_bal`) compile-time arguments for a batch of `seqs` sequences."""
+def balanced_constexprs(q_heads: int, kv_heads: int, block_n: int) -> dict:
+    """The balanced kernel's (`fp8_decode_attn_bal`) compile-time arguments (one variant for up to 32 sequences)."""
+    from flashrl_tools.quant.kernels import fp8_decode_attn_bal
+
     consts = {k: v for k, v in constexprs(q_heads, kv_heads, block_n).items()
               if k not in ("SPLITS", "ORDERED", "MIN_SPLIT")}
-    return {**consts, "PAIRS": kv_heads // consts["HPP"], "SEQS_PAD": max(16, 1 << (seqs - 1).bit_length())}
+    return {**consts, "PAIRS": kv_heads // consts["HPP"], "SEQS_PAD": fp8_decode_attn_bal.MAX_SEQS}
 
 
 def compile_split(consts: dict, num_warps: int, num_stages: int, qk: bool = False):

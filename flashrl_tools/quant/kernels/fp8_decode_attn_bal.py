@@ -128,7 +128,7 @@ def attention(helpers, q, k_cache, v_cache, out, block_table, seq_lens, query_st
     split, merge = kernels(helpers)
     num_seqs, q_heads, d = seq_lens.shape[0], q.shape[1], q.shape[2]
     pairs = k_cache.shape[2] // hpp
-    seqs_pad = max(16, 1 << (max(1, num_seqs) - 1).bit_length())
+    seqs_pad = MAX_SEQS  # one variant; 16 spilled registers with the GPU host's Triton 3.6 (32: 211, none)
     rows = (programs + num_seqs * pairs) * group_pad
     part = torch.empty((rows, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((rows,), dtype=torch.float32, device=q.device)
