@@ -20,6 +20,7 @@ every sequence's reads): whether a group's prompt is read from DRAM once per seq
 
     python benchmarks/decode_attention.py --shapes qwen3-8b,7b,14b --batches 256,128,64,16,4 --sweep 128,16 --json da.json
     python benchmarks/decode_attention.py --shapes 14b --batches 256,128 --shared-prompt 1024 --json da_shared.json
+    python benchmarks/decode_attention.py --flashrl-only --shapes qwen3-8b --batches 12,16 --ctx 4000   # no vLLM
 """
 
 from __future__ import annotations
@@ -89,21 +90,25 @@ def make_batch(q_heads: int, kv_heads: int, batch: int, ctx: int, gen: torch.Gen
             "qsl": torch.arange(batch + 1, dtype=torch.int32, device=device), "kv_bytes": int(lens.sum()) * kv_heads * 2 * D}
 
 
-def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
-    """name -> (callable, output, the FP8 values it computes on, bytes per cache element)."""
-    from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+def candidates(b: dict, q_heads: int, kv_heads: int, flashrl_only: bool = False) -> dict:
+    """name -> (callable, output, bytes per cache element); `flashrl_only`: flashrl's kernels alone (no vLLM needed)."""
 
     batch, raw = b["lens"].shape[0], b["raw"]
     k8, v8 = raw[..., :D], raw[..., D:]
-    raw16 = raw.to(torch.bfloat16)  # the BF16 cache holds the same values
-    k16, v16 = raw16[..., :D], raw16[..., D:]
     scale = D ** -0.5
-    max_len = int(b["lens"].max())
-    shape = (batch, kv_heads)
-    qs, ks, vs = (b[n].expand(shape) for n in ("q_scale", "k_scale", "v_scale"))
     outs = {n: torch.empty(batch, q_heads, D, dtype=torch.bfloat16, device="cuda") for n in
             ("fa3_bf16", "fa3_fp8", "triton_vllm_fp8", "flashrl_fp8", "flashrl_fp8_cast", "flashrl_fp8qk",
              "flashrl_fp8_lpt", "flashrl_fp8_bal")}
+    ours = _flashrl_candidates(b, k8, v8, scale, outs)
+    if flashrl_only:
+        return ours
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+    raw16 = raw.to(torch.bfloat16)  # the BF16 cache holds the same values
+    k16, v16 = raw16[..., :D], raw16[..., D:]
+    max_len = int(b["lens"].max())
+    shape = (batch, kv_heads)
+    qs, ks, vs = (b[n].expand(shape) for n in ("q_scale", "k_scale", "v_scale"))
 
     def meta(dtype):
         return get_scheduler_metadata(batch, 1, max_len, q_heads, kv_heads, D, b["lens"], qkv_dtype=dtype,
@@ -131,6 +136,13 @@ def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
                           window_size=(-1, -1), block_table=b["bt"], softcap=0, q_descale=b["q_scale"],
                           k_descale=b["k_scale"], v_descale=b["v_scale"], kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
 
+    return {"fa3_bf16": (fa3_bf16, outs["fa3_bf16"], 2), "fa3_fp8": (fa3_fp8, outs["fa3_fp8"], 1),
+            "triton_vllm_fp8": (triton_vllm, outs["triton_vllm_fp8"], 1), **ours}
+
+
+def _flashrl_candidates(b: dict, k8, v8, scale: float, outs: dict) -> dict:
+    """flashrl's kernels: the default, the plain V cast, fp8qk, longest first, balanced."""
+
     def flashrl(**cfg):
         fp8_decode_attn.fp8_decode_attention(b["q8"], k8, v8, outs["flashrl_fp8"], b["bt"], b["lens"], b["qsl"],
                                              scale, b["k_scale"], b["v_scale"], q_scale=b["q_scale"], **cfg)
@@ -151,9 +163,7 @@ def candidates(b: dict, q_heads: int, kv_heads: int) -> dict:
         fp8_decode_attn.fp8_decode_attention(b["q8"], k8, v8, outs["flashrl_fp8_bal"], b["bt"], b["lens"], b["qsl"],
                                              scale, b["k_scale"], b["v_scale"], q_scale=b["q_scale"], balanced=True)
 
-    return {"fa3_bf16": (fa3_bf16, outs["fa3_bf16"], 2), "fa3_fp8": (fa3_fp8, outs["fa3_fp8"], 1),
-            "triton_vllm_fp8": (triton_vllm, outs["triton_vllm_fp8"], 1), "flashrl_fp8": (flashrl, outs["flashrl_fp8"], 1),
-            "flashrl_fp8_cast": (flashrl_cast, outs["flashrl_fp8_cast"], 1),
+    return {"flashrl_fp8": (flashrl, outs["flashrl_fp8"], 1), "flashrl_fp8_cast": (flashrl_cast, outs["flashrl_fp8_cast"], 1),
             "flashrl_fp8qk": (flashrl_fp8qk, outs["flashrl_fp8qk"], 1),
             "flashrl_fp8_lpt": (flashrl_lpt, outs["flashrl_fp8_lpt"], 1),
             "flashrl_fp8_bal": (flashrl_bal, outs["flashrl_fp8_bal"], 1)}
@@ -179,6 +189,8 @@ def main() -> None:
     ap.add_argument("--equal-lengths", action="store_true",
                     help="every sequence exactly --ctx tokens (a rollout whose requests started together): the launch "
                     "grid's last wave of programs is then as long as the others")
+    ap.add_argument("--flashrl-only", action="store_true",
+                    help="flashrl's kernels alone: no vLLM needed (a GPU host with torch and Triton)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -192,7 +204,7 @@ def main() -> None:
                                             [int(x) for x in args.batches.split(",")]):
             b = make_batch(q_heads, kv_heads, batch, ctx, gen, args.layout, args.shared_prompt, args.group,
                            equal=args.equal_lengths)
-            cands = candidates(b, q_heads, kv_heads)
+            cands = candidates(b, q_heads, kv_heads, args.flashrl_only)
             n_ref = min(batch, 16)
             ref = fp8_decode_attn_ref.reference(b["q8"][:n_ref], b["raw"][..., :D], b["raw"][..., D:], b["bt"][:n_ref],
                                             b["lens"][:n_ref], b["qsl"][:n_ref + 1], D ** -0.5, b["k_scale"],
@@ -253,7 +265,8 @@ def main() -> None:
           "fp8qk best (cfg) | tail (splits/min_split), merge (heads) or balanced (programs) best |")
     print("| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- | --- |")
     for r in rows:
-        cells = [f"{r[n]['us']:.1f} ({r[n]['tb_s']})" if "us" in r.get(n, {}) else "error" for n in names]
+        cells = [f"{r[n]['us']:.1f} ({r[n]['tb_s']})" if "us" in r.get(n, {}) else "error" if n in r else "-"
+                 for n in names]
         ratio = (f"{r['flashrl_fp8']['us'] / r['fa3_fp8']['us']:.2f}x"
                  if "us" in r.get("flashrl_fp8", {}) and "us" in r.get("fa3_fp8", {}) else "-")
         bcells = [f"{best['us']:.1f} ({best['tb_s']}; " + "/".join(str(v) for k, v in best.items() if k not in ("us", "tb_s"))

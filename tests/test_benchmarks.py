@@ -570,8 +570,9 @@ def test_decode_attention_tail_sweep_keeps_every_cell(tmp_path, monkeypatch, cap
         fn()
         return 100.0 - calls[-1].get("splits", 0) + calls[-1].get("min_split", 0) / 64
 
-    monkeypatch.setattr(da, "candidates",
-                        lambda b, qh, kvh: {"flashrl_fp8": (flashrl, torch.zeros(len(b["lens"]), qh, da.D), 1)})
+    only = []
+    monkeypatch.setattr(da, "candidates", lambda b, qh, kvh, flashrl_only=False: only.append(flashrl_only) or
+                        {"flashrl_fp8": (flashrl, torch.zeros(len(b["lens"]), qh, da.D), 1)})
     monkeypatch.setattr(da.fp8_decode_attn_ref, "reference", lambda q, *a, **k: torch.ones(q.shape))
     monkeypatch.setattr(da, "bench", timed)
     monkeypatch.setattr(da.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=132))
@@ -613,6 +614,11 @@ def test_decode_attention_tail_sweep_keeps_every_cell(tmp_path, monkeypatch, cap
     assert [c["programs"] for c in row["flashrl_balanced"]] == [132 * k for k in (1, 2, 3, 4, 6, 8)]
     assert all(c == {"programs": c["programs"], "balanced": True} for c in calls if c)
     assert row["flashrl_balanced_best"]["programs"] == 132 and "flashrl_tail" not in row
+    assert only == [False] * 3  # vLLM's kernels too, unless --flashrl-only (torch and Triton alone)
+    monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--shapes", "qwen3-8b", "--batches", "8", "--ctx", "300",
+                                      "--flashrl-only", "--json", str(out)])
+    da.main()
+    assert only[-1] is True and "| - | - | - |" in capsys.readouterr().out  # FA3's columns: not run
 
 
 def test_sglang_steps_logged_by_the_scheduler_become_the_rollouts_bands(tmp_path, monkeypatch):
