@@ -628,10 +628,12 @@ def test_decode_kernel_default_tile_fits_four_programs_an_sm_without_spills():
         assert consts["HPP"] == 2
         got = resources(compile_split(consts, 2, 2), 2)
         assert got["stack_bytes"] == 0 and got["programs_per_sm"] >= 4, (q_heads, kv_heads, got)
-    # the balanced kernel (fp8_decode_attn_bal; one variant up to its 32 sequences): the same room, the grid it assumes
-    for q_heads, kv_heads in ((32, 8), (40, 8), (28, 4)):
-        got = resources(compile_split(balanced_constexprs(q_heads, kv_heads, 64), 2, 2), 2)
-        assert got["stack_bytes"] == 0 and got["programs_per_sm"] >= fp8_decode_attn_bal.PROGRAMS_PER_SM, got
+    # the balanced kernel (fp8_decode_attn_bal; one variant up to its 32 sequences): no spills, the one wave it assumes
+    # (two KV heads a program: 64 keys, 2 warps; one, for a group of 16 query heads: 128 keys, 4 warps)
+    for q_heads, kv_heads, block_n, warps in ((32, 8, 64, 2), (40, 8, 64, 2), (28, 4, 64, 2), (64, 4, 128, 4)):
+        consts = balanced_constexprs(q_heads, kv_heads, block_n)
+        got = resources(compile_split(consts, warps, 2), warps)
+        assert got["stack_bytes"] == 0 and got["programs_per_sm"] >= fp8_decode_attn_bal.PROGRAMS_PER_SM[consts["HPP"]], got
 
 
 @pytest.mark.parametrize("heads", [2, 1])

@@ -284,8 +284,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if balanced and num_seqs <= bal.MAX_SEQS:
         if qk_fp8 or longest_first or (programs is not None and programs < 1):
             raise ValueError("fp8_decode_attention: balanced takes neither qk_fp8 nor longest_first, and >= 1 programs")
-        programs = programs or bal.PROGRAMS_PER_SM * (sm_count or torch.cuda.get_device_properties(q.device)
-                                                      .multi_processor_count)
+        programs = programs or bal.PROGRAMS_PER_SM[min(hpp, 2)] * (
+            sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count)
         return bal.attention(sys.modules[__name__], q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc,
                              sm_scale, q_scale if q_scaled else k_scale, k_scale, v_scale, group=group,
                              group_pad=group_pad, hpp=hpp, block_n=block_n, q_fp8=q_fp8, q_scaled=q_scaled, v_asm=v_asm,

@@ -5,8 +5,8 @@ load, the key loop `_attend`, the score scale), so each key tile's math is the s
 Why: with few running sequences the split kernel's grid (KV head pairs x sequences x splits, splits a power of 2 by
 the batch's shape) takes a fraction of a wave more than a whole number of waves (12 sequences of Qwen3-8B: 768
 programs, 1.45 waves of the H200's 528) and its splits follow each sequence's length, not the work. Up to MAX_SEQS
-sequences (more: the split kernel, several waves anyway) `programs`
-programs (default: the SMs x the programs an SM holds) split the batch's key tiles -- every (sequence, KV head pair)
+sequences (more: the split kernel, several waves anyway) `programs` programs (default: one wave, the SMs x the
+programs an SM holds) split the batch's key tiles -- every (sequence, KV head pair)
 segment's tiles, in order -- into equal runs: program p takes tiles [p T / P, (p + 1) T / P) of the T, across
 segment boundaries, and writes one partial (output, log-sum-exp) per segment it touches into row `p + segment` (no
 two programs share a row: programs and segments advance together). The merge takes, per query head, the programs
@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-PROGRAMS_PER_SM = 4  # the default two-head tile on sm_90: 54 KB of shared memory a program (benchmarks/kernel_resources.py)
+PROGRAMS_PER_SM = {2: 4, 1: 2}  # sm_90, by KV heads a program (the default tiles; benchmarks/kernel_resources.py)
 MAX_SEQS = 32  # a program looks its segment up in every sequence's tiles: past 32 sequences its registers spill (sm_90)
 
 
