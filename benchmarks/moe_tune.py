@@ -241,7 +241,11 @@ def main() -> None:
                   f"{r['tried']} tried), bf16 {r['bf16_us']} us, w8a8 {r.get('w8a8_vllm_us')} / "
                   f"{r.get('w8a8_tuned_tile_us')} us", flush=True)
         name = get_config_file_name(p.E, p.N, p.dtype)
-        write_table({r["tokens"]: r["tuned_config"] for r in rows}, Path(args.out) / name)
+        try:
+            write_table({r["tokens"]: r["tuned_config"] for r in rows}, Path(args.out) / name)
+        except OSError as e:
+            sys.exit(f"error: cannot write the table {Path(args.out) / name}: {e.strerror}; pass --out DIR (a folder "
+                     "you can write; VLLM_TUNED_CONFIG_FOLDER=DIR then serves it)")
         shapes.append({"shape": shape, "tp": args.tp, "experts": p.E, "n": p.N, "k": p.K, "topk": p.topk, "dtype": p.dtype,
                        "table": name, "rows": rows})
         del p
