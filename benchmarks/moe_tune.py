@@ -223,6 +223,12 @@ def main() -> None:
         sys.exit(f"error: --tokens {args.tokens!r}: a comma-separated list of positive integers")
     if not tokens or min(tokens) < 1:
         sys.exit(f"error: --tokens {args.tokens!r}: a comma-separated list of positive integers")
+    near = Path(args.out)
+    while not near.exists():
+        near = near.parent
+    if not near.is_dir() or not os.access(near, os.W_OK):
+        sys.exit(f"error: --out {args.out}: {near} is not a folder you can write; pass --out DIR (then "
+                 "VLLM_TUNED_CONFIG_FOLDER=DIR serves the tables)")
     if not torch.cuda.is_available():
         sys.exit("error: moe_tune.py needs a CUDA GPU (it times vLLM's Triton fused-MoE kernel)")
     from vllm.model_executor.layers.fused_moe.fused_moe import get_config_file_name

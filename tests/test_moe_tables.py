@@ -94,6 +94,7 @@ def test_moe_tune_search_space_and_its_refusals(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     for args, why in ((["--shapes", "14b"], "nor a model's config.json"), (["--tokens", "4,x"], "positive integers"),
                       (["--shapes", str(tmp_path / "mixtral"), "--tp", "3"], "does not split"),
+                      (["--out", str(tmp_path / "dense.json" / "tables")], "is not a folder you can write"),
                       (["--tokens", "0"], "positive integers"), ([], "needs a CUDA GPU")):
         res = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=120)
         assert res.returncode != 0 and why in res.stderr and "Traceback" not in res.stderr, res.stderr
