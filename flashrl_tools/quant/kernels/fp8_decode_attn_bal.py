@@ -6,10 +6,10 @@ Why: with few running sequences the split kernel's grid (KV head pairs x sequenc
 the batch's shape) takes a fraction of a wave more than a whole number of waves (12 sequences of Qwen3-8B: 768
 programs, 1.45 waves of the H200's 528) and its splits follow each sequence's length, not the work. Up to MAX_SEQS
 sequences (more: the split kernel, several waves anyway) `programs` programs (default: one wave, the SMs x the
-programs an SM holds) split the batch's key tiles -- every (sequence, KV head pair)
-segment's tiles, in order -- into equal runs: program p takes tiles [p T / P, (p + 1) T / P) of the T, across
-segment boundaries, and writes one partial (output, log-sum-exp) per segment it touches into row `p + segment` (no
-two programs share a row: programs and segments advance together). The merge takes, per query head, the programs
+programs an SM holds) split the batch's key tiles -- every (sequence, KV head pair) segment's tiles, in order -- into
+equal runs: program p takes tiles [p T / P, (p + 1) T / P) of the T, across segment boundaries, and writes one
+partial (output, log-sum-exp) per segment it touches into row `p + segment` (no two programs share a row: programs
+and segments advance together). The merge takes, per query head, the programs
 whose runs meet its segment (computed from the same prefix sums) in order. The grid does not depend on the lengths
 (CUDA graphs keep one launch); the split points do: a sequence's output depends on the batch's other lengths within
 float32 rounding, the same batch giving the same bits. Operands: as `fp8_decode_attention`.
