@@ -64,10 +64,10 @@ def compile_split(consts: dict, num_warps: int, num_stages: int, qk: bool = Fals
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flashrl_tools.quant.kernels import fp8_decode_attn_bal, fp8_decode_attn_qk
+    from flashrl_tools.quant.kernels import fp8_decode_attn_bal, fp8_decode_attn_jit, fp8_decode_attn_qk
 
-    split = (fp8_decode_attn_qk.kernel(fp8_decode_attn) if qk else fp8_decode_attn_bal.kernels(fp8_decode_attn)[0]
-             if "PAIRS" in consts else fp8_decode_attn._kernels()[0])
+    split = (fp8_decode_attn_qk.kernel(fp8_decode_attn_jit) if qk else fp8_decode_attn_bal.kernels(fp8_decode_attn_jit)[0]
+             if "PAIRS" in consts else fp8_decode_attn_jit.kernels()[0])
     names = split.arg_names
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n == "sm_scale" else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

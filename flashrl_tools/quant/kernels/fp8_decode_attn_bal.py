@@ -1,6 +1,6 @@
 """`fp8_decode_attn`'s decode attention with the work balanced over a fixed grid (issue 74's tail; opt-in until
-measured): `fp8_decode_attention(balanced=True)` launches it with that module's operands and jit helpers (the query
-load, the key loop `_attend`, the score scale), so each key tile's math is the split kernel's.
+measured): `fp8_decode_attention(balanced=True)` launches it with that call's operands and `fp8_decode_attn_jit`'s
+helpers (the query load, the key loop `_attend`, the score scale), so each key tile's math is the split kernel's.
 
 Why: with few running sequences the split kernel's grid (KV head pairs x sequences x splits, splits a power of 2 by
 the batch's shape) takes a fraction of a wave more than a whole number of waves (12 sequences of Qwen3-8B: 768
@@ -27,13 +27,13 @@ MAX_SEQS = 32  # a program looks its segment up in every sequence's tiles: past 
 
 @functools.lru_cache(maxsize=1)
 def kernels(helpers):
-    """The balanced split kernel and its merge; `helpers`: the `fp8_decode_attn` module (its `_kernels()` defines the
-    shared jit helpers)."""
+    """The balanced split kernel and its merge; `helpers`: the `fp8_decode_attn_jit` module (its `kernels()` defines
+    the shared jit helpers)."""
     import triton
     import triton.language as tl
 
     global _query, _attend, _score_scale, _tiles  # module globals: Triton resolves a kernel's callees there
-    helpers._kernels()
+    helpers.kernels()
     _query, _attend, _score_scale = helpers._query, helpers._attend, helpers._score_scale
 
     @triton.jit

@@ -1,7 +1,7 @@
 """FLASHRL_DECODE_ATTN=fp8qk's split kernel (issue 74; opt-in): `fp8_decode_attn`'s decode attention with the scores
 computed transposed, so Hopper's FP8 warpgroup MMA takes the FP8 keys as stored. Launched by
 `fp8_decode_attn.fp8_decode_attention(qk_fp8=True)` (the same operands, splits and merge kernel), which hands it its
-jit helpers (bounds, score scale, page rows, `to_f16`): this module imports nothing of that one."""
+jit helpers (`fp8_decode_attn_jit`: bounds, score scale, page rows, `to_f16`): this module imports neither."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ def kernel(helpers):
     rows: Hopper's warpgroup MMA) take FP8 straight from shared memory with the FP8 query (no conversion of K; the
     products are the same exact FP8 x FP8 products the FP16 path forms, summed by the tensor core), then
     O^T = V^T . P^T in FP16 (V converted by `to_f16`). Opt-in (`qk_fp8=True`, FLASHRL_DECODE_ATTN=fp8qk) until it is
-    measured against the default on a GPU. `helpers`: the module whose `_kernels()` defines the shared jit helpers
-    (`fp8_decode_attn`)."""
+    measured against the default on a GPU. `helpers`: the module whose `kernels()` defines the shared jit helpers
+    (`fp8_decode_attn_jit`)."""
     import triton
     import triton.language as tl
 
     global to_f16, _bounds, _score_scale, _page_rows, _program_seq  # module globals: Triton resolves callees there
-    helpers._kernels()  # defines them
+    helpers.kernels()  # defines them
     to_f16, _bounds, _score_scale, _page_rows = helpers.to_f16, helpers._bounds, helpers._score_scale, helpers._page_rows
     _program_seq = helpers._program_seq
 
