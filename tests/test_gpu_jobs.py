@@ -22,7 +22,7 @@ NEEDS = {"vllm", "sglang", "trainers", "ray", "model", "xqa", "sq"}  # scripts/g
 
 def _job(path: Path) -> dict:
     """The job file's variables, as the runner reads them (sourced by bash)."""
-    names = ("NEEDS", "GPUS", "TESTS", "ROWS", "ROW_ARGS", "RUN", "ENV")
+    names = ("NEEDS", "GPUS", "TESTS", "ROWS", "ROW_ARGS", "RUN", "ENV", "TESTS_GPU", "RUN_GPU")
     script = f"set -u; source {shlex.quote(str(path))}; " + "; ".join(
         f"printf '%s\\0' \"${{{n}:-}}\"" for n in names)
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
@@ -83,6 +83,12 @@ def test_a_job_file_names_what_exists(path):
             assert re.fullmatch(r"\d+(,\d+)*", fields[0]) and fields[1] in ("vllm", "sglang") and fields[2] in known, line
             gpus = fields[0].count(",") + 1  # a row over several GPUs: rl_step.py's --tp names as many
             assert gpus == 1 or f"--tp {gpus}" in job["ROW_ARGS"], line
+        # parts without a GPU run in a lane of their own, beside the rows (H200, 2026-12-02: moe74's tile search ran
+        # beside its BF16 row): on one GPU they name the rows' GPU and run before them
+        if job["GPUS"] in ("", "1"):
+            lanes = {line.split(":")[0] for line in filter(None, job["ROWS"].splitlines())}
+            for part in ("TESTS", "RUN"):
+                assert not job[part] or job[f"{part}_GPU"] in lanes, f"{path.name}: one GPU: {part}_GPU=0"
     for script in re.findall(r"(?:scripts|benchmarks|examples)/[\w/.-]+\.(?:py|sh)", job["RUN"]):
         assert (REPO / script).is_file(), script
 

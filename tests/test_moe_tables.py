@@ -98,3 +98,18 @@ def test_moe_tune_search_space_and_its_refusals(tmp_path):
                       (["--tokens", "0"], "positive integers"), ([], "needs a CUDA GPU")):
         res = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=120)
         assert res.returncode != 0 and why in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_failing_tile_leaves_no_override_behind():
+    """vLLM's override_config restores the old tile only when its body returns: a tile the shared memory cannot
+    hold (Triton's OutOfResources) stayed in force for every later call (vLLM's own choice and BF16's timed on it)."""
+    import vllm.model_executor.layers.fused_moe as fm
+
+    assert fm.get_config() is None
+    with pytest.raises(RuntimeError), moe_tune.tile(TABLE[16]):
+        assert fm.get_config()["BLOCK_SIZE_N"] == 64
+        raise RuntimeError("out of resource: shared memory")
+    assert fm.get_config() is None
+    with moe_tune.tile(TABLE[64]):
+        assert fm.get_config()["BLOCK_SIZE_N"] == 256
+    assert fm.get_config() is None
