@@ -8,7 +8,7 @@
 #                                              (GPU "0,1": a tensor-parallel row's GPUs, a lane of their own)
 #   RUN="shell command"                        run by bash from the repository root, gpu_env.sh sourced, JOBDIR set
 #   TESTS_GPU / RUN_GPU=N                      the GPU those parts run on (unset: every GPU, a lane of their own,
-#                                              beside the rows: a one-GPU job with ROWS names the rows GPU)
+#                                              beside the rows: a one-GPU job with ROWS names the rows' GPU)
 #   ENV="A=1 B=2"                              set for the whole job (FLASHRL_DECODE_* / _FUSED_KV_STORE start unset)
 # ROWS_MATCH=TEXT in the runner's environment keeps only the ROWS lines that contain TEXT (one row of a job rerun).
 # A job's parts on one GPU run in the order TESTS, RUN, ROWS; different GPUs side by side. Per job RES/JOB/ (the
